@@ -1,0 +1,34 @@
+# pdq: two commands. `make up` starts a local cluster; `make test` runs the tests.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# The CPU wheel; a bare `torch` requirement on a fresh venv would pull a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: up test install protos clean bench
+
+up: install
+	$(VENV)/bin/pdq up $(ARGS)
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet "$(TORCH)"
+	$(PIP) install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+protos: install
+	$(PY) -m pdq.protogen
+
+bench: install
+	$(VENV)/bin/pdq bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -28,10 +28,12 @@ class RequestSpec(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., tier: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., arrival_ms: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("spec",)
+    __slots__ = ("spec", "idempotency_key")
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     spec: RequestSpec
-    def __init__(self, spec: _Optional[_Union[RequestSpec, _Mapping]] = ...) -> None: ...
+    idempotency_key: str
+    def __init__(self, spec: _Optional[_Union[RequestSpec, _Mapping]] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("request_id", "created")

@@ -1,0 +1,1 @@
+"""pdq gateway: the public API (auth, validation, deadlines, streaming). Holds no queue state."""

@@ -1,0 +1,89 @@
+"""Pure validation of public requests: a GenerateRequest in, a RequestSpec out, or an
+INVALID_ARGUMENT that names the field. Nothing reaches Redis before this passes."""
+
+import math
+import random
+import re
+from dataclasses import dataclass
+
+import grpc
+
+from pdq.config import TIERS
+from pdq.serving import StatusError
+from pdq.v1 import generation_pb2 as gen_pb
+from pdq.v1 import internal_pb2 as pb
+
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+MAX_PROMPT_CHARS = 1 << 20
+MAX_STOP = 8
+MAX_STOP_CHARS = 256
+MAX_TIMEOUT_MS = 24 * 3600 * 1000
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_model_len: int
+    vocab_size: int
+    default_max_tokens: int
+
+
+def invalid(field: str, message: str) -> StatusError:
+    return StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {message}")
+
+
+def resolve_sampling(s: gen_pb.SamplingParams, prompt_tokens: int, limits: Limits) -> gen_pb.SamplingParams:
+    """Checks sampling fields and fills defaults (max_tokens, seed)."""
+    out = gen_pb.SamplingParams()
+    out.CopyFrom(s)
+    room = limits.max_model_len - prompt_tokens
+    if room < 1:
+        raise invalid("prompt", f"is {prompt_tokens} tokens; the limit is {limits.max_model_len - 1} "
+                                f"(max_model_len {limits.max_model_len} minus one generated token)")
+    if out.max_tokens == 0:
+        out.max_tokens = min(limits.default_max_tokens, room)
+    if out.max_tokens > room:
+        raise invalid("sampling.max_tokens", f"{out.max_tokens} plus the {prompt_tokens}-token prompt exceeds "
+                                             f"max_model_len {limits.max_model_len}; use at most {room}")
+    if not math.isfinite(out.temperature) or not 0 <= out.temperature <= 10:
+        raise invalid("sampling.temperature", f"must be in [0, 10], got {out.temperature}")
+    if not math.isfinite(out.top_p) or not 0 <= out.top_p <= 1:
+        raise invalid("sampling.top_p", f"must be in (0, 1] (0 = off), got {out.top_p}")
+    if out.top_k > limits.vocab_size:
+        raise invalid("sampling.top_k", f"must be <= the vocabulary size {limits.vocab_size}, got {out.top_k}")
+    if len(out.stop) > MAX_STOP:
+        raise invalid("sampling.stop", f"at most {MAX_STOP} stop strings, got {len(out.stop)}")
+    for i, stop in enumerate(out.stop):
+        if not 1 <= len(stop) <= MAX_STOP_CHARS:
+            raise invalid(f"sampling.stop[{i}]", f"must be 1..{MAX_STOP_CHARS} characters, got {len(stop)}")
+    if not out.HasField("seed"):
+        out.seed = random.getrandbits(63)
+    return out
+
+
+def check_request(req: gen_pb.GenerateRequest, limits: Limits) -> None:
+    """Checks the fields that need no tokenizer."""
+    if bool(req.prompt) == bool(req.prompt_token_ids):
+        raise invalid("prompt", "give exactly one of prompt (text) and prompt_token_ids")
+    if len(req.prompt) > MAX_PROMPT_CHARS:
+        raise invalid("prompt", f"is {len(req.prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
+    if len(req.prompt_token_ids) >= limits.max_model_len:
+        raise invalid("prompt_token_ids", f"has {len(req.prompt_token_ids)} tokens; the limit is {limits.max_model_len - 1}")
+    for i, tok in enumerate(req.prompt_token_ids):
+        if tok >= limits.vocab_size:
+            raise invalid(f"prompt_token_ids[{i}]", f"{tok} is not below the vocabulary size {limits.vocab_size}")
+    if req.request_id and not REQUEST_ID.match(req.request_id):
+        raise invalid("request_id", "must be 1..128 characters of A-Z a-z 0-9 . _ : -")
+    if req.tier and req.tier not in TIERS:
+        raise invalid("tier", f"must be one of {', '.join(TIERS)}, got {req.tier!r}")
+    if req.timeout_ms > MAX_TIMEOUT_MS:
+        raise invalid("timeout_ms", f"must be at most {MAX_TIMEOUT_MS} (24 h), got {req.timeout_ms}")
+
+
+def build_spec(req: gen_pb.GenerateRequest, prompt_ids: list[int], tenant: str, request_id: str,
+               now_ms: int, deadline_ms: int, limits: Limits) -> pb.RequestSpec:
+    if not prompt_ids:
+        raise invalid("prompt", "is empty after tokenization")
+    sampling = resolve_sampling(req.sampling, len(prompt_ids), limits)
+    return pb.RequestSpec(request_id=request_id, tenant=tenant, tier=req.tier or TIERS[0],
+                          prompt_token_ids=prompt_ids, sampling=sampling, arrival_ms=now_ms,
+                          deadline_ms=deadline_ms)

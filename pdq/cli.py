@@ -1,0 +1,126 @@
+"""The `pdq` command: run a cluster or one role, call the API, manage the built-in model.
+
+Stdout carries only results (generated text, or JSON with --json); everything else goes to
+stderr, so scripts can use the output.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import grpc
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def _up(args: argparse.Namespace) -> int:
+    from pdq.up import Cluster, run
+
+    return run(Cluster(prefill=args.prefill, decode=args.decode, model=args.model, redis_url=args.redis_url,
+                       port=args.port, durable=args.durable))
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pdq.client import Client, finish_name
+
+    kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+              seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, request_id=args.request_id,
+              tier=args.tier, timeout_ms=args.timeout_ms)
+    with Client(args.target) as client:
+        try:
+            if args.stream and not args.json:
+                for msg in client.generate_stream(args.prompt, **kw):
+                    if msg.text:
+                        sys.stdout.write(msg.text)
+                        sys.stdout.flush()
+                    if msg.finish_reason:
+                        print(file=sys.stdout)
+                        print(f"[{finish_name(msg.finish_reason)}: {msg.usage.completion_tokens} tokens, "
+                              f"ttft {msg.timings.ttft_ms:.0f} ms, total {msg.timings.e2e_ms:.0f} ms]", file=sys.stderr)
+                return 0
+            result = client.generate(args.prompt, **kw)
+        except grpc.RpcError as exc:
+            print(f"pdq generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        print(result.text)
+    return 0
+
+
+def _model_save(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pdq.model.builtin import save_builtin
+
+    path = save_builtin(Path(args.dir), size=args.size)
+    print(f"saved the built-in {args.size} model to {path}", file=sys.stderr)
+    return 0
+
+
+def _role(module: str):
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        importlib.import_module(f"{module}.__main__").main(args.rest)
+        return 0
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdq", description="pdq: an LLM batching service.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start a whole local cluster (private Redis, all roles)")
+    up.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    up.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    up.add_argument("--model", default=os.environ.get("PDQ_MODEL", "builtin"),
+                    help="builtin, builtin:tiny, builtin:small, or a Hugging Face checkpoint dir")
+    up.add_argument("--redis-url", default=os.environ.get("PDQ_UP_REDIS_URL"),
+                    help="use this Redis instead of starting a private one")
+    up.add_argument("--port", type=int, default=50051, help="gateway port (default 50051; 0 = any free)")
+    up.add_argument("--durable", action="store_true", help="private Redis with AOF, appendfsync always")
+    up.set_defaults(func=_up)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--target", default=os.environ.get("PDQ_TARGET", DEFAULT_TARGET), help="gateway host:port")
+    gen.add_argument("--max-tokens", type=int, default=0, help="tokens to generate (0 = server default, 16)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
+    gen.add_argument("--request-id", default="", help="idempotency key")
+    gen.add_argument("--tier", default="", help="interactive (default) or batch")
+    gen.add_argument("--timeout-ms", type=int, default=0)
+    gen.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                     help="print tokens as they come (default) or all at the end")
+    gen.add_argument("--json", action="store_true", help="print one JSON object (id, text, token ids, usage, timings)")
+    gen.set_defaults(func=_generate)
+
+    model = sub.add_parser("model", help="the built-in model")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    save = model_sub.add_parser("save", help="write the built-in model as a Hugging Face checkpoint")
+    save.add_argument("dir")
+    save.add_argument("--size", default="small", help="tiny or small (default)")
+    save.set_defaults(func=_model_save)
+
+    for name, module in (("gateway", "gateway"), ("scheduler", "scheduler"),
+                         ("prefill", "prefill_worker"), ("decode", "decode_worker")):
+        role = sub.add_parser(name, help=f"run one {module} process (flags: pdq {name} --help)", add_help=False)
+        role.add_argument("rest", nargs=argparse.REMAINDER)
+        role.set_defaults(func=_role(module))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    sys.exit(args.func(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Typed configuration: one frozen dataclass per process, filled from flags and `PDQ_*` env vars.
+
+Every field `foo_bar` is the flag `--foo-bar` and the env var `PDQ_FOO_BAR`; a flag beats the
+env var, which beats the default. Validation lives in each class's `__post_init__`.
+"""
+
+import argparse
+import dataclasses
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+TIERS = ("interactive", "batch")
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def _convert(kind: Any, text: str) -> Any:
+    if kind in (bool, "bool"):
+        return _parse_bool(text)
+    if kind in (int, "int"):
+        return int(text)
+    if kind in (float, "float"):
+        return float(text)
+    return text
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Adds one flag per field of dataclass `cls`; unset flags fall back to env, then default."""
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        helptext = f.metadata.get("help", "")
+        env = "PDQ_" + f.name.upper()
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        parser.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper(),
+                            help=f"{helptext} (env {env}; default {default!r})")
+
+
+def from_arguments(cls: type[T], args: argparse.Namespace | None = None, **overrides: Any) -> T:
+    """Builds `cls` from parsed flags, then `PDQ_*` env vars, then field defaults."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        raw = getattr(args, f.name, None) if args is not None else None
+        if raw is None:
+            raw = os.environ.get("PDQ_" + f.name.upper())
+        if raw is not None:
+            try:
+                values[f.name] = _convert(f.type, raw) if isinstance(raw, str) else raw
+            except ValueError as exc:
+                raise ValueError(f"--{f.name.replace('_', '-')}: {exc}") from None
+    values.update(overrides)
+    return cls(**values)
+
+
+def _positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Where the shared state lives."""
+
+    redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={"help": "Redis URL"})
+    key_prefix: str = field(default="pdq", metadata={"help": "prefix of every Redis key"})
+
+    def __post_init__(self) -> None:
+        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        if not self.key_prefix or any(c in self.key_prefix for c in " {}"):
+            raise ValueError(f"key_prefix must be non-empty without spaces or braces, got {self.key_prefix!r}")
+
+
+@dataclass(frozen=True)
+class GatewayConfig(StoreConfig):
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=50051, metadata={"help": "port of the public API (0 = any free port)"})
+    scheduler_address: str = field(default="127.0.0.1:50052", metadata={"help": "scheduler host:port"})
+    model: str = field(default="builtin", metadata={"help": "builtin, builtin:SIZE or a checkpoint dir (for the tokenizer)"})
+    max_model_len: int = field(default=2048, metadata={"help": "prompt + max_tokens limit, capped by the model"})
+    default_max_tokens: int = field(default=16, metadata={"help": "max_tokens when a request sets none"})
+    grace_s: float = field(default=5.0, metadata={"help": "seconds to finish calls on shutdown"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive("max_model_len", self.max_model_len)
+        _positive("default_max_tokens", self.default_max_tokens)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig(StoreConfig):
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=50052, metadata={"help": "port of the internal Scheduler service"})
+    max_batch_size: int = field(default=32, metadata={"help": "requests per prefill batch"})
+    max_batched_tokens: int = field(default=4096, metadata={"help": "prompt tokens per prefill batch"})
+    max_queued: int = field(default=10000, metadata={"help": "queued requests over all tenants"})
+    dispatch_interval_ms: int = field(default=20, metadata={"help": "idle poll period of the dispatcher"})
+    worker_timeout_s: float = field(default=10.0, metadata={"help": "a worker silent this long is gone"})
+    result_ttl_s: int = field(default=3600, metadata={"help": "how long finished requests stay in Redis"})
+    grace_s: float = field(default=5.0, metadata={"help": "seconds to finish calls on shutdown"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("max_batch_size", "max_batched_tokens", "max_queued", "dispatch_interval_ms",
+                     "worker_timeout_s", "result_ttl_s"):
+            _positive(name, getattr(self, name))
+
+
+@dataclass(frozen=True)
+class WorkerConfig(StoreConfig):
+    """Shared by prefill and decode workers."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=0, metadata={"help": "port to listen on (0 = any free port)"})
+    advertise_address: str = field(default="", metadata={"help": "host:port other hosts reach this worker at (default host:port)"})
+    worker_id: str = field(default="", metadata={"help": "unique worker name (default role-hostname-pid)"})
+    model: str = field(default="builtin", metadata={"help": "builtin, builtin:SIZE or a checkpoint dir"})
+    device: str = field(default="", metadata={"help": "cpu, cuda, cuda:N (default: cuda when present)"})
+    dtype: str = field(default="", metadata={"help": "float32, float16, bfloat16 (default: float32 on cpu, bfloat16 on cuda)"})
+    threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = torch default)"})
+    max_seq_len: int = field(default=2048, metadata={"help": "longest sequence (prompt + output) in tokens"})
+    heartbeat_s: float = field(default=1.0, metadata={"help": "registry heartbeat period"})
+    result_ttl_s: int = field(default=3600, metadata={"help": "how long finished requests stay in Redis"})
+    grace_s: float = field(default=5.0, metadata={"help": "seconds to finish work on shutdown"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive("max_seq_len", self.max_seq_len)
+        _positive("heartbeat_s", self.heartbeat_s)
+        if self.dtype not in ("", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+
+    def name(self, role: str) -> str:
+        return self.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class PrefillConfig(WorkerConfig):
+    port: int = field(default=50061, metadata={"help": "port to listen on (0 = any free port)"})
+    max_batched_tokens: int = field(default=2048, metadata={"help": "prompt tokens per forward pass"})
+    prefill_chunk: int = field(default=512, metadata={"help": "longest prompt chunk per forward pass"})
+    kv_chunk_bytes: int = field(default=1 << 20, metadata={"help": "bytes per KV hand-off message"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive("max_batched_tokens", self.max_batched_tokens)
+        _positive("prefill_chunk", self.prefill_chunk)
+        _positive("kv_chunk_bytes", self.kv_chunk_bytes)
+
+
+@dataclass(frozen=True)
+class DecodeConfig(WorkerConfig):
+    port: int = field(default=50071, metadata={"help": "port to listen on (0 = any free port)"})
+    kv_budget_tokens: int = field(default=65536, metadata={"help": "KV pool size in tokens"})
+    max_batch_size: int = field(default=64, metadata={"help": "running sequences per step"})
+    reservation_timeout_s: float = field(default=30.0, metadata={"help": "unused KV reservations expire after this"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive("kv_budget_tokens", self.kv_budget_tokens)
+        _positive("max_batch_size", self.max_batch_size)
+        if self.kv_budget_tokens < self.max_seq_len:
+            raise ValueError(f"kv_budget_tokens ({self.kv_budget_tokens}) must hold one max_seq_len ({self.max_seq_len})")

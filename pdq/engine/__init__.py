@@ -1,0 +1,30 @@
+"""The model runtime: our Llama forward, a slot KV pool, the runner, sampling and an in-process engine."""
+
+from pdq.engine.batch_policy import BatchPolicy, Chunk, SeqView, StepPlan
+from pdq.engine.engine import Completion, LLMEngine
+from pdq.engine.kv_pool import KVPool, KVPoolFull, KVUsage
+from pdq.engine.llama import LlamaModel, LlamaSpec, UnsupportedModelError
+from pdq.engine.runner import DecodeItem, ModelRunner, PrefillItem
+from pdq.engine.sampling import SamplingParams, sample
+from pdq.engine.sequence import Sequence
+
+__all__ = [
+    "BatchPolicy",
+    "Chunk",
+    "Completion",
+    "DecodeItem",
+    "KVPool",
+    "KVPoolFull",
+    "KVUsage",
+    "LLMEngine",
+    "LlamaModel",
+    "LlamaSpec",
+    "ModelRunner",
+    "PrefillItem",
+    "SamplingParams",
+    "SeqView",
+    "Sequence",
+    "StepPlan",
+    "UnsupportedModelError",
+    "sample",
+]

@@ -1,0 +1,100 @@
+"""Attention over the slot KV pool, for one forward that mixes prefill chunks and decode tokens.
+
+Row layout of a forward of T tokens: first the prefill chunks, each a contiguous run of
+rows, then one row per decoding sequence. `AttnMetadata` says where each row's K/V goes in
+the pool and what it may attend to; the runner builds it once per step, every layer shares it.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's chunk: rows [row, row + length) are its positions [start, start + length).
+
+    `mask` is None when start == 0 (plain causal), else bool [length, start + length],
+    True where the query may attend to the key.
+    """
+
+    slot: int
+    start: int
+    length: int
+    row: int
+    mask: torch.Tensor | None
+
+
+@dataclass
+class AttnMetadata:
+    """Per-step attention plan shared by all layers.
+
+    slots, positions: long [T], pool slot and position of every row (where its K/V is written).
+    decode_span: decode attention runs batched over pool slots [0, decode_span), a view.
+    decode_len: keys [0, decode_len) are read for decode, the longest decoding context.
+    decode_mask: bool [decode_span, 1, 1, decode_len], True where a slot's query may attend.
+    decode_slots: long [B] slot of each decode row; None when they are exactly 0..span-1.
+    """
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    chunks: list[PrefillChunk]
+    num_prefill_tokens: int
+    num_decode: int
+    decode_span: int = 0
+    decode_len: int = 0
+    decode_mask: torch.Tensor | None = None
+    decode_slots: torch.Tensor | None = None
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttnMetadata,
+) -> torch.Tensor:
+    """Write this step's K/V into the pool, then attend. Returns [T, q_heads, head_dim].
+
+    q: [T, q_heads, head_dim]; k, v: [T, kv_heads, head_dim] (rotary already applied).
+    k_cache, v_cache: this layer's pool tensors [num_slots, kv_heads, max_seq_len, head_dim];
+    written in place at (meta.slots, :, meta.positions).
+    """
+    k_cache[meta.slots, :, meta.positions] = k
+    v_cache[meta.slots, :, meta.positions] = v
+    gqa = q.shape[1] != k.shape[1]
+    outs = []
+    for c in meta.chunks:
+        qc = q[c.row : c.row + c.length].transpose(0, 1).unsqueeze(0)
+        end = c.start + c.length
+        kc = k_cache[c.slot, :, :end].unsqueeze(0)
+        vc = v_cache[c.slot, :, :end].unsqueeze(0)
+        o = F.scaled_dot_product_attention(
+            qc, kc, vc, attn_mask=c.mask, is_causal=c.mask is None, enable_gqa=gqa
+        )
+        outs.append(o[0].transpose(0, 1))
+    if meta.num_decode:
+        outs.append(_decode(q[meta.num_prefill_tokens :], k_cache, v_cache, meta, gqa))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _decode(q, k_cache, v_cache, meta: AttnMetadata, gqa: bool) -> torch.Tensor:
+    """One query per decoding sequence, batched over the contiguous slot range [0, span)."""
+    span, length = meta.decode_span, meta.decode_len
+    q = q.unsqueeze(2)  # [B, q_heads, 1, head_dim]
+    if meta.decode_slots is not None:  # scatter into the slot range; other rows are ignored
+        full = q.new_zeros(span, *q.shape[1:])
+        full[meta.decode_slots] = q
+        q = full
+    o = F.scaled_dot_product_attention(
+        q,
+        k_cache[:span, :, :length],
+        v_cache[:span, :, :length],
+        attn_mask=meta.decode_mask,
+        enable_gqa=gqa,
+    )
+    if meta.decode_slots is not None:
+        o = o[meta.decode_slots]
+    return o.squeeze(2)

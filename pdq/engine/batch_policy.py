@@ -1,0 +1,98 @@
+"""Iteration-level batch policy: which sequences run in the next step, and how many tokens each.
+
+Pure: takes plain data about sequences and free KV room, returns a `StepPlan`. No torch, no
+IO; the in-process `LLMEngine` and a decode worker's loop both drive it.
+
+Policy (decode first, then chunked prefill, FCFS, under a per-step token budget):
+1. every running sequence with exactly one uncached token decodes it (1 token each);
+2. running sequences partway through their prompt get their next chunk;
+3. waiting sequences are admitted in order while a KV slot, a seat (max_num_seqs) and
+   budget remain; each gets its first chunk this same step.
+A chunk is at most `prefill_chunk` tokens; all tokens of a step are at most `max_batched_tokens`.
+"""
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SeqView:
+    """What the policy knows of a sequence: tokens known (prompt + generated) and how many of
+    them already have K/V in the pool. `num_tokens - num_cached` tokens are still to run."""
+
+    seq_id: Hashable
+    num_tokens: int
+    num_cached: int = 0
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Run positions [start, start + length) of `seq_id` as a prefill chunk."""
+
+    seq_id: Hashable
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's decisions. `admit` lists waiting sequences to give a KV slot before running
+    (they also appear in `prefill`). `num_tokens` = len(decode) + total prefill length."""
+
+    decode: list[Hashable] = field(default_factory=list)
+    prefill: list[Chunk] = field(default_factory=list)
+    admit: list[Hashable] = field(default_factory=list)
+    num_tokens: int = 0
+
+    def __bool__(self) -> bool:
+        return self.num_tokens > 0
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """max_batched_tokens: token budget of one forward; prefill_chunk: max prompt tokens of one
+    sequence per step; max_num_seqs: max sequences holding KV at once (running)."""
+
+    max_batched_tokens: int = 1024
+    prefill_chunk: int = 512
+    max_num_seqs: int = 256
+
+    def __post_init__(self):
+        for name in ("max_batched_tokens", "prefill_chunk", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def schedule(self, running: Iterable[SeqView], waiting: Iterable[SeqView], free_slots: int) -> StepPlan:
+        """Plan one step. `running`: sequences holding a KV slot, in priority (FCFS) order;
+        `waiting`: sequences without one, in admission order; `free_slots`: KV slots free."""
+        running = list(running)
+        budget = self.max_batched_tokens
+        decode: list[Hashable] = []
+        prefill: list[Chunk] = []
+        admit: list[Hashable] = []
+        partial = []
+        for s in running:
+            pending = s.num_tokens - s.num_cached
+            if pending == 1 and budget:
+                decode.append(s.seq_id)
+                budget -= 1
+            elif pending > 1:
+                partial.append(s)
+        for s in partial:
+            if not budget:
+                break
+            n = min(s.num_tokens - s.num_cached, self.prefill_chunk, budget)
+            prefill.append(Chunk(s.seq_id, s.num_cached, n))
+            budget -= n
+        seats = min(free_slots, self.max_num_seqs - len(running))
+        for s in waiting:
+            if not budget or seats <= 0:
+                break
+            n = min(s.num_tokens - s.num_cached, self.prefill_chunk, budget)
+            if n <= 0:
+                raise ValueError(f"waiting sequence {s.seq_id!r} has no token to run")
+            admit.append(s.seq_id)
+            prefill.append(Chunk(s.seq_id, s.num_cached, n))
+            budget -= n
+            seats -= 1
+        return StepPlan(decode, prefill, admit, self.max_batched_tokens - budget)

@@ -1,0 +1,148 @@
+"""LLMEngine: prefill and decode in one process, iteration-level continuous batching.
+
+The same model runtime the service uses, without RPC or Redis: the reference the service is
+benchmarked against. Every `step()` asks the `BatchPolicy` what to run, runs it as one
+forward, samples, and lets finished sequences leave (freeing their KV slot) at once.
+"""
+
+import itertools
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pdq.engine.batch_policy import BatchPolicy
+from pdq.engine.runner import ModelRunner, PrefillItem
+from pdq.engine.sampling import SamplingParams, sample
+from pdq.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished generation: output token ids (an EOS, if it ended one, is the last token)."""
+
+    seq_id: int
+    token_ids: list[int]
+    finish_reason: str  # "eos" | "length"
+
+
+class LLMEngine:
+    """In-process engine over a `ModelRunner`.
+
+    max_batched_tokens: per-step token budget (decode tokens + prefill chunks);
+    prefill_chunk: max prompt tokens of one sequence per step;
+    max_num_seqs: max running sequences (default: the KV pool's capacity).
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        max_batched_tokens: int = 1024,
+        prefill_chunk: int = 512,
+        max_num_seqs: int | None = None,
+    ):
+        self.runner = runner
+        self.policy = BatchPolicy(max_batched_tokens, prefill_chunk, max_num_seqs or runner.capacity)
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[int, Sequence] = {}  # insertion order = admission order (FCFS)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, kv_budget_tokens: int, max_seq_len: int, device=None, dtype=None, **kw):
+        runner = ModelRunner.from_pretrained(
+            path, kv_budget_tokens=kv_budget_tokens, max_seq_len=max_seq_len, device=device, dtype=dtype
+        )
+        return cls(runner, **kw)
+
+    def add_request(
+        self, prompt: list[int], params: SamplingParams, eos_token_ids: Iterable[int] | int | None = None
+    ) -> int:
+        """Queue a prompt; returns its sequence id. eos_token_ids None = the model's EOS ids."""
+        prompt = list(prompt)
+        if not prompt:
+            raise ValueError("empty prompt")
+        if len(prompt) + params.max_tokens > self.runner.max_seq_len:
+            raise ValueError(
+                f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_seq_len={self.runner.max_seq_len}"
+            )
+        vocab = self.runner.vocab_size
+        if not all(0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt has token ids outside [0, {vocab})")
+        if eos_token_ids is None:
+            eos_token_ids = self.runner.eos_token_ids
+        elif isinstance(eos_token_ids, int):
+            eos_token_ids = (eos_token_ids,)
+        seq = Sequence(next(self._ids), prompt, params, frozenset(eos_token_ids))
+        self.waiting.append(seq)
+        return seq.seq_id
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[Completion]:
+        """Run one iteration; returns the sequences that finished in it."""
+        runner = self.runner
+        plan = self.policy.schedule(
+            (s.view() for s in self.running.values()),
+            (s.view() for s in itertools.islice(self.waiting, runner.num_free)),
+            runner.num_free,
+        )
+        for seq_id in plan.admit:
+            seq = self.waiting.popleft()
+            assert seq.seq_id == seq_id, "policy admits in waiting order"
+            runner.allocate(seq_id)
+            self.running[seq_id] = seq
+        if not plan:
+            return []
+        prefill, decode, to_sample = [], [], []
+        for c in plan.prefill:
+            seq = self.running[c.seq_id]
+            prefill.append(PrefillItem(c.seq_id, seq.tokens(c.start, c.start + c.length), c.start))
+            seq.num_cached = c.start + c.length
+            to_sample.append(seq if seq.num_cached == seq.num_tokens else None)
+        for seq_id in plan.decode:
+            seq = self.running[seq_id]
+            decode.append((seq_id, seq.token_at(seq.num_cached), seq.num_cached))
+            seq.num_cached += 1
+            to_sample.append(seq)
+        logits = runner.step(prefill, decode)
+        rows = [i for i, s in enumerate(to_sample) if s is not None]
+        seqs = [to_sample[i] for i in rows]
+        if len(rows) != len(to_sample):
+            logits = logits[rows]
+        tokens = sample(logits, [s.params for s in seqs], [len(s.output) for s in seqs])
+        done = []
+        for seq, token in zip(seqs, tokens):
+            if seq.append(token):
+                del self.running[seq.seq_id]
+                runner.free(seq.seq_id)
+                done.append(Completion(seq.seq_id, seq.output, seq.finish_reason))
+        return done
+
+    def generate_completions(
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams] | SamplingParams,
+        eos_token_ids: Iterable[int] | int | None = None,
+    ) -> list[Completion]:
+        """Run `prompts` to completion; results in prompt order."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = [self.add_request(p, sp, eos_token_ids) for p, sp in zip(prompts, params)]
+        results = {}
+        while self.has_unfinished():
+            for c in self.step():
+                results[c.seq_id] = c
+        return [results[i] for i in ids]
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams] | SamplingParams,
+        eos_token_ids: Iterable[int] | int | None = None,
+    ) -> list[list[int]]:
+        """Output token ids per prompt, in prompt order."""
+        return [c.token_ids for c in self.generate_completions(prompts, params, eos_token_ids)]

@@ -1,0 +1,47 @@
+"""Stateless building blocks of the Llama forward: RMSNorm, rotary embedding, SwiGLU.
+
+Each op does the same float operations in the same order as its Hugging Face counterpart,
+so logits agree with `LlamaForCausalLM` up to matmul rounding noise.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in float32 and cast back (as HF's LlamaRMSNorm)."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: `silu(gate) * up` for `gate_up = [gate | up]` along the last dim."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Rotary position embedding with a precomputed cos/sin table for positions [0, max_positions).
+
+    `inv_freq` is float32 [head_dim // 2]; `scaling` multiplies cos and sin (1.0 except for
+    some scaled RoPE variants). The table is cast to the model dtype, as HF does per call.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, max_positions: int, dtype: torch.dtype):
+        super().__init__()
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq.to(torch.float32)[None, :]
+        self.register_buffer("cos", (freqs.cos() * scaling).to(dtype), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * scaling).to(dtype), persistent=False)
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for `positions` [T], each [T, 1, head_dim // 2]: gather once per step."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate `x` [T, heads, head_dim] (HF's rotate_half convention); returns a new tensor."""
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

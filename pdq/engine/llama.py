@@ -1,0 +1,190 @@
+"""Our own Llama forward, with weights taken from a Hugging Face `LlamaForCausalLM` state dict.
+
+Padding-free: a forward takes the T token rows of one step (prefill chunks and decode tokens
+of many sequences, flattened) and reads/writes K/V in the pool through `AttnMetadata`.
+Projections are fused at load time (q|k|v, gate|up), as in nano-vllm.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdq.engine.attention import AttnMetadata, attend
+from pdq.engine.layers import RotaryEmbedding, rms_norm, silu_and_mul
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture or config uses a feature this runtime does not implement."""
+
+
+@dataclass(frozen=True)
+class LlamaSpec:
+    """The architecture facts the runtime needs, read and checked from an HF config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf_config(cls, config) -> "LlamaSpec":
+        """Raises UnsupportedModelError naming every unsupported feature of `config`."""
+        problems = []
+        model_type = getattr(config, "model_type", None)
+        if model_type != "llama":
+            problems.append(f"model_type={model_type!r} (only 'llama' is supported)")
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            problems.append(f"hidden_act={act!r} (only 'silu')")
+        rope_type = _rope_params(config).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            problems.append(f"rope type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if heads % kv_heads:
+            problems.append(f"num_attention_heads={heads} not a multiple of num_key_value_heads={kv_heads}")
+        if problems:
+            raise UnsupportedModelError("unsupported model config: " + "; ".join(problems))
+        eos = getattr(config, "eos_token_id", None)
+        eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            rms_norm_eps=config.rms_norm_eps,
+            max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(config, "attention_bias", False)),
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            eos_token_ids=eos,
+        )
+
+
+def _rope_params(config) -> dict:
+    """RoPE settings from a transformers 5 (`rope_parameters`) or 4.x (`rope_scaling`) config."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = dict(params)
+    if "rope_type" not in params and "type" in params:
+        params["rope_type"] = params["type"]
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+def rope_inv_freq(config, spec: LlamaSpec) -> tuple[torch.Tensor, float]:
+    """(inv_freq float32 [head_dim // 2], cos/sin scaling) exactly as HF computes them."""
+    params = _rope_params(config)
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        dim = spec.head_dim
+        inv = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return inv, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return inv.float(), float(scaling)
+
+
+def _param(t: torch.Tensor | None) -> nn.Parameter | None:
+    return None if t is None else nn.Parameter(t.detach().clone(), requires_grad=False)
+
+
+class LlamaLayer(nn.Module):
+    """One decoder layer: pre-norm attention and pre-norm SwiGLU MLP, both residual."""
+
+    def __init__(self, spec: LlamaSpec, sd: dict[str, torch.Tensor], prefix: str):
+        super().__init__()
+        a, m = prefix + "self_attn.", prefix + "mlp."
+        cat = lambda *names: torch.cat([sd[n] for n in names])  # noqa: E731
+        self.spec = spec
+        self.qkv_w = _param(cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"))
+        self.qkv_b = _param(cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if spec.attention_bias else None)
+        self.o_w = _param(sd[a + "o_proj.weight"])
+        self.o_b = _param(sd[a + "o_proj.bias"] if spec.attention_bias else None)
+        self.gate_up_w = _param(cat(m + "gate_proj.weight", m + "up_proj.weight"))
+        self.gate_up_b = _param(cat(m + "gate_proj.bias", m + "up_proj.bias") if spec.mlp_bias else None)
+        self.down_w = _param(sd[m + "down_proj.weight"])
+        self.down_b = _param(sd[m + "down_proj.bias"] if spec.mlp_bias else None)
+        self.in_norm = _param(sd[prefix + "input_layernorm.weight"])
+        self.post_norm = _param(sd[prefix + "post_attention_layernorm.weight"])
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttnMetadata) -> torch.Tensor:
+        s = self.spec
+        t = x.shape[0]
+        h = rms_norm(x, self.in_norm, s.rms_norm_eps)
+        q, k, v = F.linear(h, self.qkv_w, self.qkv_b).split([self.q_size, self.kv_size, self.kv_size], -1)
+        q = RotaryEmbedding.apply(q.view(t, s.num_heads, s.head_dim), cos, sin)
+        k = RotaryEmbedding.apply(k.view(t, s.num_kv_heads, s.head_dim), cos, sin)
+        o = attend(q, k, v.view(t, s.num_kv_heads, s.head_dim), k_cache, v_cache, meta)
+        x = x + F.linear(o.reshape(t, self.q_size), self.o_w, self.o_b)
+        h = rms_norm(x, self.post_norm, s.rms_norm_eps)
+        h = silu_and_mul(F.linear(h, self.gate_up_w, self.gate_up_b))
+        return x + F.linear(h, self.down_w, self.down_b)
+
+
+class LlamaModel(nn.Module):
+    """Llama causal LM over flattened token rows; K/V live in an external pool.
+
+    Build with `from_hf(hf_model_or_state_dict, config, max_positions)`; weights are copied,
+    the HF model can be dropped afterwards.
+    """
+
+    def __init__(self, spec: LlamaSpec, sd: dict[str, torch.Tensor], inv_freq, rope_scaling, max_positions):
+        super().__init__()
+        self.spec = spec
+        embed = sd["model.embed_tokens.weight"]
+        self.embed = _param(embed)
+        self.layers = nn.ModuleList(LlamaLayer(spec, sd, f"model.layers.{i}.") for i in range(spec.num_layers))
+        self.norm = _param(sd["model.norm.weight"])
+        lm_head = sd.get("lm_head.weight")
+        if spec.tie_word_embeddings or lm_head is None:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = _param(lm_head)
+        self.rotary = RotaryEmbedding(inv_freq, rope_scaling, max_positions, embed.dtype)
+
+    @classmethod
+    def from_hf(cls, source, config, max_positions: int) -> "LlamaModel":
+        """`source`: an HF LlamaForCausalLM or its state_dict; `config`: its HF config."""
+        spec = LlamaSpec.from_hf_config(config)
+        sd = source if isinstance(source, dict) else source.state_dict()
+        inv_freq, scaling = rope_inv_freq(config, spec)
+        with torch.no_grad():
+            return cls(spec, sd, inv_freq, scaling, max_positions)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttnMetadata,
+        kv: torch.Tensor,
+        logit_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run T token rows; returns float logits [len(logit_rows), vocab] of the chosen rows.
+
+        input_ids: long [T]; kv: the pool tensor [num_layers, 2, slots, kv_heads, max_seq_len,
+        head_dim], written in place; logit_rows: long indices of rows whose logits are wanted.
+        """
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary.tables(meta.positions)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv[i, 0], kv[i, 1], meta)
+        x = rms_norm(x[logit_rows], self.norm, self.spec.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()

@@ -1,0 +1,47 @@
+"""One generation's token state, as the engine loop sees it."""
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from pdq.engine.batch_policy import SeqView
+from pdq.engine.sampling import SamplingParams
+
+
+@dataclass
+class Sequence:
+    """prompt + output tokens; `num_cached` of them have K/V in the pool.
+
+    finish_reason: None while running, then "eos" (an EOS token was sampled and is the last
+    output token; only when not params.ignore_eos) or "length" (max_tokens reached).
+    """
+
+    seq_id: Hashable
+    prompt: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    output: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def token_at(self, pos: int) -> int:
+        n = len(self.prompt)
+        return self.prompt[pos] if pos < n else self.output[pos - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        return (self.prompt + self.output)[start:end] if end > len(self.prompt) else self.prompt[start:end]
+
+    def view(self) -> SeqView:
+        return SeqView(self.seq_id, self.num_tokens, self.num_cached)
+
+    def append(self, token: int) -> str | None:
+        """Add a sampled token; returns (and records) the finish reason, if it finished."""
+        self.output.append(token)
+        if token in self.eos_token_ids and not self.params.ignore_eos:
+            self.finish_reason = "eos"
+        elif len(self.output) >= self.params.max_tokens:
+            self.finish_reason = "length"
+        return self.finish_reason

@@ -1,0 +1,42 @@
+"""One completion's text as it grows, with stop strings: what may be streamed now.
+
+Holds back text that might still become a stop string (and incomplete UTF-8), so a streamed
+delta is never taken back. Pure: tokenizer in, strings out.
+"""
+
+from pdq.model.detokenizer import IncrementalDetokenizer, StopChecker
+
+
+class TextOutput:
+    def __init__(self, tokenizer, stop: list[str] | tuple[str, ...] = (), prompt_ids: list[int] | None = None,
+                 generated: list[int] | tuple[int, ...] = ()):
+        self.detok = IncrementalDetokenizer(tokenizer, list(prompt_ids or []))
+        self.stop = list(stop)
+        self.checker = StopChecker(self.stop) if self.stop else None
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.emitted = 0  # characters of detok.text already streamed
+        self.stopped = False
+        for token in generated:  # replay tokens already streamed by an earlier hop
+            self.add(token)
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        """Adds a token. -> (text to stream now, whether a stop string ended the completion)."""
+        self.detok.add(token_id)
+        text = self.detok.text
+        if self.checker is not None:
+            stopped, truncated = self.checker.check(text)
+            if stopped:
+                self.stopped = True
+                return self._emit(truncated, len(truncated)), True
+        return self._emit(text, len(text) - self.hold), False
+
+    def flush(self) -> str:
+        """The held-back rest, when the completion ends for another reason."""
+        return self._emit(self.detok.text, len(self.detok.text))
+
+    def _emit(self, text: str, upto: int) -> str:
+        if upto <= self.emitted:
+            return ""
+        delta = text[self.emitted:upto]
+        self.emitted = upto
+        return delta

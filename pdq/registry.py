@@ -1,0 +1,62 @@
+"""Worker registry in Redis: workers heartbeat their facts; the scheduler reads who is alive."""
+
+from dataclasses import dataclass
+from typing import Any
+
+from pdq.keys import Keys
+from pdq.store import _str, _then, now_ms
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    worker_id: str
+    role: str  # "prefill" | "decode"
+    address: str  # host:port reachable from other hosts
+    free_slots: int = 0
+    capacity: int = 0
+    running: int = 0
+    draining: bool = False
+    heartbeat_ms: int = 0
+
+
+def heartbeat(client: Any, keys: Keys, info: WorkerInfo, ttl_s: float) -> Any:
+    """Registers or refreshes a worker (sync or async client). Entries expire after ttl_s."""
+    pipe = client.pipeline(transaction=True)
+    key = keys.worker(info.worker_id)
+    pipe.hset(key, mapping={"role": info.role, "address": info.address, "free_slots": info.free_slots,
+                            "capacity": info.capacity, "running": info.running,
+                            "draining": int(info.draining), "heartbeat_ms": now_ms()})
+    pipe.pexpire(key, int(ttl_s * 1000))
+    pipe.zadd(keys.workers(info.role), {info.worker_id: now_ms()})
+    return pipe.execute()
+
+
+def deregister(client: Any, keys: Keys, worker_id: str, role: str) -> Any:
+    pipe = client.pipeline(transaction=True)
+    pipe.delete(keys.worker(worker_id))
+    pipe.zrem(keys.workers(role), worker_id)
+    return pipe.execute()
+
+
+def live_workers(client: Any, keys: Keys, role: str, timeout_s: float) -> Any:
+    """Workers of `role` that sent a heartbeat within timeout_s (async client)."""
+    async def run() -> list[WorkerInfo]:
+        cutoff = now_ms() - int(timeout_s * 1000)
+        await client.zremrangebyscore(keys.workers(role), "-inf", cutoff)
+        ids = [_str(i) for i in await client.zrange(keys.workers(role), 0, -1)]
+        if not ids:
+            return []
+        pipe = client.pipeline(transaction=False)
+        for wid in ids:
+            pipe.hgetall(keys.worker(wid))
+        out = []
+        for wid, raw in zip(ids, await pipe.execute()):
+            if not raw:
+                continue
+            h = {_str(k): _str(v) for k, v in raw.items()}
+            out.append(WorkerInfo(worker_id=wid, role=h["role"], address=h["address"],
+                                  free_slots=int(h.get("free_slots", 0)), capacity=int(h.get("capacity", 0)),
+                                  running=int(h.get("running", 0)), draining=h.get("draining") == "1",
+                                  heartbeat_ms=int(h.get("heartbeat_ms", 0))))
+        return out
+    return run()

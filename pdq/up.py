@@ -1,0 +1,158 @@
+"""`pdq up`: a whole cluster on one machine, for development and demos.
+
+Starts a private Redis server (unless --redis-url is given), the scheduler, N prefill workers,
+M decode workers and the gateway as separate processes, waits until every one reports SERVING
+on grpc.health.v1, and stops them all on Ctrl-C / SIGTERM (children also die with this
+process, so nothing is left behind).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdq.redis_server import RedisServer, die_with_parent, free_port
+
+
+def say(*parts: object) -> None:
+    print(*parts, file=sys.stderr, flush=True)
+
+
+@dataclass
+class Child:
+    name: str
+    port: int
+    process: subprocess.Popen
+
+
+@dataclass
+class Cluster:
+    prefill: int = 1
+    decode: int = 1
+    model: str = "builtin"
+    redis_url: str | None = None
+    port: int = 50051
+    host: str = "127.0.0.1"
+    durable: bool = False
+    extra_env: dict = field(default_factory=dict)
+    children: list[Child] = field(default_factory=list)
+    redis: RedisServer | None = None
+
+    @property
+    def target(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 600.0) -> "Cluster":
+        from pdq.model.loader import resolve_model
+
+        try:
+            say(f"pdq: preparing model {self.model!r} ...")
+            model_dir = str(resolve_model(self.model))  # build/cache once, before the workers load it
+            if self.redis_url is None:
+                self.redis = RedisServer(durable=self.durable).start()
+                self.redis_url = self.redis.url
+                say(f"pdq: private Redis at {self.redis_url}")
+            if self.port == 0:
+                self.port = free_port(self.host)
+            env = dict(os.environ, PDQ_REDIS_URL=self.redis_url, PDQ_MODEL=model_dir, **self.extra_env)
+            sched_port = free_port(self.host)
+            self._spawn("scheduler", "scheduler", sched_port, env)
+            for i in range(self.prefill):
+                self._spawn(f"prefill-{i}", "prefill_worker", free_port(self.host), env,
+                            ["--worker-id", f"prefill-{i}-{os.getpid()}"])
+            for i in range(self.decode):
+                self._spawn(f"decode-{i}", "decode_worker", free_port(self.host), env,
+                            ["--worker-id", f"decode-{i}-{os.getpid()}"])
+            self._spawn("gateway", "gateway", self.port, env, ["--scheduler-address", f"{self.host}:{sched_port}"])
+            self._wait_healthy(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, name: str, module: str, port: int, env: dict, extra: list[str] = ()) -> None:
+        args = [sys.executable, "-m", module, "--host", self.host, "--port", str(port), *extra]
+        proc = subprocess.Popen(args, env=env, preexec_fn=die_with_parent)
+        self.children.append(Child(name, port, proc))
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for child in self.children:
+            with grpc.insecure_channel(f"{self.host}:{child.port}") as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                while True:
+                    if child.process.poll() is not None:
+                        raise RuntimeError(f"{child.name} exited with code {child.process.returncode} during start-up")
+                    try:
+                        if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
+                            break
+                    except grpc.RpcError:
+                        pass
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{child.name} not healthy after {timeout_s:.0f}s")
+                    time.sleep(0.1)
+
+    def dead_child(self) -> Child | None:
+        return next((c for c in self.children if c.process.poll() is not None), None)
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM to every child (gateway first), then SIGKILL after grace_s; Redis last."""
+        for child in reversed(self.children):
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in self.children:
+            try:
+                child.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+        self.children.clear()
+        if self.redis:
+            self.redis.stop()
+            self.redis = None
+
+    def __enter__(self) -> "Cluster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def run(cluster: Cluster) -> int:
+    """Foreground `pdq up`: start, print how to call, wait for Ctrl-C/SIGTERM or a crash."""
+    stopping = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        stopping.append(signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    started = time.monotonic()
+    try:
+        cluster.start()
+    except (RuntimeError, TimeoutError, FileNotFoundError, ValueError) as exc:
+        say(f"pdq up: {exc}")
+        return 1
+    say(f"pdq: cluster healthy in {time.monotonic() - started:.1f}s "
+        f"({cluster.prefill} prefill, {cluster.decode} decode worker(s))")
+    print(f"gateway: {cluster.target}", flush=True)
+    say(f"try:  .venv/bin/pdq generate \"Hello\" --target {cluster.target}")
+    say("stop: Ctrl-C")
+    code = 0
+    while not stopping:
+        dead = cluster.dead_child()
+        if dead:
+            say(f"pdq up: {dead.name} exited with code {dead.process.returncode}; stopping the cluster")
+            code = 1
+            break
+        time.sleep(0.2)
+    say("pdq: stopping ...")
+    cluster.stop()
+    say("pdq: stopped")
+    return code

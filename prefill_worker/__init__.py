@@ -1,0 +1,1 @@
+"""pdq prefill worker: batched, chunked prefill, the first token, and the KV hand-off."""

@@ -1,0 +1,170 @@
+"""The prefill model loop (a thread): chunked, batched prefill under a token budget, then the
+first token written to Redis and the KV cache exported for the hand-off."""
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pdq.convert import sampling_from_pb
+from pdq.engine.kv_pool import KVPoolFull
+from pdq.engine.runner import PrefillItem as ChunkItem
+from pdq.engine.sampling import sample
+from pdq.output_text import TextOutput
+from pdq.request import State
+from pdq.store import RequestStore, StepItem, now_ms
+from pdq.v1 import internal_pb2 as pb
+from pdq.worker import CancelListener
+from prefill_worker.chunking import plan_chunks
+
+log = logging.getLogger("pdq.prefill")
+
+
+@dataclass
+class Outcome:
+    """What became of one item: `kind` is "handoff" (layers set), "finished" (the request ended
+    at its first token), "dropped" (it ended elsewhere: cancel, deadline) or "error"."""
+
+    kind: str
+    first_token: int = 0
+    layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    error: str = ""
+
+
+@dataclass
+class Job:
+    item: pb.PrefillItem
+    done: Callable[[Outcome], None]  # called once, from the model thread
+    prompt: list[int] = field(default_factory=list)
+    filled: int = 0  # prompt tokens whose KV is in the pool
+    admitted: bool = False
+
+    @property
+    def rid(self) -> str:
+        return self.item.spec.request_id
+
+
+class PrefillLoop:
+    def __init__(self, runner: Any, store: RequestStore, cancels: CancelListener, tokenizer: Any,
+                 eos_ids: list[int], max_batched_tokens: int, prefill_chunk: int):
+        self.runner = runner
+        self.store = store
+        self.cancels = cancels
+        self.tokenizer = tokenizer
+        self.eos_ids = set(eos_ids)
+        self.max_batched_tokens = max_batched_tokens
+        self.prefill_chunk = prefill_chunk
+        self.inbox: queue.Queue[Job | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="prefill-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        job.prompt = list(job.item.spec.prompt_token_ids)
+        self.inbox.put(job)
+
+    def stop(self) -> None:
+        self.inbox.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        pending: list[Job] = []
+        while True:
+            try:
+                got = self.inbox.get(block=not pending)
+                while True:
+                    if got is None:
+                        for job in pending:
+                            self._end(job, Outcome("error", error="prefill worker shutting down"))
+                        return
+                    pending.append(got)
+                    got = self.inbox.get_nowait()
+            except queue.Empty:
+                pass
+            try:
+                pending = self._pass(pending)
+            except Exception as exc:  # a bad batch must not kill the worker
+                log.exception("prefill pass failed")
+                for job in pending:
+                    self._end(job, Outcome("error", error=f"prefill failed: {exc}"))
+                pending = []
+
+    def _end(self, job: Job, outcome: Outcome) -> None:
+        if job.admitted:
+            self.runner.kv.free(job.rid)
+            job.admitted = False
+        job.done(outcome)
+
+    def _pass(self, pending: list[Job]) -> list[Job]:
+        """One forward pass over chunks of pending jobs. -> jobs still pending."""
+        live = []
+        now = now_ms()
+        for job in pending:
+            deadline = job.item.spec.deadline_ms
+            if self.cancels.pop(job.rid):
+                self._end(job, Outcome("dropped", error="request ended"))
+            elif deadline and now >= deadline:
+                self.store.finish(job.rid, State.TIMED_OUT, "timeout", "deadline exceeded during prefill",
+                                  epoch=job.item.epoch)
+                self._end(job, Outcome("dropped", error="deadline exceeded"))
+            else:
+                live.append(job)
+        admitted = []
+        for job in live:
+            if not job.admitted:
+                try:
+                    self.runner.kv.allocate(job.rid)
+                    job.admitted = True
+                except KVPoolFull:
+                    continue
+            admitted.append(job)
+        if not admitted:
+            return live
+        plan = plan_chunks([len(j.prompt) - j.filled for j in admitted], self.max_batched_tokens, self.prefill_chunk)
+        chunks, jobs = [], []
+        for job, n in zip(admitted, plan):
+            if n:
+                chunks.append(ChunkItem(job.rid, job.prompt[job.filled:job.filled + n], job.filled))
+                jobs.append(job)
+        logits = self.runner.prefill(chunks)
+        complete = []
+        for row, job in enumerate(jobs):
+            job.filled += len(chunks[row].token_ids)
+            if job.filled == len(job.prompt):
+                complete.append((row, job))
+        if complete:
+            self._first_tokens(logits, complete)
+        done = {id(j) for _, j in complete}
+        return [j for j in live if id(j) not in done]
+
+    def _first_tokens(self, logits: torch.Tensor, complete: list[tuple[int, Job]]) -> None:
+        rows = torch.tensor([r for r, _ in complete], device=logits.device)
+        params = [sampling_from_pb(j.item.spec.sampling) for _, j in complete]
+        tokens = sample(logits.index_select(0, rows), params, [0] * len(complete))
+        items, results = [], []
+        for (_, job), p, token in zip(complete, params, tokens):
+            text = TextOutput(self.tokenizer, p.stop, job.prompt)
+            delta, stopped = text.add(token)
+            reason = ("stop" if stopped else "eos" if (token in self.eos_ids and not p.ignore_eos)
+                      else "length" if p.max_tokens <= 1 else "")
+            if reason and reason != "stop":
+                delta += text.flush()
+            items.append(StepItem(job.rid, job.item.epoch, 0, token, delta,
+                                  State.COMPLETED if reason else None, reason))
+            results.append((job, token, reason))
+        kept = self.store.step(items)
+        for (job, token, reason), ok in zip(results, kept):
+            if not ok:
+                self._end(job, Outcome("dropped", error="request ended"))
+            elif reason:
+                self._end(job, Outcome("finished", first_token=token))
+            else:
+                self.store.transition(job.rid, job.item.epoch, State.TRANSFERRING)
+                layers = [(k.contiguous().cpu().clone(), v.contiguous().cpu().clone())
+                          for k, v in self.runner.export_kv(job.rid, len(job.prompt))]
+                self._end(job, Outcome("handoff", first_token=token, layers=layers))

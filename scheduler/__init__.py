@@ -1,0 +1,1 @@
+"""pdq scheduler: the Redis-backed queue and the dispatcher of prefill batches."""

@@ -90,12 +90,12 @@ class DecodeLoop:
         h = kv.header
         rid = h.spec.request_id
         try:
-            self.runner.kv.allocate(rid)
+            self.runner.allocate(rid)
             for layer, (k, v) in enumerate(kv.layers):
                 self.runner.import_kv(rid, layer, k, v)
         except Exception as exc:
             log.error("cannot take KV of %s: %s", rid, exc)
-            self.runner.kv.free(rid)
+            self.runner.free(rid)
             self.store.finish(rid, State.FAILED, "error", f"decode worker could not load KV: {exc}", epoch=h.epoch)
             self.on_leave(rid)
             return
@@ -111,7 +111,7 @@ class DecodeLoop:
 
     def _leave(self, seq: Sequence) -> None:
         self.running.pop(seq.rid, None)
-        self.runner.kv.free(seq.rid)
+        self.runner.free(seq.rid)
         self.on_leave(seq.rid)
 
     def _step(self) -> None:

@@ -103,7 +103,7 @@ def build_server(config: DecodeConfig) -> Server:
         path = await asyncio.to_thread(resolve_model, config.model)
         runner = await asyncio.to_thread(load_runner, config, config.kv_budget_tokens)
         aio_loop = asyncio.get_running_loop()
-        service.capacity = min(runner.kv.capacity, config.max_batch_size)
+        service.capacity = min(runner.capacity, config.max_batch_size)
         service.expect = {"num_layers": runner.num_layers, "num_kv_heads": runner.num_kv_heads,
                           "head_dim": runner.head_dim, "dtype": str(runner.dtype).removeprefix("torch.")}
         state["cancels"] = CancelListener(config.redis_url, keys)

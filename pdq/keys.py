@@ -122,7 +122,7 @@ return out
 # its attempts are spent. -> new state, or false when the epoch is stale / state terminal.
 REQUEUE = _FINISH_FN + """
 local h = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'attempts', 'seq', 'id')
-if not h[1] or TERMINAL[h[1]] or h[2] ~= ARGV[1] then return false end
+if not h[1] or TERMINAL[h[1]] or h[1] == 'QUEUED' or h[2] ~= ARGV[1] then return false end
 if tonumber(h[3]) >= tonumber(ARGV[3]) then
   finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], 'FAILED', 'error', ARGV[4], ARGV[2], ARGV[5], ARGV[6])
   return 'FAILED'

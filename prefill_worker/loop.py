@@ -96,7 +96,7 @@ class PrefillLoop:
 
     def _end(self, job: Job, outcome: Outcome) -> None:
         if job.admitted:
-            self.runner.kv.free(job.rid)
+            self.runner.free(job.rid)
             job.admitted = False
         job.done(outcome)
 
@@ -118,7 +118,7 @@ class PrefillLoop:
         for job in live:
             if not job.admitted:
                 try:
-                    self.runner.kv.allocate(job.rid)
+                    self.runner.allocate(job.rid)
                     job.admitted = True
                 except KVPoolFull:
                     continue
@@ -165,6 +165,5 @@ class PrefillLoop:
                 self._end(job, Outcome("finished", first_token=token))
             else:
                 self.store.transition(job.rid, job.item.epoch, State.TRANSFERRING)
-                layers = [(k.contiguous().cpu().clone(), v.contiguous().cpu().clone())
-                          for k, v in self.runner.export_kv(job.rid, len(job.prompt))]
+                layers = [(k.cpu(), v.cpu()) for k, v in self.runner.export_kv(job.rid, len(job.prompt))]
                 self._end(job, Outcome("handoff", first_token=token, layers=layers))

@@ -88,8 +88,8 @@ def build_server(config: PrefillConfig) -> Server:
     def info() -> WorkerInfo:
         runner = state.get("runner")
         return WorkerInfo(worker_id, "prefill", address,
-                          free_slots=runner.kv.num_free if runner else 0,
-                          capacity=runner.kv.capacity if runner else 0)
+                          free_slots=runner.num_free if runner else 0,
+                          capacity=runner.capacity if runner else 0)
 
     async def start() -> None:
         path = await asyncio.to_thread(resolve_model, config.model)
@@ -101,7 +101,7 @@ def build_server(config: PrefillConfig) -> Server:
         service.loop.start()
         state["heartbeat"] = Heartbeat(config, keys, info)
         await state["heartbeat"].start()
-        log.info("prefill worker %s at %s (KV slots %d)", worker_id, address, runner.kv.capacity)
+        log.info("prefill worker %s at %s (KV slots %d)", worker_id, address, runner.capacity)
 
     async def stop() -> None:
         if "heartbeat" in state:

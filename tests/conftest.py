@@ -1,0 +1,31 @@
+"""Shared fixtures: a private real Redis server per test session, a fresh key prefix per test."""
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+
+from pdq.redis_server import RedisServer
+
+# One model cache for the whole run (built once, reused by every process the tests start).
+os.environ.setdefault("PDQ_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".venv" / "pdq-cache"))
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_client(redis_server):
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return "t" + uuid.uuid4().hex[:8]

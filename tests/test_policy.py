@@ -1,0 +1,32 @@
+"""Pure policies: batch forming, decode worker choice, prefill chunk planning."""
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from prefill_worker.chunking import plan_chunks
+from scheduler.policy import Candidate, DecodeSlots, choose_decode_worker, form_batch
+
+
+def cands(*prompts):
+    return [Candidate(f"r{i}", p, 8) for i, p in enumerate(prompts)]
+
+
+def test_form_batch_respects_count_and_token_budget_in_order():
+    assert [c.request_id for c in form_batch(cands(10, 20, 30, 40), 10, 60)] == ["r0", "r1", "r2"]
+    assert [c.request_id for c in form_batch(cands(10, 20, 30), 2, 1000)] == ["r0", "r1"]
+    assert [c.request_id for c in form_batch(cands(5000, 10), 8, 100)] == ["r0"]  # oversized goes alone
+
+
+def test_choose_decode_worker_takes_most_free_slots():
+    ws = [DecodeSlots("a", "h:1", 2), DecodeSlots("b", "h:2", 5), DecodeSlots("c", "h:3", 0)]
+    assert choose_decode_worker(ws).worker_id == "b"
+    assert choose_decode_worker([DecodeSlots("a", "h:1", 0)]) is None
+
+
+@given(st.lists(st.integers(1, 3000), min_size=1, max_size=20), st.integers(1, 4096), st.integers(1, 1024))
+def test_plan_chunks_bounds(remaining, budget, chunk):
+    plan = plan_chunks(remaining, budget, chunk)
+    assert len(plan) == len(remaining)
+    assert all(0 <= p <= min(r, chunk) for p, r in zip(plan, remaining))
+    assert plan[0] >= 1  # progress every pass
+    assert sum(plan) <= max(budget, plan[0])

@@ -1,0 +1,95 @@
+"""The Lua scripts of pdq.keys against a real Redis server."""
+
+import pytest
+
+from pdq.request import State
+from pdq.store import RequestStore, StepItem
+from pdq.v1 import generation_pb2 as gen_pb
+from pdq.v1 import internal_pb2 as pb
+
+
+def make_spec(rid: str, tenant: str = "acme", prompt=(1, 2, 3), max_tokens: int = 4, deadline_ms: int = 0):
+    return pb.RequestSpec(request_id=rid, tenant=tenant, tier="interactive", prompt_token_ids=list(prompt),
+                          sampling=gen_pb.SamplingParams(max_tokens=max_tokens, seed=1), arrival_ms=1,
+                          deadline_ms=deadline_ms)
+
+
+@pytest.fixture
+def store(redis_client, prefix):
+    return RequestStore(redis_client, prefix, result_ttl_s=60)
+
+
+def tokens(store, rid):
+    return [(int(f[b"i"]), int(f[b"t"]), f[b"x"].decode()) for _, f in store.client.xrange(store.keys.output(rid)) if b"i" in f]
+
+
+def test_submit_queues_once_per_idempotency_key(store):
+    assert store.submit(make_spec("r1"), "client-key") == ("created", "r1")
+    assert store.submit(make_spec("r2"), "client-key") == ("existing", "r1")
+    assert store.submit(make_spec("r3", tenant="other"), "client-key") == ("created", "r3")
+    assert [x.decode() for x in store.client.zrange(store.keys.queue, 0, -1)] == ["r1", "r3"]
+    assert store.record("r1")["state"] == "QUEUED"
+
+
+def test_submit_rejects_over_the_queue_bound(store):
+    assert store.submit(make_spec("a"), "", max_queued=1)[0] == "created"
+    assert store.submit(make_spec("b"), "", max_queued=1) == ("rejected", "QUEUE_FULL")
+    assert store.record("b") == {}
+
+
+def test_claim_step_finish_and_stale_epochs(store):
+    store.submit(make_spec("r"))
+    assert store.claim(["r"], "w1") == [1]
+    assert store.claim(["r"], "w1") == [0]  # already claimed
+    assert store.step([StepItem("r", 1, 0, 7, "a")]) == [True]
+    assert store.step([StepItem("r", 1, 0, 7, "a")]) == [True]  # a replayed index is ignored
+    assert store.step([StepItem("r", 0, 1, 8, "b")]) == [False]  # stale epoch rejected
+    assert store.step([StepItem("r", 1, 1, 8, "b", State.COMPLETED, "length")]) == [True]
+    assert tokens(store, "r") == [(0, 7, "a"), (1, 8, "b")]
+    rec = store.record("r")
+    assert rec["state"] == "COMPLETED" and rec["finish_reason"] == "length" and rec["n_out"] == "2"
+    # exactly one terminal state: later ends change nothing
+    assert store.finish("r", State.CANCELLED, "cancelled") == State.COMPLETED
+    assert store.step([StepItem("r", 1, 2, 9, "c")]) == [False]
+    assert 0 < store.client.ttl(store.keys.request("r")) <= 60
+
+
+def test_token_gap_is_an_error(store):
+    store.submit(make_spec("r"))
+    store.claim(["r"], "w")
+    with pytest.raises(Exception, match="gap"):
+        store.step([StepItem("r", 1, 3, 1, "x")])
+
+
+def test_cancel_a_queued_request_frees_its_queue_entry(store):
+    store.submit(make_spec("r", deadline_ms=10**13))
+    pubsub = store.client.pubsub()
+    pubsub.subscribe(store.keys.cancel_channel)
+    assert store.finish("r", State.CANCELLED, "cancelled", "by client") == State.CANCELLED
+    assert store.client.zcard(store.keys.queue) == 0
+    assert store.client.zcard(store.keys.deadlines) == 0
+    assert store.claim(["r"], "w") == [0]
+    assert store.finish("nope", State.CANCELLED, "cancelled") is None
+    msgs = [m for m in iter(lambda: pubsub.get_message(timeout=1), None) if m["type"] == "message"]
+    assert [m["data"] for m in msgs] == [b"r"]
+
+
+def test_requeue_keeps_the_place_then_fails_when_attempts_are_spent(store):
+    store.submit(make_spec("first"))
+    store.submit(make_spec("second"))
+    assert store.claim(["first"], "w") == [1]
+    assert store.requeue("first", 1, "worker died", max_attempts=2) == "QUEUED"
+    assert store.requeue("first", 1, "again", max_attempts=2) is None  # already requeued: stale
+    assert [x.decode() for x in store.client.zrange(store.keys.queue, 0, -1)] == ["first", "second"]
+    assert store.claim(["first"], "w") == [2]
+    assert store.requeue("first", 2, "worker died", max_attempts=2) == "FAILED"
+    assert store.record("first")["error"] == "worker died"
+
+
+def test_transition_checks_epoch(store):
+    store.submit(make_spec("r"))
+    store.claim(["r"], "w")
+    assert store.transition("r", 2, State.DECODING) is False
+    assert store.transition("r", 1, State.DECODING, decode_worker="d1") is True
+    rec = store.record("r")
+    assert rec["state"] == "DECODING" and rec["decode_worker"] == "d1"

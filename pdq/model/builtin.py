@@ -26,7 +26,6 @@ BUILTIN_SEED = 0
 VOCAB_SIZE = 4096
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 SPECIAL_TOKENS = [BOS, EOS, PAD]  # ids 0, 1, 2
-INIT_STD = 0.02
 
 _COMMON = dict(
     vocab_size=VOCAB_SIZE,
@@ -47,6 +46,7 @@ BUILTIN_SIZES: dict[str, dict] = {
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
+        initializer_range=0.1,
     ),
     "small": dict(
         _COMMON,
@@ -55,6 +55,7 @@ BUILTIN_SIZES: dict[str, dict] = {
         num_hidden_layers=8,
         num_attention_heads=8,
         num_key_value_heads=4,
+        initializer_range=0.05,
     ),
 }
 
@@ -98,8 +99,10 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 def build_model(size: str = "small") -> LlamaForCausalLM:
     """Build the built-in model in float32 with weights drawn from a fixed seed.
 
-    Every linear and embedding weight is N(0, 0.02) from one seeded generator, in
-    ``named_parameters()`` order; norm weights are 1. Same size -> same weights, every time.
+    Every linear and embedding weight is N(0, initializer_range) from one seeded generator,
+    in ``named_parameters()`` order; norm weights are 1. Same size -> same weights, every time.
+    The std (~1.1/sqrt(hidden)) is larger than HF's default 0.02, which makes greedy output
+    repeat one token; with it, output depends on the whole context and on positions.
     """
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -113,7 +116,7 @@ def build_model(size: str = "small") -> LlamaForCausalLM:
             if param.dim() == 1:
                 param.fill_(1.0)
             else:
-                param.normal_(0.0, INIT_STD, generator=gen)
+                param.normal_(0.0, config.initializer_range, generator=gen)
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,

@@ -1,0 +1,152 @@
+"""One request through all five hops: gateway -> scheduler (Redis) -> prefill -> KV hand-off
+-> decode -> tokens streamed back. Greedy output must equal transformers' own generate()."""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+
+from pdq.model.loader import load_hf_model, resolve_model
+from pdq.v1 import generation_pb2 as gen_pb
+
+PROMPTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog. " * 4,
+    "def add(a, b):\n    return a + b\n\n# a longer prompt that spans several chunks\n" + "lorem ipsum dolor " * 200,
+    "Ünïcödé ✓ 日本語 🙂 mixed text",
+]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    path = resolve_model("builtin")
+    from transformers import AutoTokenizer
+
+    return load_hf_model(path), AutoTokenizer.from_pretrained(path)
+
+
+def hf_greedy(reference, prompt: str, n: int) -> list[int]:
+    model, tok = reference
+    ids = tok(prompt, add_special_tokens=False, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=tok.pad_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_greedy_output_equals_transformers_generate_for_concurrent_prompts(client, reference):
+    lengths = [24, 12, 20, 16]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = list(pool.map(lambda a: client.generate(a[0], max_tokens=a[1], ignore_eos=True), zip(PROMPTS, lengths)))
+    for prompt, n, result in zip(PROMPTS, lengths, results):
+        assert result.token_ids == hf_greedy(reference, prompt, n), prompt[:30]
+        assert result.finish_reason == "length"
+        assert result.completion_tokens == n
+        assert result.prompt_tokens == len(reference[1](prompt, add_special_tokens=False).input_ids)
+    assert results[2].prompt_tokens > 512  # the long prompt was prefilled in chunks
+
+
+def test_stream_sends_every_index_once_in_order_and_ends_with_usage(client):
+    msgs = list(client.generate_stream(PROMPTS[1], max_tokens=10, ignore_eos=True))
+    assert msgs[0].request_id and not msgs[0].HasField("index")
+    tokens = [m for m in msgs if m.HasField("index")]
+    assert [m.index for m in tokens] == list(range(10))
+    last = msgs[-1]
+    assert last.finish_reason == gen_pb.FINISH_REASON_LENGTH and last.usage.completion_tokens == 10
+    assert last.timings.ttft_ms > 0 and last.timings.e2e_ms >= last.timings.ttft_ms
+    unary = client.generate(PROMPTS[1], max_tokens=10, ignore_eos=True)
+    assert "".join(m.text for m in tokens) == unary.text
+    assert [m.token_id for m in tokens] == unary.token_ids
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(prompt=""), "prompt"),
+    (dict(prompt="hi", temperature=-1.0), "sampling.temperature"),
+    (dict(prompt="hi", max_tokens=100_000), "sampling.max_tokens"),
+    (dict(prompt="hi", tier="vip"), "tier"),
+    (dict(prompt="hi", request_id="bad id!"), "request_id"),
+    (dict(prompt=[10**7]), "prompt_token_ids[0]"),
+])
+def test_invalid_requests_get_invalid_argument_naming_the_field(client, store_client, kwargs, field):
+    before = store_client.dbsize()
+    prompt = kwargs.pop("prompt")
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(prompt, **kwargs)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(field + ":")
+    assert store_client.dbsize() == before  # nothing reached Redis
+
+
+def test_same_request_id_gives_the_same_request(client):
+    a = client.generate("idempotent", max_tokens=6, request_id="retry-me-1", temperature=1.0)
+    b = client.generate("idempotent", max_tokens=6, request_id="retry-me-1", temperature=1.0)
+    assert a.request_id == b.request_id and a.token_ids == b.token_ids
+
+
+def test_seeded_sampling_is_reproducible_through_the_service(client):
+    a = client.generate("sample me", max_tokens=12, temperature=0.9, top_p=0.9, seed=42, ignore_eos=True)
+    b = client.generate("sample me", max_tokens=12, temperature=0.9, top_p=0.9, seed=42, ignore_eos=True)
+    c = client.generate("sample me", max_tokens=12, temperature=0.9, top_p=0.9, seed=43, ignore_eos=True)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def wait_state(store_client, rid: str, states: set[str], timeout_s: float = 10.0) -> str:
+    """Polls the record until it reaches one of `states` (the record lives in another process)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = (store_client.hget(f"pdq:req:{rid}", "state") or b"").decode()
+        if state in states:
+            return state
+        time.sleep(0.02)
+    raise AssertionError(f"{rid} never reached {states}; last {state!r}")
+
+
+def test_cancel_rpc_ends_a_running_stream_with_cancelled(client, store_client):
+    stream = client.generate_stream("cancel me", max_tokens=1500, ignore_eos=True)
+    rid = next(stream).request_id
+    next(stream)  # a token: it is running
+    assert client.cancel(rid) == "CANCELLED"
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in stream:
+            pass
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+    assert wait_state(store_client, rid, {"CANCELLED"}) == "CANCELLED"
+    assert client.cancel(rid) == "CANCELLED"  # idempotent
+
+
+def test_closing_the_stream_cancels_the_request(client, store_client):
+    stream = client.generate_stream("walk away", max_tokens=1500, ignore_eos=True)
+    rid = next(stream).request_id
+    next(stream)
+    stream.close()
+    assert wait_state(store_client, rid, {"CANCELLED"}) == "CANCELLED"
+
+
+def test_deadline_of_the_call_ends_the_request(client, store_client):
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate("slow", max_tokens=1500, ignore_eos=True, request_id="deadline-1", timeout=1.0)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    rid = store_client.get("pdq:idem:default:deadline-1").decode()
+    assert wait_state(store_client, rid, {"TIMED_OUT"}) == "TIMED_OUT"
+
+
+def test_unknown_request_cannot_be_cancelled(client):
+    with pytest.raises(grpc.RpcError) as err:
+        client.cancel("no-such-request")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_nothing_leaks_after_the_requests_end(cluster, store_client, client):
+    client.generate("one more", max_tokens=4)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        queued = store_client.zcard("pdq:queue")
+        workers = [store_client.hgetall(f"pdq:worker:{w.decode()}") for w in store_client.zrange("pdq:workers:decode", 0, -1)]
+        if queued == 0 and workers and all(w[b"free_slots"] == w[b"capacity"] for w in workers):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"queue {queued}, decode workers {workers}")

@@ -46,6 +46,7 @@ class Server:
                 await result
 
     async def start(self) -> None:
+        await self.set_serving(False)  # the health servicer says SERVING until told otherwise
         await self.grpc.start()
         for hook in self.on_start:
             await hook()

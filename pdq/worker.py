@@ -60,6 +60,7 @@ class CancelListener:
 
     def close(self) -> None:
         self._thread.stop()
+        self._thread.join(timeout=2)
         self._pubsub.close()
         self.client.close()
 

@@ -66,7 +66,7 @@ def _check_size(size: str) -> None:
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Train the built-in byte-level BPE tokenizer (deterministic, ~0.5 s).
+    """Train the built-in byte-level BPE tokenizer (deterministic, ~1 s).
 
     Any unicode string round-trips exactly: ``decode(encode(s)) == s``. Encoding adds no
     special tokens (no BOS): ``encode(text)`` is the plain BPE ids of ``text``. Special tokens
@@ -101,8 +101,8 @@ def build_model(size: str = "small") -> LlamaForCausalLM:
 
     Every linear and embedding weight is N(0, initializer_range) from one seeded generator,
     in ``named_parameters()`` order; norm weights are 1. Same size -> same weights, every time.
-    The std (~1.1/sqrt(hidden)) is larger than HF's default 0.02, which makes greedy output
-    repeat one token; with it, output depends on the whole context and on positions.
+    The std is ~1.1/sqrt(hidden): with HF's default 0.02 greedy output soon repeats one
+    token; with this one it keeps depending on the whole context and on positions.
     """
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -126,7 +126,7 @@ def build_model(size: str = "small") -> LlamaForCausalLM:
     return model.eval()
 
 
-def save_builtin(out_dir: Path, size: str = "small") -> Path:
+def save_builtin(out_dir: str | Path, size: str = "small") -> Path:
     """Write a standard Hugging Face checkpoint (config.json, model.safetensors,
     generation_config.json, tokenizer.json, tokenizer_config.json) into ``out_dir``."""
     out_dir = Path(out_dir)

@@ -15,7 +15,7 @@ from pdq.v1 import generation_pb2 as gen_pb
 PROMPTS = [
     "Hello",
     "The quick brown fox jumps over the lazy dog. " * 4,
-    "def add(a, b):\n    return a + b\n\n# a longer prompt that spans several chunks\n" + "lorem ipsum dolor " * 200,
+    "def add(a, b):\n    return a + b\n\n# a longer prompt that spans several chunks\n" + "lorem ipsum dolor " * 70,
     "Ünïcödé ✓ 日本語 🙂 mixed text",
 ]
 

@@ -1,0 +1,120 @@
+"""ModelRunner: chunking and batching do not change results; the KV hand-off is lossless."""
+
+import pytest
+import torch
+
+from pdq.engine import KVPoolFull, PrefillItem
+
+ATOL = 1e-5
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def alone(runner, seq_id, ids: list[int]) -> torch.Tensor:
+    runner.allocate(seq_id)
+    out = runner.prefill([PrefillItem(seq_id, ids, 0)])[0]
+    runner.free(seq_id)
+    return out
+
+
+def test_chunked_and_batched_prefill_equal_alone(tiny_llama, make_runner):
+    runner = make_runner(tiny_llama, slots=4)
+    a, b, c = tokens(70, 1), tokens(9, 2), tokens(33, 3)
+    ref = {name: alone(runner, name, ids) for name, ids in (("a", a), ("b", b), ("c", c))}
+    for s in "abc":
+        runner.allocate(s)
+    # step 1: a's first chunk + all of b; step 2: a's second chunk + c's first; step 3: rest
+    out1 = runner.prefill([PrefillItem("a", a[:30], 0), PrefillItem("b", b, 0)])
+    out2 = runner.prefill([PrefillItem("c", c[:1], 0), PrefillItem("a", a[30:64], 30)])
+    out3 = runner.prefill([PrefillItem("a", a[64:], 64), PrefillItem("c", c[1:], 1)])
+    assert out1.shape == (2, 256) and out2.shape == (2, 256)
+    torch.testing.assert_close(out1[1], ref["b"], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out3[0], ref["a"], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out3[1], ref["c"], atol=ATOL, rtol=0)
+    assert [runner.kv_length(s) for s in "abc"] == [70, 9, 33]
+
+
+def test_mixed_step_and_sparse_decode(tiny_llama, make_runner):
+    """Decode rows for a subset of slots while another sequence prefills in the same forward."""
+    runner = make_runner(tiny_llama, slots=4)
+    seqs = {s: tokens(n, i) for i, (s, n) in enumerate((("x", 12), ("y", 40), ("z", 25)))}
+    refs = {s: alone(runner, s, ids + [7]) for s, ids in seqs.items()}
+    for s, ids in seqs.items():
+        runner.allocate(s)
+    runner.prefill([PrefillItem("x", seqs["x"]), PrefillItem("z", seqs["z"]), PrefillItem("y", seqs["y"][:10])])
+    # z decodes, y continues its prompt, x sits this step out: decode slots are not 0..n-1
+    out = runner.step([PrefillItem("y", seqs["y"][10:], 10)], [("z", 7, 25)])
+    torch.testing.assert_close(out[1], refs["z"], atol=ATOL, rtol=0)
+    out = runner.decode([("y", 7, 40), ("x", 7, 12)])
+    torch.testing.assert_close(out[0], refs["y"], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out[1], refs["x"], atol=ATOL, rtol=0)
+
+
+def test_free_mid_flight_moves_kv_transparently(tiny_llama, make_runner):
+    runner = make_runner(tiny_llama, slots=3)
+    a, b, c = tokens(20, 5), tokens(30, 6), tokens(10, 7)
+    refs = {s: alone(runner, s, ids + [3]) for s, ids in (("a", a), ("b", b), ("c", c))}
+    for s, ids in (("a", a), ("b", b), ("c", c)):
+        runner.allocate(s)
+        runner.prefill([PrefillItem(s, ids)])
+    runner.free("a")  # c's KV moves to a's slot
+    out = runner.decode([("c", 3, 10), ("b", 3, 30)])
+    torch.testing.assert_close(out[0], refs["c"], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out[1], refs["b"], atol=ATOL, rtol=0)
+
+
+def greedy_continue(runner, seq_id, first: int, pos: int, n: int) -> list[int]:
+    out, tok = [], first
+    for i in range(n):
+        tok = int(runner.decode([(seq_id, tok, pos + i)])[0].argmax())
+        out.append(tok)
+    return out
+
+
+@pytest.mark.parametrize("via_view", [False, True], ids=["import_kv", "kv_view"])
+def test_kv_handoff_equals_uninterrupted(tiny_llama, make_runner, via_view):
+    prompt = tokens(45, 9)
+    one = make_runner(tiny_llama)
+    one.allocate(0)
+    first = int(one.prefill([PrefillItem(0, prompt)])[0].argmax())
+    expected = greedy_continue(one, 0, first, len(prompt), 12)
+
+    prefill_side, decode_side = make_runner(tiny_llama), make_runner(tiny_llama)
+    prefill_side.allocate("r")
+    assert int(prefill_side.prefill([PrefillItem("r", prompt)])[0].argmax()) == first
+    layers = prefill_side.export_kv("r", len(prompt))
+    prefill_side.free("r")  # exported copies outlive the slot
+    assert len(layers) == decode_side.num_layers
+    assert layers[0][0].shape == (decode_side.num_kv_heads, len(prompt), decode_side.head_dim)
+    decode_side.allocate("other")  # the hand-off lands in a non-zero slot
+    decode_side.allocate("r")
+    for layer, (k, v) in enumerate(layers):
+        if via_view:  # receive raw bytes straight into the pool
+            dst_k, dst_v = decode_side.kv_view("r", layer, len(prompt))
+            dst_k.copy_(torch.frombuffer(bytearray(k.numpy().tobytes()), dtype=torch.float32).view(k.shape))
+            dst_v.copy_(torch.frombuffer(bytearray(v.numpy().tobytes()), dtype=torch.float32).view(v.shape))
+        else:
+            decode_side.import_kv("r", layer, k, v)
+    if via_view:
+        decode_side.set_kv_length("r", len(prompt))
+    assert decode_side.kv_length("r") == len(prompt)
+    assert greedy_continue(decode_side, "r", first, len(prompt), 12) == expected
+
+
+def test_runner_rejects_bad_items(tiny_llama, make_runner):
+    runner = make_runner(tiny_llama, slots=1, max_seq_len=32)
+    with pytest.raises(KeyError, match="no KV slot"):
+        runner.prefill([PrefillItem("nope", [1, 2])])
+    runner.allocate("a")
+    with pytest.raises(KVPoolFull):
+        runner.allocate("b")
+    with pytest.raises(ValueError, match="only 0 positions"):
+        runner.prefill([PrefillItem("a", [1, 2], 5)])
+    with pytest.raises(ValueError, match="max_seq_len"):
+        runner.prefill([PrefillItem("a", list(range(33)))])
+    with pytest.raises(ValueError, match="twice"):
+        runner.step([PrefillItem("a", [1, 2])], [("a", 3, 2)])
+    with pytest.raises(ValueError, match="shape"):
+        runner.import_kv("a", 0, torch.zeros(1, 4, 16), torch.zeros(1, 4, 16))

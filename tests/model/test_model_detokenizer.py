@@ -1,0 +1,96 @@
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdq.model import IncrementalDetokenizer, StopChecker
+
+EMOJI_CJK = "🙂👍🏽🚀👨‍👩‍👧日本語中文文本한국어ñé€ "
+texts = st.text(alphabet=st.one_of(st.characters(), st.sampled_from(EMOJI_CJK)))
+
+
+def stream(detok: IncrementalDetokenizer, ids: list[int]) -> list[str]:
+    return [detok.add(i) for i in ids] + [detok.flush()]
+
+
+@settings(max_examples=200, deadline=None)
+@given(texts)
+def test_deltas_concatenate_to_the_decoded_text(tokenizer, text):
+    ids = tokenizer.encode(text).ids
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = stream(detok, ids)
+    assert "".join(deltas) == detok.text == tokenizer.decode(ids)
+    if "\ufffd" not in text:  # a partial character is never emitted
+        assert not any("\ufffd" in d for d in deltas)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=20), st.lists(st.integers(0, 4095), max_size=40))
+def test_random_ids_after_a_prompt_detokenize_like_a_full_decode(tokenizer, prompt, generated):
+    """Gibberish from a random model: invalid UTF-8, special tokens, anything."""
+    prompt_ids = tokenizer.encode(prompt).ids
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    out = "".join(stream(detok, generated))
+    assert tokenizer.decode(prompt_ids) + out == tokenizer.decode(prompt_ids + generated)
+
+
+def test_multibyte_character_is_held_until_complete(tokenizer):
+    ids = [tokenizer.token_to_id(c) for c in "ðŁĻĤ"]  # the 4 bytes of 🙂, one token each
+    detok = IncrementalDetokenizer(tokenizer)
+    assert [detok.add(i) for i in ids] == ["", "", "", "🙂"]
+
+
+def test_special_tokens_are_skipped_by_default(tokenizer):
+    ids = tokenizer.encode("hi").ids + [1]
+    assert "".join(stream(IncrementalDetokenizer(tokenizer), ids)) == "hi"
+    assert "".join(stream(IncrementalDetokenizer(tokenizer, skip_special_tokens=False), ids)) == "hi</s>"
+
+
+def test_flush_emits_a_trailing_incomplete_character(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer)
+    assert detok.add(tokenizer.token_to_id("ð")) == ""
+    assert detok.flush() == "\ufffd"
+
+
+def feed(checker: StopChecker, text: str, chunk: int) -> tuple[bool, str]:
+    for end in range(chunk, len(text) + chunk, chunk):
+        stopped, out = checker.check(text[:end])
+        if stopped:
+            return stopped, out
+    return False, text
+
+
+def test_stop_string_cuts_the_text_before_it():
+    assert feed(StopChecker(["Stop"]), "Hello world. Stop here", 1) == (True, "Hello world. ")
+    assert feed(StopChecker(["\n\n"]), "a\nb\n\nc", 3) == (True, "a\nb")
+    assert feed(StopChecker(["zz"]), "no stop here", 2) == (False, "no stop here")
+
+
+def test_earliest_stop_string_wins():
+    assert StopChecker(["def", "XY"]).check("abcXYdef") == (True, "abc")
+    assert StopChecker(["lo w", "o"]).check("hello world") == (True, "hel")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="abc ", max_size=40), st.lists(st.text(alphabet="abc ", min_size=1, max_size=4), min_size=1,
+       max_size=3), st.integers(1, 7))
+def test_streamed_check_equals_a_full_search_of_each_prefix(text, stop, chunk):
+    class FullSearch:
+        def check(self, text):
+            hits = [i for s in stop if (i := text.find(s)) >= 0]
+            return (True, text[: min(hits)]) if hits else (False, text)
+
+    assert feed(StopChecker(stop), text, chunk) == feed(FullSearch(), text, chunk)
+
+
+def test_safe_len_holds_back_a_possible_stop_prefix():
+    checker = StopChecker(["Stop", "\n\n"])
+    assert checker.max_stop_len == 4
+    assert checker.safe_len("Hello St") == len("Hello ")
+    assert checker.safe_len("Hello\n") == len("Hello")
+    assert checker.safe_len("Hello") == 5
+    assert StopChecker([]).safe_len("abc") == 3
+
+
+def test_empty_stop_string_is_rejected():
+    with pytest.raises(ValueError):
+        StopChecker([""])

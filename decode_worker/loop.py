@@ -1,17 +1,21 @@
-"""The decode model loop (a thread): iteration-level continuous batching.
+"""The decode model loop (a thread): the running batch, one forward pass per step.
 
-Every step runs all running sequences in one forward pass. A sequence joins at the first step
-after its KV cache arrives and leaves at the step it finishes, is cancelled or times out; its
-KV slot is freed the same step. Each step's tokens (and ends) go to Redis in one round trip.
+A sequence whose KV cache has arrived waits until the strategy (`decode_worker.strategy`)
+admits it; with `continuous` that is the next step. It leaves the step it finishes, is
+cancelled or times out, and its KV slot is freed then. With the request-level strategies a
+finished sequence keeps its seat until its whole batch is done, as naive servers run. Each
+step's tokens (and ends) go to Redis in one round trip.
 """
 
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from decode_worker.strategy import Strategy
 from pdq.convert import sampling_from_pb
 from pdq.engine.sampling import SamplingParams, sample
 from pdq.kv_transfer import ReceivedKV
@@ -34,6 +38,8 @@ class Sequence:
     text: TextOutput
     generated: list[int]
     deadline_ms: int
+    arrived: float = field(default_factory=time.monotonic)
+    done: bool = False  # finished, still seated (request-level strategies only)
 
     @property
     def position(self) -> int:
@@ -41,9 +47,17 @@ class Sequence:
         return self.prompt_len + len(self.generated) - 1
 
 
+@dataclass
+class LoopStats:
+    steps: int = 0
+    seq_steps: int = 0  # sequence-steps computed
+    wasted_seq_steps: int = 0  # of those, for sequences already finished (padding)
+
+
 class DecodeLoop:
     def __init__(self, runner: Any, store: RequestStore, cancels: CancelListener, tokenizer: Any,
-                 eos_ids: list[int], worker_address: str, on_leave: Callable[[str], None]):
+                 eos_ids: list[int], worker_address: str, on_leave: Callable[[str], None],
+                 strategy: Strategy = Strategy()):
         self.runner = runner
         self.store = store
         self.cancels = cancels
@@ -51,10 +65,12 @@ class DecodeLoop:
         self.eos_ids = set(eos_ids)
         self.address = worker_address
         self.on_leave = on_leave  # called from this thread when a sequence leaves (frees its hold)
+        self.strategy = strategy
         self.inbox: queue.Queue[ReceivedKV | None] = queue.Queue()
+        self.waiting: list[Sequence] = []  # KV in the pool, not yet admitted
         self.running: dict[str, Sequence] = {}
+        self.stats = LoopStats()
         self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
-        self.steps = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -66,27 +82,38 @@ class DecodeLoop:
         self.inbox.put(None)
         self._thread.join()
 
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
     def _run(self) -> None:
         while True:
             try:
-                got = self.inbox.get(block=not self.running)
+                got = self.inbox.get(block=not self.running, timeout=self._idle_timeout())
                 while True:
                     if got is None:
                         self._shutdown()
                         return
-                    self._join(got)
+                    self._arrive(got)
                     got = self.inbox.get_nowait()
             except queue.Empty:
                 pass
-            if not self.running:
-                continue
             try:
-                self._step()
+                self._drop_ended()
+                self._admit()
+                if self.running:
+                    self._step()
             except Exception:
-                log.exception("decode step failed; requeueing the running sequences")
+                log.exception("decode step failed; requeueing its sequences")
                 self._requeue_all("decode step failed")
 
-    def _join(self, kv: ReceivedKV) -> None:
+    def _idle_timeout(self) -> float | None:
+        if not self.waiting:
+            return None
+        oldest = (time.monotonic() - self.waiting[0].arrived) * 1000
+        return max(0.001, self.strategy.wait_hint_ms(oldest) / 1000)
+
+    def _arrive(self, kv: ReceivedKV) -> None:
         h = kv.header
         rid = h.spec.request_id
         try:
@@ -107,17 +134,39 @@ class DecodeLoop:
         if not self.store.transition(rid, h.epoch, State.DECODING, decode_worker=self.address):
             self._leave(seq)  # ended while in transit
             return
-        self.running[rid] = seq
+        self.waiting.append(seq)
+
+    def _admit(self) -> None:
+        if not self.waiting:
+            return
+        live = sum(not s.done for s in self.running.values())
+        oldest = (time.monotonic() - self.waiting[0].arrived) * 1000
+        n = self.strategy.admit(len(self.waiting), live if self.strategy.run_to_completion else len(self.running), oldest)
+        for seq in self.waiting[:n]:
+            self.running[seq.rid] = seq
+        del self.waiting[:n]
 
     def _leave(self, seq: Sequence) -> None:
         self.running.pop(seq.rid, None)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
         self.runner.free(seq.rid)
         self.on_leave(seq.rid)
 
-    def _step(self) -> None:
+    def _finish_seat(self, seq: Sequence) -> None:
+        """A sequence finished: it leaves now, or (request-level batches) when its batch ends."""
+        if self.strategy.run_to_completion:
+            seq.done = True
+        else:
+            self._leave(seq)
+
+    def _drop_ended(self) -> None:
+        """Drops sequences that ended elsewhere (cancel) and ends those past their deadline."""
         now = now_ms()
         ended: list[StepItem] = []
-        for seq in list(self.running.values()):
+        for seq in self.waiting + list(self.running.values()):
+            if seq.done:
+                continue
             if self.cancels.pop(seq.rid):
                 self._leave(seq)
             elif seq.deadline_ms and now >= seq.deadline_ms:
@@ -125,16 +174,22 @@ class DecodeLoop:
                 self._leave(seq)
         if ended:
             self.store.step(ended)
-        if not self.running:
-            return
-        seqs = list(self.running.values())
+        if self.running and all(s.done for s in self.running.values()):
+            for seq in list(self.running.values()):
+                self._leave(seq)
+
+    def _step(self) -> None:
+        seqs = [s for s in self.running.values() if s.position + 1 < self.runner.max_seq_len or not s.done]
         logits = self.runner.decode([(s.rid, s.generated[-1], s.position) for s in seqs])
         tokens = sample(logits, [s.params for s in seqs], [len(s.generated) for s in seqs])
-        self.steps += 1
-        items, leaving = [], []
+        self.stats.steps += 1
+        self.stats.seq_steps += len(seqs)
+        items, live = [], []
         for seq, token in zip(seqs, tokens):
-            index = len(seq.generated)
             seq.generated.append(token)
+            if seq.done:  # a seat kept for a finished sequence: wasted work
+                self.stats.wasted_seq_steps += 1
+                continue
             delta, stopped = seq.text.add(token)
             reason = ("stop" if stopped
                       else "eos" if token in self.eos_ids and not seq.params.ignore_eos
@@ -142,24 +197,26 @@ class DecodeLoop:
                       or seq.position + 1 >= self.runner.max_seq_len else "")
             if reason and reason != "stop":
                 delta += seq.text.flush()
-            items.append(StepItem(seq.rid, seq.epoch, index, token, delta,
+            items.append(StepItem(seq.rid, seq.epoch, len(seq.generated) - 1, token, delta,
                                   State.COMPLETED if reason else None, reason))
-            if reason:
-                leaving.append(seq)
-        kept = self.store.step(items)
-        for seq, ok in zip(seqs, kept):
-            if not ok and seq.rid in self.running:
-                leaving.append(seq)
-        for seq in leaving:
-            if seq.rid in self.running:
+            live.append((seq, bool(reason)))
+        kept = self.store.step(items) if items else []
+        for (seq, finished), ok in zip(live, kept):
+            if finished:
+                self._finish_seat(seq)
+            elif not ok:  # ended elsewhere (cancelled, timed out, stale epoch)
+                self._leave(seq)
+        if self.running and all(s.done for s in self.running.values()):
+            for seq in list(self.running.values()):
                 self._leave(seq)
 
     def _shutdown(self) -> None:
         self._requeue_all("decode worker shut down")
 
     def _requeue_all(self, why: str) -> None:
-        """Gives every running sequence back to the scheduler. A new attempt regenerates the same
+        """Gives every held sequence back to the scheduler. A new attempt regenerates the same
         tokens (seeded per index) and Redis drops the indices already streamed."""
-        for seq in list(self.running.values()):
-            self.store.requeue(seq.rid, seq.epoch, why, MAX_ATTEMPTS)
+        for seq in self.waiting + list(self.running.values()):
+            if not seq.done:
+                self.store.requeue(seq.rid, seq.epoch, why, MAX_ATTEMPTS)
             self._leave(seq)

@@ -17,6 +17,7 @@ from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 from pdq.worker import CancelListener, Heartbeat, load_runner, sync_store
 from decode_worker.loop import DecodeLoop
+from decode_worker.strategy import Strategy
 
 log = logging.getLogger("pdq.decode")
 
@@ -95,7 +96,7 @@ def build_server(config: DecodeConfig) -> Server:
     state: dict = {}
 
     def info() -> WorkerInfo:
-        running = len(service.loop.running) if service.loop else 0
+        running = len(service.loop.running) + len(service.loop.waiting) if service.loop else 0
         return WorkerInfo(worker_id, "decode", address, free_slots=service.free_slots,
                           capacity=service.capacity, running=running)
 
@@ -109,7 +110,9 @@ def build_server(config: DecodeConfig) -> Server:
         state["cancels"] = CancelListener(config.redis_url, keys)
         service.loop = DecodeLoop(runner, sync_store(config), state["cancels"], load_tokenizer(path),
                                   eos_token_ids(path), address,
-                                  lambda rid: aio_loop.call_soon_threadsafe(service.left, rid))
+                                  lambda rid: aio_loop.call_soon_threadsafe(service.left, rid),
+                                  Strategy(config.strategy, config.strategy_batch_size, config.dynamic_window_ms,
+                                           config.static_flush_ms))
         service.loop.start()
         state["heartbeat"] = hb = Heartbeat(config, keys, info)
         service.on_change = hb.poke
@@ -122,7 +125,7 @@ def build_server(config: DecodeConfig) -> Server:
         service.capacity = 0
         if service.loop:
             deadline = time.monotonic() + config.grace_s
-            while service.loop.running and time.monotonic() < deadline:
+            while service.loop.busy and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             await asyncio.to_thread(service.loop.stop)
         if "cancels" in state:

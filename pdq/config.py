@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 TIERS = ("interactive", "batch")
+STRATEGIES = ("continuous", "dynamic", "static")
 
 
 def _parse_bool(text: str) -> bool:
@@ -164,10 +165,17 @@ class DecodeConfig(WorkerConfig):
     kv_budget_tokens: int = field(default=65536, metadata={"help": "KV pool size in tokens"})
     max_batch_size: int = field(default=64, metadata={"help": "running sequences per step"})
     reservation_timeout_s: float = field(default=30.0, metadata={"help": "unused KV reservations expire after this"})
+    strategy: str = field(default="continuous", metadata={"help": "batching: continuous, dynamic or static"})
+    strategy_batch_size: int = field(default=8, metadata={"help": "batch size of the static and dynamic strategies"})
+    dynamic_window_ms: float = field(default=50.0, metadata={"help": "dynamic strategy: longest wait for a fuller batch"})
+    static_flush_ms: float = field(default=2000.0, metadata={"help": "static strategy: run a short batch after this wait"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _positive("kv_budget_tokens", self.kv_budget_tokens)
+        _positive("strategy_batch_size", self.strategy_batch_size)
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         _positive("max_batch_size", self.max_batch_size)
         if self.kv_budget_tokens < self.max_seq_len:
             raise ValueError(f"kv_budget_tokens ({self.kv_budget_tokens}) must hold one max_seq_len ({self.max_seq_len})")

@@ -13,7 +13,6 @@ class TextOutput:
         self.detok = IncrementalDetokenizer(tokenizer, list(prompt_ids or []))
         self.stop = list(stop)
         self.checker = StopChecker(self.stop) if self.stop else None
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.emitted = 0  # characters of detok.text already streamed
         self.stopped = False
         for token in generated:  # replay tokens already streamed by an earlier hop
@@ -28,10 +27,13 @@ class TextOutput:
             if stopped:
                 self.stopped = True
                 return self._emit(truncated, len(truncated)), True
-        return self._emit(text, len(text) - self.hold), False
+            return self._emit(text, self.checker.safe_len(text)), False
+        return self._emit(text, len(text)), False
 
     def flush(self) -> str:
-        """The held-back rest, when the completion ends for another reason."""
+        """The held-back rest (incomplete bytes as U+FFFD), when the completion ends for a
+        reason other than a stop string."""
+        self.detok.flush()
         return self._emit(self.detok.text, len(self.detok.text))
 
     def _emit(self, text: str, upto: int) -> str:

@@ -11,6 +11,15 @@ from pdq.model import BUILTIN_SIZES, build_model, load_hf_model
 PROMPTS = ["Hello world", "The queue of requests is long today.", "def f(x):\n    return", "日本語 🙂"]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tiny model gains nothing from threads, and they crawl on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def file_hashes(path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
 

@@ -1,0 +1,39 @@
+"""Streamed text with stop strings: deltas are never taken back and add up to the final text."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdq.model.loader import resolve_model
+from pdq.model.tokenizer import load_tokenizer
+from pdq.output_text import TextOutput
+
+TOKENIZER = load_tokenizer(resolve_model("builtin:tiny"))
+
+
+def run(text: str, stop: list[str]) -> tuple[str, bool]:
+    ids = TOKENIZER.encode(text, add_special_tokens=False).ids
+    out = TextOutput(TOKENIZER, stop)
+    streamed = []
+    for token in ids:
+        delta, stopped = out.add(token)
+        streamed.append(delta)
+        if stopped:
+            return "".join(streamed), True
+    streamed.append(out.flush())
+    return "".join(streamed), False
+
+
+def test_stop_string_cuts_before_it_and_is_never_streamed():
+    assert run("count 1, 2, 3, 4, 5, 6", ["4,"]) == ("count 1, 2, 3, ", True)
+    assert run("no stop here", ["zzz"]) == ("no stop here", False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(min_size=1, max_size=60), st.lists(st.text(min_size=1, max_size=4), max_size=3))
+def test_streamed_text_equals_the_cut_full_text(text, stop):
+    streamed, stopped = run(text, stop)
+    hits = [text.find(s) for s in stop if s in text]
+    if stopped:
+        assert streamed == text[:min(hits)]
+    else:
+        assert streamed == text and not hits

@@ -1,23 +1,24 @@
-"""The gateway process: `pdq.v1.Generation` for clients. It validates, forwards to the
-scheduler, and follows the request's output stream in Redis; it holds no queue state."""
+"""The gateway process: `pdq.v1.Generation` for clients. It authenticates, validates, forwards
+to the scheduler, and follows the request's output stream in Redis; it holds no queue state."""
 
 import asyncio
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import redis.asyncio as aioredis
 
+from gateway.auth import KeyRing, Principal
+from gateway.results import Collected, follow, response, usage_and_timings
 from gateway.validation import Limits, build_spec, check_request
 from pdq.config import GatewayConfig
 from pdq.model.tokenizer import load_tokenizer
 from pdq.request import FINISH_REASONS, STATUS_OF_STATE, State
 from pdq.serving import GRPC_OPTIONS, Server, StatusError
-from pdq.store import RequestStore, _str
+from pdq.store import RequestStore
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import generation_pb2_grpc as gen_grpc
 from pdq.v1 import internal_pb2 as pb
@@ -25,40 +26,48 @@ from pdq.v1 import internal_pb2_grpc as pb_grpc
 
 log = logging.getLogger("pdq.gateway")
 
-DEFAULT_TENANT = "default"
+MAX_WAIT_MS = 60_000
 
 
-class Event:
-    """One entry of a request's output stream: a token, or the end."""
+def rpc(method):
+    """Turns StatusError raised below a servicer method into the call's status."""
+    import functools
+    import inspect
 
-    __slots__ = ("index", "token_id", "text", "state", "reason", "error")
+    if inspect.isasyncgenfunction(method):
+        @functools.wraps(method)
+        async def stream(self, request, context):
+            try:
+                async for item in method(self, request, context):
+                    yield item
+            except StatusError as exc:
+                await context.abort(exc.code, exc.message, exc.trailing)
+        return stream
 
-    def __init__(self, fields: dict):
-        f = {_str(k): _str(v) for k, v in fields.items()}
-        self.index = int(f["i"]) if "i" in f else None
-        self.token_id = int(f.get("t", 0))
-        self.text = f.get("x", "")
-        self.state = State(f["done"]) if "done" in f else None
-        self.reason = f.get("r", "")
-        self.error = f.get("e", "")
+    @functools.wraps(method)
+    async def unary(self, request, context):
+        try:
+            return await method(self, request, context)
+        except StatusError as exc:
+            await context.abort(exc.code, exc.message, exc.trailing)
+    return unary
 
 
 class GenerationService(gen_grpc.GenerationServicer):
     def __init__(self, config: GatewayConfig, store: RequestStore, scheduler: pb_grpc.SchedulerStub,
-                 tokenizer, limits: Limits):
+                 tokenizer, limits: Limits, keys: KeyRing):
         self.config = config
         self.store = store
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.limits = limits
+        self.keys = keys
 
     # -- the request's life, shared by every RPC ------------------------------------------
 
-    def tenant(self, context: grpc.aio.ServicerContext) -> str:
-        return DEFAULT_TENANT
-
-    async def submit(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext) -> str:
-        """Validates and hands the request to the scheduler. -> request id."""
+    async def submit(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                     principal: Principal, call_deadline: bool = True) -> tuple[str, bool]:
+        """Validates and hands the request to the scheduler. -> (request id, created)."""
         check_request(request, self.limits)
         if request.prompt:
             prompt_ids = await asyncio.to_thread(lambda: self.tokenizer.encode(request.prompt, add_special_tokens=False).ids)
@@ -66,47 +75,32 @@ class GenerationService(gen_grpc.GenerationServicer):
             prompt_ids = list(request.prompt_token_ids)
         now = int(time.time() * 1000)
         deadline = 0
-        remaining = context.time_remaining()
+        remaining = context.time_remaining() if call_deadline else None
         if remaining is not None:
             deadline = now + int(remaining * 1000)
         if request.timeout_ms:
             deadline = min(deadline or now + request.timeout_ms, now + request.timeout_ms)
-        spec = build_spec(request, prompt_ids, self.tenant(context), uuid.uuid4().hex, now, deadline, self.limits)
+        spec = build_spec(request, prompt_ids, principal.tenant, uuid.uuid4().hex, now, deadline, self.limits)
         try:
             resp = await self.scheduler.Submit(pb.SubmitRequest(spec=spec, idempotency_key=request.request_id),
                                                timeout=10.0)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise StatusError(exc.code(), exc.details()) from None
+            if exc.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT):
+                forward = tuple((k, v) for k, v in (exc.trailing_metadata() or ())
+                                if k in ("grpc-retry-pushback-ms", "grpc-status-details-bin"))
+                raise StatusError(exc.code(), exc.details(), forward) from None
             raise StatusError(grpc.StatusCode.UNAVAILABLE, f"scheduler unreachable: {exc.details()}") from None
-        return resp.request_id
+        return resp.request_id, resp.created
 
-    async def follow(self, rid: str) -> AsyncIterator[Event]:
-        """Yields the output stream's entries from the start, until the end entry."""
-        key = self.store.keys.output(rid)
-        last = "0-0"
-        while True:
-            reply = await self.store.client.xread({key: last}, block=1000, count=256)
-            for _, entries in reply or []:
-                for entry_id, fields in entries:
-                    last = _str(entry_id)
-                    event = Event(fields)
-                    yield event
-                    if event.state is not None:
-                        return
-
-    async def final(self, rid: str, event: Event) -> tuple[gen_pb.Usage, gen_pb.Timings]:
-        rec = await self.store.record(rid)
-        created = float(rec.get("created_ms", 0))
-
-        def since(name: str) -> float:
-            value = rec.get(name)
-            return float(value) - created if value else 0.0
-
-        usage = gen_pb.Usage(prompt_tokens=int(rec.get("prompt_tokens", 0)), completion_tokens=int(rec.get("n_out", 0)))
-        timings = gen_pb.Timings(queue_ms=since("dispatched_ms"), ttft_ms=since("first_token_ms"),
-                                 e2e_ms=since("finished_ms"))
-        return usage, timings
+    async def resolve(self, principal: Principal, request_id: str) -> str:
+        """The internal id of one of the caller's requests (by id or client request id)."""
+        if not request_id:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "request_id: required")
+        rid = await self.store.lookup_idempotent(principal.tenant, request_id) or request_id
+        tenant = await self.store.client.hget(self.store.keys.request(rid), "tenant")
+        if tenant is None or (tenant.decode() != principal.tenant and not principal.admin):
+            raise StatusError(grpc.StatusCode.NOT_FOUND, f"no request {request_id!r}")
+        return rid
 
     async def cancel_on_exit(self, rid: str, context: grpc.aio.ServicerContext) -> None:
         """The client went away (or its deadline passed) before the end: end the request too."""
@@ -120,71 +114,89 @@ class GenerationService(gen_grpc.GenerationServicer):
         except grpc.aio.AioRpcError as exc:
             log.warning("cancel of %s after disconnect failed: %s", rid, exc.details())
 
-    @staticmethod
-    async def abort_for(event: Event, context: grpc.aio.ServicerContext) -> None:
-        code = STATUS_OF_STATE[event.state]
-        if code != grpc.StatusCode.OK:
-            await context.abort(code, event.error or f"request {event.state.value.lower()}")
-
-    # -- RPCs ------------------------------------------------------------------------------
-
-    async def Generate(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext) -> gen_pb.GenerateResponse:
-        rid = await self._submit_or_abort(request, context)
-        text, ids, end = [], [], None
-        try:
-            async for event in self.follow(rid):
-                if event.index is not None:
-                    ids.append(event.token_id)
-                    text.append(event.text)
-                if event.state is not None:
-                    end = event
-        finally:
-            if end is None:
-                await asyncio.shield(self.cancel_on_exit(rid, context))
-        await self.abort_for(end, context)
-        usage, timings = await self.final(rid, end)
-        return gen_pb.GenerateResponse(request_id=rid, text="".join(text), token_ids=ids,
-                                       finish_reason=FINISH_REASONS.get(end.reason, 0), usage=usage, timings=timings)
-
-    async def GenerateStream(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        rid = await self._submit_or_abort(request, context)
+    async def stream(self, rid: str, context: grpc.aio.ServicerContext, offset: int = 0, cancel_on_close: bool = True):
+        """GenerateStreamResponse messages of a request from token `offset`, then its end."""
         end = None
         try:
             yield gen_pb.GenerateStreamResponse(request_id=rid)
-            async for event in self.follow(rid):
+            async for event in follow(self.store, rid):
                 if event.state is not None:
                     end = event
                     break
-                yield gen_pb.GenerateStreamResponse(request_id=rid, index=event.index,
-                                                    token_id=event.token_id, text=event.text)
+                if event.index >= offset:
+                    yield gen_pb.GenerateStreamResponse(request_id=rid, index=event.index,
+                                                        token_id=event.token_id, text=event.text)
         finally:
-            if end is None:
+            if end is None and cancel_on_close:
                 await asyncio.shield(self.cancel_on_exit(rid, context))
-        await self.abort_for(end, context)
-        usage, timings = await self.final(rid, end)
+        raise_for_end(end)
+        usage, timings = await usage_and_timings(self.store, rid)
         yield gen_pb.GenerateStreamResponse(request_id=rid, finish_reason=FINISH_REASONS.get(end.reason, 0),
                                             usage=usage, timings=timings)
 
-    async def Cancel(self, request: gen_pb.CancelRequest, context: grpc.aio.ServicerContext) -> gen_pb.CancelResponse:
-        tenant = self.tenant(context)
-        rid = request.request_id
-        if not rid:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: required")
-        mapped = await self.store.lookup_idempotent(tenant, rid)
+    # -- RPCs ------------------------------------------------------------------------------
+
+    @rpc
+    async def Generate(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext) -> gen_pb.GenerateResponse:
+        rid, _ = await self.submit(request, context, self.keys.authenticate(context))
+        got = Collected()
         try:
-            resp = await self.scheduler.Cancel(
-                pb.InternalCancelRequest(request_id=mapped or rid, tenant=tenant, reason="client"), timeout=10.0)
+            async for event in follow(self.store, rid):
+                got.add(event)
+        finally:
+            if got.end is None:
+                await asyncio.shield(self.cancel_on_exit(rid, context))
+        raise_for_end(got.end)
+        return await response(self.store, rid, got)
+
+    @rpc
+    async def GenerateStream(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        rid, _ = await self.submit(request, context, self.keys.authenticate(context))
+        async for msg in self.stream(rid, context):
+            yield msg
+
+    @rpc
+    async def Submit(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext) -> gen_pb.SubmitResult:
+        rid, created = await self.submit(request, context, self.keys.authenticate(context), call_deadline=False)
+        return gen_pb.SubmitResult(request_id=rid, created=created)
+
+    @rpc
+    async def GetResult(self, request: gen_pb.GetResultRequest, context: grpc.aio.ServicerContext) -> gen_pb.GetResultResponse:
+        if request.wait_ms > MAX_WAIT_MS:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"wait_ms: at most {MAX_WAIT_MS}, got {request.wait_ms}")
+        rid = await self.resolve(self.keys.authenticate(context), request.request_id)
+        got = Collected()
+        async for event in follow(self.store, rid, wait_ms=request.wait_ms):
+            got.add(event)
+        state = (await self.store.record(rid)).get("state", "")
+        out = gen_pb.GetResultResponse(request_id=rid, state=state, done=got.end is not None,
+                                       result=await response(self.store, rid, got))
+        if got.end is not None:
+            out.error = got.end.error
+        return out
+
+    @rpc
+    async def StreamResult(self, request: gen_pb.StreamResultRequest, context: grpc.aio.ServicerContext):
+        rid = await self.resolve(self.keys.authenticate(context), request.request_id)
+        async for msg in self.stream(rid, context, offset=request.offset, cancel_on_close=False):
+            yield msg
+
+    @rpc
+    async def Cancel(self, request: gen_pb.CancelRequest, context: grpc.aio.ServicerContext) -> gen_pb.CancelResponse:
+        rid = await self.resolve(self.keys.authenticate(context), request.request_id)
+        try:
+            resp = await self.scheduler.Cancel(pb.InternalCancelRequest(request_id=rid, reason="client"), timeout=10.0)
         except grpc.aio.AioRpcError as exc:
             code = exc.code() if exc.code() == grpc.StatusCode.NOT_FOUND else grpc.StatusCode.UNAVAILABLE
-            await context.abort(code, exc.details())
+            raise StatusError(code, exc.details()) from None
         return gen_pb.CancelResponse(state=resp.state)
 
-    async def _submit_or_abort(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext) -> str:
-        try:
-            return await self.submit(request, context)
-        except StatusError as exc:
-            await context.abort(exc.code, exc.message)
-            raise  # unreachable: abort raises
+
+def raise_for_end(end) -> None:
+    """The call's status for a request's end (OK for COMPLETED)."""
+    code = STATUS_OF_STATE[end.state]
+    if code != grpc.StatusCode.OK:
+        raise StatusError(code, end.error or f"request {end.state.value.lower()}")
 
 
 def model_limits(config: GatewayConfig, model_dir: Path, tokenizer) -> Limits:
@@ -201,10 +213,13 @@ def build_server(config: GatewayConfig) -> Server:
     model_dir = resolve_model(config.model)
     tokenizer = load_tokenizer(model_dir)
     limits = model_limits(config, model_dir, tokenizer)
+    keys = KeyRing.from_file(config.auth_file) if config.auth_file else KeyRing()
+    if keys.open:
+        log.warning("no --auth-file: running open, every caller is tenant 'default' with the admin role")
     client = aioredis.Redis.from_url(config.redis_url, decode_responses=False)
     store = RequestStore(client, config.key_prefix)
     channel = grpc.aio.insecure_channel(config.scheduler_address, options=GRPC_OPTIONS)
-    service = GenerationService(config, store, pb_grpc.SchedulerStub(channel), tokenizer, limits)
+    service = GenerationService(config, store, pb_grpc.SchedulerStub(channel), tokenizer, limits, keys)
     server = Server(config.host, config.port, [gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name])
     gen_grpc.add_GenerationServicer_to_server(service, server.grpc)
 

@@ -27,7 +27,7 @@ def _generate(args: argparse.Namespace) -> int:
     kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, request_id=args.request_id,
               tier=args.tier, timeout_ms=args.timeout_ms)
-    with Client(args.target) as client:
+    with Client(args.target, api_key=args.api_key) as client:
         try:
             if args.stream and not args.json:
                 for msg in client.generate_stream(args.prompt, **kw):
@@ -60,6 +60,12 @@ def _model_save(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from pdq.bench.command import run
+
+    return run(args)
+
+
 def _role(module: str):
     def run(args: argparse.Namespace) -> int:
         import importlib
@@ -87,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text from a prompt")
     gen.add_argument("prompt")
     gen.add_argument("--target", default=os.environ.get("PDQ_TARGET", DEFAULT_TARGET), help="gateway host:port")
+    gen.add_argument("--api-key", default=None,
+                     help="API key (default: $PDQ_API_KEY, else the dev key of a local `pdq up`)")
     gen.add_argument("--max-tokens", type=int, default=0, help="tokens to generate (0 = server default, 16)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0)
@@ -108,6 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     save.add_argument("dir")
     save.add_argument("--size", default="small", help="tiny or small (default)")
     save.set_defaults(func=_model_save)
+
+    from pdq.bench.options import add_arguments as add_bench_arguments
+
+    bench = sub.add_parser("bench", help="measure throughput and latency: strategies, baselines, percentiles, plots",
+                           description="Offer a seeded workload to a cluster (--target, or --spawn one per strategy) "
+                                       "and to baselines; report tokens/s, TTFT/ITL/e2e percentiles and goodput.")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_bench)
 
     for name, module in (("gateway", "gateway"), ("scheduler", "scheduler"),
                          ("prefill", "prefill_worker"), ("decode", "decode_worker")):

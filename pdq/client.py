@@ -7,6 +7,7 @@
             print(chunk.text, end="", flush=True)
 """
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -46,6 +47,10 @@ def _timings(t: gen_pb.Timings) -> dict:
 
 class Client:
     def __init__(self, target: str = "127.0.0.1:50051", api_key: str | None = None):
+        """api_key: else $PDQ_API_KEY, else the dev key of a local `pdq up` on that port."""
+        from pdq.devkeys import find_dev_key
+
+        api_key = api_key or os.environ.get("PDQ_API_KEY") or find_dev_key(target)
         self.channel = grpc.insecure_channel(target)
         self.stub = gen_grpc.GenerationStub(self.channel)
         self.metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
@@ -91,3 +96,21 @@ class Client:
 
     def cancel(self, request_id: str) -> str:
         return self.stub.Cancel(gen_pb.CancelRequest(request_id=request_id), metadata=self.metadata).state
+
+    def submit(self, prompt: str | list[int], **kw) -> str:
+        """Submit: the request id at once; fetch the result later with get_result/stream_result."""
+        return self.stub.Submit(self.request(prompt, **kw), metadata=self.metadata).request_id
+
+    def get_result(self, request_id: str, wait_ms: int = 0) -> gen_pb.GetResultResponse:
+        """The state, and the result once done; waits up to wait_ms for the end."""
+        return self.stub.GetResult(gen_pb.GetResultRequest(request_id=request_id, wait_ms=wait_ms),
+                                   metadata=self.metadata)
+
+    def stream_result(self, request_id: str, offset: int = 0) -> Iterator[gen_pb.GenerateStreamResponse]:
+        """Follows a request's tokens from index `offset` (resume a broken stream)."""
+        call = self.stub.StreamResult(gen_pb.StreamResultRequest(request_id=request_id, offset=offset),
+                                      metadata=self.metadata)
+        try:
+            yield from call
+        finally:
+            call.cancel()

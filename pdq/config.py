@@ -90,6 +90,7 @@ class GatewayConfig(StoreConfig):
     model: str = field(default="builtin", metadata={"help": "builtin, builtin:SIZE or a checkpoint dir (for the tokenizer)"})
     max_model_len: int = field(default=2048, metadata={"help": "prompt + max_tokens limit, capped by the model"})
     default_max_tokens: int = field(default=16, metadata={"help": "max_tokens when a request sets none"})
+    auth_file: str = field(default="", metadata={"help": "API key file (YAML or JSON); empty = open, tenant 'default'"})
     grace_s: float = field(default=5.0, metadata={"help": "seconds to finish calls on shutdown"})
 
     def __post_init__(self) -> None:

@@ -80,10 +80,11 @@ def setup_logging(role: str) -> None:
 class StatusError(Exception):
     """Raised by code below a servicer to end the call with this status and message."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, trailing: tuple = ()):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.trailing = trailing  # trailing metadata, e.g. grpc-retry-pushback-ms
 
 
 def run_service(role: str, config_cls: type, build_server: Callable[[Any], Server], argv: list[str] | None = None) -> None:

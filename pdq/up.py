@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdq.devkeys import remove_dev_keys, write_dev_keys
 from pdq.redis_server import RedisServer, die_with_parent, free_port
 
 
@@ -39,7 +40,10 @@ class Cluster:
     port: int = 50051
     host: str = "127.0.0.1"
     durable: bool = False
+    auth: bool = True  # write dev API keys (pdq.devkeys) and start the gateway with them
     extra_env: dict = field(default_factory=dict)
+    client_key: str = ""
+    admin_key: str = ""
     children: list[Child] = field(default_factory=list)
     redis: RedisServer | None = None
 
@@ -60,6 +64,9 @@ class Cluster:
             if self.port == 0:
                 self.port = free_port(self.host)
             env = dict(os.environ, PDQ_REDIS_URL=self.redis_url, PDQ_MODEL=model_dir, **self.extra_env)
+            if self.auth:
+                auth_file, self.client_key, self.admin_key = write_dev_keys(self.port)
+                env["PDQ_AUTH_FILE"] = str(auth_file)
             sched_port = free_port(self.host)
             self._spawn("scheduler", "scheduler", sched_port, env)
             for i in range(self.prefill):
@@ -113,6 +120,9 @@ class Cluster:
                 child.process.kill()
                 child.process.wait()
         self.children.clear()
+        if self.auth and self.client_key:
+            remove_dev_keys(self.port)
+            self.client_key = self.admin_key = ""
         if self.redis:
             self.redis.stop()
             self.redis = None
@@ -142,6 +152,9 @@ def run(cluster: Cluster) -> int:
     say(f"pdq: cluster healthy in {time.monotonic() - started:.1f}s "
         f"({cluster.prefill} prefill, {cluster.decode} decode worker(s))")
     print(f"gateway: {cluster.target}", flush=True)
+    if cluster.auth:
+        say(f"API keys (the CLI finds them by itself for this port):\n"
+            f"  client (tenant default): {cluster.client_key}\n  admin  (tenant ops):     {cluster.admin_key}")
     say(f"try:  .venv/bin/pdq generate \"Hello\" --target {cluster.target}")
     say("stop: Ctrl-C")
     code = 0

@@ -121,3 +121,41 @@ class CancelResponse(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     state: str
     def __init__(self, state: _Optional[str] = ...) -> None: ...
+
+class SubmitResult(_message.Message):
+    __slots__ = ("request_id", "created")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    created: bool
+    def __init__(self, request_id: _Optional[str] = ..., created: _Optional[bool] = ...) -> None: ...
+
+class GetResultRequest(_message.Message):
+    __slots__ = ("request_id", "wait_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    wait_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class GetResultResponse(_message.Message):
+    __slots__ = ("request_id", "state", "done", "result", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    state: str
+    done: bool
+    result: GenerateResponse
+    error: str
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[str] = ..., done: _Optional[bool] = ..., result: _Optional[_Union[GenerateResponse, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class StreamResultRequest(_message.Message):
+    __slots__ = ("request_id", "offset")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    offset: int
+    def __init__(self, request_id: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...

@@ -50,6 +50,21 @@ class GenerationStub:
                 request_serializer=pdq_dot_v1_dot_generation__pb2.CancelRequest.SerializeToString,
                 response_deserializer=pdq_dot_v1_dot_generation__pb2.CancelResponse.FromString,
                 _registered_method=True)
+        self.Submit = channel.unary_unary(
+                '/pdq.v1.Generation/Submit',
+                request_serializer=pdq_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pdq_dot_v1_dot_generation__pb2.SubmitResult.FromString,
+                _registered_method=True)
+        self.GetResult = channel.unary_unary(
+                '/pdq.v1.Generation/GetResult',
+                request_serializer=pdq_dot_v1_dot_generation__pb2.GetResultRequest.SerializeToString,
+                response_deserializer=pdq_dot_v1_dot_generation__pb2.GetResultResponse.FromString,
+                _registered_method=True)
+        self.StreamResult = channel.unary_stream(
+                '/pdq.v1.Generation/StreamResult',
+                request_serializer=pdq_dot_v1_dot_generation__pb2.StreamResultRequest.SerializeToString,
+                response_deserializer=pdq_dot_v1_dot_generation__pb2.GenerateStreamResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -84,6 +99,37 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Submit(self, request, context):
+        """Accepts a request and returns its id at once, without waiting for any
+        token (for serverless callers that fetch the result later with GetResult
+        or StreamResult). Same validation and errors as Generate. The call's
+        deadline does not bound the request: set timeout_ms for that.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetResult(self, request, context):
+        """Returns a request's state, and its result once it has ended. Long-polls:
+        waits up to wait_ms for the request to end before answering.
+        Results are kept for the server's result TTL (default 1 h) after the end.
+        Errors: NOT_FOUND for an unknown (or expired) request id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamResult(self, request, context):
+        """Streams a request's tokens from token index `offset` on, like
+        GenerateStream; use it to resume a broken stream or to follow a request
+        made with Submit. Closing this stream does not cancel the request.
+        Errors: NOT_FOUND for an unknown request id; the request's own end status
+        (CANCELLED, DEADLINE_EXCEEDED, UNAVAILABLE) after its last token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -101,6 +147,21 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Cancel,
                     request_deserializer=pdq_dot_v1_dot_generation__pb2.CancelRequest.FromString,
                     response_serializer=pdq_dot_v1_dot_generation__pb2.CancelResponse.SerializeToString,
+            ),
+            'Submit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Submit,
+                    request_deserializer=pdq_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
+                    response_serializer=pdq_dot_v1_dot_generation__pb2.SubmitResult.SerializeToString,
+            ),
+            'GetResult': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetResult,
+                    request_deserializer=pdq_dot_v1_dot_generation__pb2.GetResultRequest.FromString,
+                    response_serializer=pdq_dot_v1_dot_generation__pb2.GetResultResponse.SerializeToString,
+            ),
+            'StreamResult': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamResult,
+                    request_deserializer=pdq_dot_v1_dot_generation__pb2.StreamResultRequest.FromString,
+                    response_serializer=pdq_dot_v1_dot_generation__pb2.GenerateStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -185,6 +246,87 @@ class Generation:
             '/pdq.v1.Generation/Cancel',
             pdq_dot_v1_dot_generation__pb2.CancelRequest.SerializeToString,
             pdq_dot_v1_dot_generation__pb2.CancelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Submit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdq.v1.Generation/Submit',
+            pdq_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+            pdq_dot_v1_dot_generation__pb2.SubmitResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetResult(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdq.v1.Generation/GetResult',
+            pdq_dot_v1_dot_generation__pb2.GetResultRequest.SerializeToString,
+            pdq_dot_v1_dot_generation__pb2.GetResultResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamResult(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdq.v1.Generation/StreamResult',
+            pdq_dot_v1_dot_generation__pb2.StreamResultRequest.SerializeToString,
+            pdq_dot_v1_dot_generation__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

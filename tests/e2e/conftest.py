@@ -1,5 +1,7 @@
 """A real cluster for end-to-end tests: every role its own process, gRPC on loopback, a
-private Redis server, the built-in model."""
+private Redis server, the built-in model, API keys for two client tenants and an admin."""
+
+import json
 
 import pytest
 import redis
@@ -7,16 +9,35 @@ import redis
 from pdq.client import Client
 from pdq.up import Cluster
 
+KEYS = {"acme": "test-key-acme-0001", "globex": "test-key-globex-0002", "ops": "test-key-ops-admin-03"}
+
 
 @pytest.fixture(scope="session")
-def cluster():
-    with Cluster(model="builtin", port=0) as c:
+def auth_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("auth") / "keys.json"
+    path.write_text(json.dumps({"keys": [
+        {"key": KEYS["acme"], "tenant": "acme", "role": "client"},
+        {"key": KEYS["globex"], "tenant": "globex", "role": "client"},
+        {"key": KEYS["ops"], "tenant": "ops", "role": "admin"},
+    ]}))
+    return path
+
+
+@pytest.fixture(scope="session")
+def cluster(auth_file):
+    with Cluster(model="builtin", port=0, auth=False, extra_env={"PDQ_AUTH_FILE": str(auth_file)}) as c:
         yield c
 
 
 @pytest.fixture
 def client(cluster):
-    with Client(cluster.target) as c:
+    with Client(cluster.target, api_key=KEYS["acme"]) as c:
+        yield c
+
+
+@pytest.fixture
+def other_tenant(cluster):
+    with Client(cluster.target, api_key=KEYS["globex"]) as c:
         yield c
 
 

@@ -130,7 +130,7 @@ def test_deadline_of_the_call_ends_the_request(client, store_client):
     with pytest.raises(grpc.RpcError) as err:
         client.generate("slow", max_tokens=1500, ignore_eos=True, request_id="deadline-1", timeout=1.0)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    rid = store_client.get("pdq:idem:default:deadline-1").decode()
+    rid = store_client.get("pdq:idem:acme:deadline-1").decode()
     assert wait_state(store_client, rid, {"TIMED_OUT"}) == "TIMED_OUT"
 
 

@@ -1,0 +1,86 @@
+"""Reading a request's output stream in Redis: tokens in order, then its end."""
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pdq.request import FINISH_REASONS, State
+from pdq.store import RequestStore, _str
+from pdq.v1 import generation_pb2 as gen_pb
+
+
+class Event:
+    """One entry of a request's output stream: a token (index set), or the end (state set)."""
+
+    __slots__ = ("index", "token_id", "text", "state", "reason", "error")
+
+    def __init__(self, fields: dict):
+        f = {_str(k): _str(v) for k, v in fields.items()}
+        self.index = int(f["i"]) if "i" in f else None
+        self.token_id = int(f.get("t", 0))
+        self.text = f.get("x", "")
+        self.state = State(f["done"]) if "done" in f else None
+        self.reason = f.get("r", "")
+        self.error = f.get("e", "")
+
+
+async def follow(store: RequestStore, rid: str, wait_ms: int | None = None) -> AsyncIterator[Event]:
+    """Yields the stream's entries from the start until the end entry; with wait_ms, stops
+    early (without an end) once that long has passed."""
+    key = store.keys.output(rid)
+    last = "0-0"
+    deadline = None if wait_ms is None else time.monotonic() + wait_ms / 1000
+    while True:
+        block = 1000
+        if deadline is not None:
+            block = int((deadline - time.monotonic()) * 1000)
+            if block <= 0:
+                block = None  # one last non-blocking read
+        reply = await store.client.xread({key: last}, block=block, count=512)
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                last = _str(entry_id)
+                event = Event(fields)
+                yield event
+                if event.state is not None:
+                    return
+        if block is None:
+            return
+
+
+@dataclass
+class Collected:
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    end: Event | None = None
+
+    def add(self, event: Event) -> None:
+        if event.index is not None:
+            self.token_ids.append(event.token_id)
+            self.text.append(event.text)
+        if event.state is not None:
+            self.end = event
+
+
+async def usage_and_timings(store: RequestStore, rid: str) -> tuple[gen_pb.Usage, gen_pb.Timings]:
+    rec = await store.record(rid)
+    created = float(rec.get("created_ms", 0))
+
+    def since(name: str) -> float:
+        value = rec.get(name)
+        return float(value) - created if value else 0.0
+
+    usage = gen_pb.Usage(prompt_tokens=int(rec.get("prompt_tokens", 0)), completion_tokens=int(rec.get("n_out", 0)))
+    timings = gen_pb.Timings(queue_ms=since("dispatched_ms"), ttft_ms=since("first_token_ms"),
+                             e2e_ms=since("finished_ms"))
+    return usage, timings
+
+
+async def response(store: RequestStore, rid: str, got: Collected) -> gen_pb.GenerateResponse:
+    out = gen_pb.GenerateResponse(request_id=rid, text="".join(got.text), token_ids=got.token_ids)
+    if got.end is not None:
+        out.finish_reason = FINISH_REASONS.get(got.end.reason, 0)
+        usage, timings = await usage_and_timings(store, rid)
+        out.usage.CopyFrom(usage)
+        out.timings.CopyFrom(timings)
+    return out

@@ -1,0 +1,161 @@
+"""The references the service is measured against, run in this process on the same requests.
+
+- `engine`: pdq's own `LLMEngine` (the same model runtime, KV pool and batch policy as the
+  workers, with no RPC, no Redis, no KV hand-off). It honours every arrival pattern: a request
+  joins at the first step after it is due. A token's time is the end of the step that made it.
+- `hf`: naive `transformers` `generate()`: requests in order, in static batches of 8, left
+  padded, greedy, every batch run to its longest request (as a naive server does). Arrivals
+  are always all at once. A token's time is when `generate()` produced it (seen by a stopping
+  criterion); a request ends when its batch's `generate()` returns, as a naive server answers.
+  Only each request's own `max_tokens` count as output: padding and the tokens generated past
+  a request's length are waste.
+
+Neither counts as using the service's worker settings beyond the defaults below; both run on
+the CPU threads torch gives this process (`torch.get_num_threads()`).
+"""
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pdq.bench.arrivals import Arrivals
+from pdq.bench.record import RequestRecord, RunRecord
+from pdq.bench.workload import BenchRequest, Workload
+
+ENGINE_KV_BUDGET_TOKENS = 65536  # = the decode worker's default pool
+ENGINE_MAX_SEQ_LEN = 2048  # = the workers' default max_seq_len
+HF_BATCH_SIZE = 8
+
+Progress = Callable[[RequestRecord], None]
+
+
+def _warm_up_requests(workload: Workload) -> Workload:
+    first = workload.requests[0].prompt_token_ids[:1]
+    return Workload("warm-up", 0, tuple(BenchRequest(i, first * 16, 4) for i in range(2)))
+
+
+class EngineBaseline:
+    """The in-process engine; the model loads once and serves every run."""
+
+    name = "engine"
+
+    def __init__(self, model_dir: str | Path, kv_budget_tokens: int = ENGINE_KV_BUDGET_TOKENS,
+                 max_seq_len: int = ENGINE_MAX_SEQ_LEN):
+        from pdq.engine import LLMEngine
+
+        self.engine = LLMEngine.from_pretrained(str(model_dir), kv_budget_tokens=kv_budget_tokens,
+                                                max_seq_len=max_seq_len)
+
+    def notes(self) -> dict:
+        p = self.engine.policy
+        return {"engine": {"max_batched_tokens": p.max_batched_tokens, "prefill_chunk": p.prefill_chunk,
+                           "max_num_seqs": p.max_num_seqs}}
+
+    def run(self, workload: Workload, arrivals: Arrivals, on_done: Progress | None = None,
+            warm_up: bool = True) -> RunRecord:
+        from pdq.engine import SamplingParams
+
+        if warm_up:
+            self.run(_warm_up_requests(workload), Arrivals(), warm_up=False)
+        engine = self.engine
+        reqs = workload.requests
+        offsets = arrivals.offsets(len(reqs))
+        records: list[RequestRecord | None] = [None] * len(reqs)
+        by_seq: dict[int, RequestRecord] = {}
+        clock = time.perf_counter
+        t0 = clock()
+        sent = 0
+
+        def add(i: int, due: float) -> None:
+            r = reqs[i]
+            seq_id = engine.add_request(list(r.prompt_token_ids),
+                                        SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True))
+            by_seq[seq_id] = records[i] = RequestRecord(r, due)
+
+        while sent < len(reqs) or engine.has_unfinished():
+            now = clock() - t0
+            if offsets is None:
+                while sent < len(reqs) and len(by_seq) < arrivals.concurrency:
+                    add(sent, now)
+                    sent += 1
+            else:
+                while sent < len(reqs) and offsets[sent] <= now:
+                    add(sent, offsets[sent])
+                    sent += 1
+            if not engine.has_unfinished():
+                time.sleep(max(0.0, offsets[sent] - now))
+                continue
+            completions = engine.step()
+            now = clock() - t0
+            for seq in engine.running.values():
+                times = by_seq[seq.seq_id].token_times
+                times.extend([now] * (len(seq.output) - len(times)))
+            for c in completions:
+                rec = by_seq.pop(c.seq_id)
+                rec.token_times.extend([now] * (len(c.token_ids) - len(rec.token_times)))
+                rec.end, rec.finish_reason = now, c.finish_reason
+                if on_done:
+                    on_done(rec)
+        return RunRecord(self.name, self.name, workload, arrivals, list(records), notes=self.notes())
+
+
+class HFBaseline:
+    """Naive `transformers` `generate()` in static, left-padded batches."""
+
+    name = "hf"
+
+    def __init__(self, model_dir: str | Path, batch_size: int = HF_BATCH_SIZE):
+        import json
+
+        from pdq.model.loader import load_hf_model
+
+        self.model = load_hf_model(model_dir)
+        self.batch_size = batch_size
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        self.pad_id = config.get("pad_token_id")
+        if self.pad_id is None:
+            self.pad_id = 0
+
+    def run(self, workload: Workload, on_done: Progress | None = None, warm_up: bool = True) -> RunRecord:
+        import torch
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        if warm_up:
+            self.run(_warm_up_requests(workload), warm_up=False)
+        clock = time.perf_counter
+        t0 = clock()
+
+        class StepTimes(StoppingCriteria):
+            """Never stops; notes when each generated token (column) exists."""
+
+            def __init__(self):
+                self.times: list[float] = []
+
+            def __call__(self, input_ids, scores, **kwargs):
+                self.times.append(clock() - t0)
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+        reqs = workload.requests
+        records = [RequestRecord(r, 0.0) for r in reqs]
+        with torch.inference_mode():
+            for start in range(0, len(reqs), self.batch_size):
+                batch = reqs[start:start + self.batch_size]
+                width = max(r.prompt_len for r in batch)
+                ids = torch.tensor([[self.pad_id] * (width - r.prompt_len) + list(r.prompt_token_ids) for r in batch])
+                mask = torch.tensor([[0] * (width - r.prompt_len) + [1] * r.prompt_len for r in batch])
+                n = max(r.max_tokens for r in batch)
+                steps = StepTimes()
+                out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
+                                          min_new_tokens=n, pad_token_id=self.pad_id,
+                                          stopping_criteria=StoppingCriteriaList([steps]))
+                end = clock() - t0
+                if out.shape[1] - width != n or len(steps.times) != n:
+                    raise RuntimeError(f"hf generate() made {out.shape[1] - width} tokens ({len(steps.times)} steps), "
+                                       f"expected {n}")
+                for rec in records[start:start + self.batch_size]:
+                    rec.token_times = steps.times[:rec.request.max_tokens]
+                    rec.end, rec.finish_reason = end, "length"
+                    if on_done:
+                        on_done(rec)
+        return RunRecord(self.name, self.name, workload, Arrivals(), records,
+                         notes={"hf": {"batch_size": self.batch_size, "padding": "left", "decoding": "greedy"}})

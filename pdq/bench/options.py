@@ -1,0 +1,142 @@
+"""`pdq bench` flags and their validated form. Importing this module stays light (no torch, no grpc)."""
+
+import argparse
+import math
+import os
+from dataclasses import dataclass, field
+
+from pdq.bench.arrivals import Arrivals, parse_concurrency, parse_rates
+from pdq.bench.workload import WORKLOADS
+
+STRATEGIES = ("static", "dynamic", "continuous")
+BASELINES = ("hf", "engine")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    where = p.add_argument_group("what to measure")
+    where.add_argument("--target", help="gateway HOST:PORT of a running cluster")
+    where.add_argument("--spawn", action="store_true",
+                       help="start a cluster (pdq.up.Cluster) per strategy, and stop it after")
+    where.add_argument("--strategies", default=None,
+                       help="with --spawn: comma-separated batching strategies, each on its own cluster "
+                            f"(default {','.join(STRATEGIES)}); with --target: the label of its strategy")
+    where.add_argument("--baseline", action="append", default=[], choices=BASELINES,
+                       help="also run the same requests in this process: hf (naive transformers generate() in "
+                            "static batches of 8) or engine (pdq's LLMEngine, no RPC); repeatable")
+    where.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                       help="extra environment of every spawned process, e.g. PDQ_STRATEGY_BATCH_SIZE=8 (repeatable)")
+    up = p.add_argument_group("the spawned cluster (as `pdq up`)")
+    up.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    up.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    up.add_argument("--model", default=os.environ.get("PDQ_MODEL", "builtin"),
+                    help="builtin, builtin:tiny, builtin:small or a checkpoint dir; with --target, the model the "
+                         "cluster serves (its vocabulary makes the prompts)")
+    up.add_argument("--redis-url", default=os.environ.get("PDQ_UP_REDIS_URL"),
+                    help="use this Redis instead of starting a private one")
+    load = p.add_argument_group("workload and load")
+    load.add_argument("--workload", default="mixed", choices=WORKLOADS, help="default mixed")
+    load.add_argument("--requests", "-n", type=int, default=None,
+                      help="requests per run (default: the workload's own, 32 for mixed)")
+    load.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default 0)")
+    load.add_argument("--max-model-len", type=int, default=2048, help="prompt + output limit of the cluster")
+    arrival = load.add_mutually_exclusive_group()
+    arrival.add_argument("--rate", type=str, default=None, help="Poisson arrivals at R requests/s")
+    arrival.add_argument("--rates", type=str, default=None, help="a sweep of rates, e.g. 1,2,4,inf (inf = all at once)")
+    arrival.add_argument("--concurrency", type=str, default=None,
+                         help="closed loop: C requests in flight (a list such as 1,8,32 sweeps)")
+    load.add_argument("--api-key", default=None, help="API key of every request")
+    load.add_argument("--tenant-key", action="append", default=[], metavar="TENANT=KEY",
+                      help="multi-tenant: the API key of one tenant's requests (repeatable)")
+    load.add_argument("--warmup", type=int, default=2, help="small requests sent to each cluster first (default 2)")
+    load.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    out = p.add_argument_group("reports")
+    out.add_argument("--slo-ttft", type=float, default=None, metavar="MS", help="goodput SLO on time to first token")
+    out.add_argument("--slo-itl", type=float, default=None, metavar="MS",
+                     help="goodput SLO on inter-token latency (a request's mean gap, TPOT)")
+    out.add_argument("--json", default=None, metavar="FILE", help="write every run's numbers as JSON")
+    out.add_argument("--plot", default=None, metavar="FILE.png", help="throughput-latency curves per strategy")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _pairs(items: list[str], flag: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{flag} takes KEY=VALUE, got {item!r}")
+        out[key] = value
+    return out
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    target: str | None
+    spawn: bool
+    strategies: tuple[str, ...]
+    baselines: tuple[str, ...]
+    loads: tuple[Arrivals, ...]
+    workload: str = "mixed"
+    requests: int | None = None
+    seed: int = 0
+    max_model_len: int = 2048
+    model: str = "builtin"
+    prefill: int = 1
+    decode: int = 1
+    redis_url: str | None = None
+    env: dict = field(default_factory=dict)
+    api_keys: dict = field(default_factory=dict)
+    warmup: int = 2
+    request_timeout: float = 600.0
+    slo_ttft: float | None = None
+    slo_itl: float | None = None
+    json: str | None = None
+    plot: str | None = None
+    progress: bool = True
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace) -> "BenchOptions":
+        """Raises ValueError naming the flag when the combination makes no sense."""
+        if a.target and a.spawn:
+            raise ValueError("give either --target or --spawn, not both")
+        if not (a.target or a.spawn or a.baseline):
+            raise ValueError("nothing to measure: give --target HOST:PORT, --spawn, or a --baseline")
+        if a.strategies is None:
+            strategies = STRATEGIES if a.spawn else ("target",) if a.target else ()
+        else:
+            strategies = tuple(s.strip() for s in a.strategies.split(",") if s.strip())
+            if a.spawn and (bad := [s for s in strategies if s not in STRATEGIES]):
+                raise ValueError(f"--strategies: unknown {', '.join(bad)}; choose from {', '.join(STRATEGIES)}")
+            if a.target and len(strategies) != 1:
+                raise ValueError("--strategies with --target: one label (a running cluster has one strategy)")
+            if not strategies:
+                raise ValueError("--strategies: empty")
+        if len(set(strategies)) != len(strategies):
+            raise ValueError("--strategies: a strategy is listed twice")
+        if a.concurrency:
+            loads = tuple(Arrivals(concurrency=c, seed=a.seed) for c in parse_concurrency(a.concurrency))
+        else:
+            rates = parse_rates(a.rates or a.rate) if (a.rates or a.rate) else [math.inf]
+            loads = tuple(Arrivals(rate=r, seed=a.seed) for r in rates)
+        for name in ("prefill", "decode", "warmup"):
+            if getattr(a, name) < (0 if name == "warmup" else 1):
+                raise ValueError(f"--{name} must be >= {0 if name == 'warmup' else 1}")
+        for name in ("slo_ttft", "slo_itl", "request_timeout"):
+            value = getattr(a, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        env = _pairs(a.env, "--env")
+        if "PDQ_STRATEGY" in env:
+            raise ValueError("--env PDQ_STRATEGY: use --strategies")
+        keys = _pairs(a.tenant_key, "--tenant-key")
+        if a.api_key:
+            keys["*"] = a.api_key
+        return cls(target=a.target, spawn=a.spawn, strategies=strategies, baselines=tuple(dict.fromkeys(a.baseline)),
+                   loads=loads, workload=a.workload, requests=a.requests, seed=a.seed,
+                   max_model_len=a.max_model_len, model=a.model, prefill=a.prefill, decode=a.decode,
+                   redis_url=a.redis_url, env=env, api_keys=keys, warmup=a.warmup,
+                   request_timeout=a.request_timeout, slo_ttft=a.slo_ttft, slo_itl=a.slo_itl, json=a.json,
+                   plot=a.plot, progress=not a.no_progress)
+
+    def api_key(self, tenant: str) -> str | None:
+        """The key of `tenant`'s requests: its --tenant-key, else --api-key, else none."""
+        return self.api_keys.get(tenant, self.api_keys.get("*"))

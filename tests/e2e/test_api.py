@@ -1,0 +1,59 @@
+"""The public API beyond Generate: auth, async submit + fetch, resumable streams."""
+
+import grpc
+import pytest
+
+from pdq.client import Client
+from pdq.v1 import generation_pb2 as gen_pb
+
+
+@pytest.mark.parametrize("key", [None, "not-a-real-key-123"])
+def test_missing_or_unknown_key_is_unauthenticated(cluster, monkeypatch, key):
+    monkeypatch.delenv("PDQ_API_KEY", raising=False)
+    with Client(cluster.target, api_key=key) as c:
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate("hi", max_tokens=2)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_submit_then_get_result_long_polls_to_the_end(client):
+    rid = client.submit("fetch me later", max_tokens=12, ignore_eos=True)
+    first = client.get_result(rid)
+    assert first.request_id == rid and first.state  # answers at once, whatever the state
+    done = client.get_result(rid, wait_ms=30_000)
+    assert done.done and done.state == "COMPLETED"
+    assert len(done.result.token_ids) == 12 and done.result.usage.completion_tokens == 12
+    assert done.result.finish_reason == gen_pb.FINISH_REASON_LENGTH
+    direct = client.generate("fetch me later", max_tokens=12, ignore_eos=True)
+    assert done.result.token_ids == direct.token_ids  # greedy: the same tokens
+
+
+def test_submit_by_client_request_id_is_idempotent_and_fetchable_by_it(client):
+    a = client.submit("same key", max_tokens=3, request_id="job-42")
+    b = client.submit("same key", max_tokens=3, request_id="job-42")
+    assert a == b
+    assert client.get_result("job-42", wait_ms=30_000).request_id == a
+
+
+def test_stream_result_resumes_from_an_offset_without_repeats(client):
+    rid = client.submit("resume me", max_tokens=10, ignore_eos=True)
+    msgs = list(client.stream_result(rid, offset=6))
+    assert [m.index for m in msgs if m.HasField("index")] == [6, 7, 8, 9]
+    assert msgs[-1].finish_reason == gen_pb.FINISH_REASON_LENGTH
+    full = client.get_result(rid, wait_ms=10_000).result.token_ids
+    assert [m.token_id for m in msgs if m.HasField("index")] == list(full[6:])
+
+
+def test_another_tenants_request_is_not_found(client, other_tenant):
+    rid = client.submit("mine", max_tokens=2)
+    for call in (lambda: other_tenant.get_result(rid), lambda: other_tenant.cancel(rid),
+                 lambda: list(other_tenant.stream_result(rid))):
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert client.get_result(rid, wait_ms=10_000).done
+
+
+def test_tenant_comes_from_the_key(client, other_tenant, store_client):
+    rid = other_tenant.submit("who am i", max_tokens=2)
+    assert store_client.hget(f"pdq:req:{rid}", "tenant") == b"globex"

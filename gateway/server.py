@@ -17,7 +17,7 @@ from gateway.validation import Limits, build_spec, check_request
 from pdq.config import GatewayConfig
 from pdq.model.tokenizer import load_tokenizer
 from pdq.request import FINISH_REASONS, STATUS_OF_STATE, State
-from pdq.serving import GRPC_OPTIONS, Server, StatusError
+from pdq.serving import GRPC_OPTIONS, Server, StatusError, abort
 from pdq.store import RequestStore
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import generation_pb2_grpc as gen_grpc
@@ -41,7 +41,7 @@ def rpc(method):
                 async for item in method(self, request, context):
                     yield item
             except StatusError as exc:
-                await context.abort(exc.code, exc.message, exc.trailing)
+                await abort(context, exc)
         return stream
 
     @functools.wraps(method)
@@ -49,7 +49,7 @@ def rpc(method):
         try:
             return await method(self, request, context)
         except StatusError as exc:
-            await context.abort(exc.code, exc.message, exc.trailing)
+            await abort(context, exc)
     return unary
 
 

@@ -27,8 +27,9 @@ class Limits:
     default_max_tokens: int
 
 
-def invalid(field: str, message: str) -> StatusError:
-    return StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {message}")
+def invalid(field: str, message: str, reason: str = "INVALID_FIELD") -> StatusError:
+    """INVALID_ARGUMENT whose message starts with the field, with ErrorInfo(reason, field)."""
+    return StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {message}", reason=reason, field=field)
 
 
 def resolve_sampling(s: gen_pb.SamplingParams, prompt_tokens: int, limits: Limits) -> gen_pb.SamplingParams:
@@ -38,12 +39,13 @@ def resolve_sampling(s: gen_pb.SamplingParams, prompt_tokens: int, limits: Limit
     room = limits.max_model_len - prompt_tokens
     if room < 1:
         raise invalid("prompt", f"is {prompt_tokens} tokens; the limit is {limits.max_model_len - 1} "
-                                f"(max_model_len {limits.max_model_len} minus one generated token)")
+                                f"(max_model_len {limits.max_model_len} minus one generated token)", "PROMPT_TOO_LONG")
     if out.max_tokens == 0:
         out.max_tokens = min(limits.default_max_tokens, room)
     if out.max_tokens > room:
         raise invalid("sampling.max_tokens", f"{out.max_tokens} plus the {prompt_tokens}-token prompt exceeds "
-                                             f"max_model_len {limits.max_model_len}; use at most {room}")
+                                             f"max_model_len {limits.max_model_len}; use at most {room}",
+                      "MAX_TOKENS_TOO_LARGE")
     if not math.isfinite(out.temperature) or not 0 <= out.temperature <= 10:
         raise invalid("sampling.temperature", f"must be in [0, 10], got {out.temperature}")
     if not math.isfinite(out.top_p) or not 0 <= out.top_p <= 1:
@@ -65,9 +67,10 @@ def check_request(req: gen_pb.GenerateRequest, limits: Limits) -> None:
     if bool(req.prompt) == bool(req.prompt_token_ids):
         raise invalid("prompt", "give exactly one of prompt (text) and prompt_token_ids")
     if len(req.prompt) > MAX_PROMPT_CHARS:
-        raise invalid("prompt", f"is {len(req.prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
+        raise invalid("prompt", f"is {len(req.prompt)} characters; the limit is {MAX_PROMPT_CHARS}", "PROMPT_TOO_LONG")
     if len(req.prompt_token_ids) >= limits.max_model_len:
-        raise invalid("prompt_token_ids", f"has {len(req.prompt_token_ids)} tokens; the limit is {limits.max_model_len - 1}")
+        raise invalid("prompt_token_ids", f"has {len(req.prompt_token_ids)} tokens; the limit is {limits.max_model_len - 1}",
+                      "PROMPT_TOO_LONG")
     for i, tok in enumerate(req.prompt_token_ids):
         if tok >= limits.vocab_size:
             raise invalid(f"prompt_token_ids[{i}]", f"{tok} is not below the vocabulary size {limits.vocab_size}")

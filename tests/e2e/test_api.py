@@ -57,3 +57,16 @@ def test_another_tenants_request_is_not_found(client, other_tenant):
 def test_tenant_comes_from_the_key(client, other_tenant, store_client):
     rid = other_tenant.submit("who am i", max_tokens=2)
     assert store_client.hget(f"pdq:req:{rid}", "tenant") == b"globex"
+
+
+def test_errors_carry_typed_details(client):
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(list(range(3, 2100)), max_tokens=4)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    status = rpc_status.from_call(err.value)
+    info = error_details_pb2.ErrorInfo()
+    assert status.details[0].Unpack(info)
+    assert info.reason == "PROMPT_TOO_LONG" and info.metadata["field"] == "prompt_token_ids"

@@ -1,0 +1,92 @@
+"""The --json schema other tools read, the ratios with the issues' goals, the flags."""
+
+import argparse
+import json
+
+import pytest
+
+from pdq.bench import report
+from pdq.bench.arrivals import Arrivals
+from pdq.bench.metrics import summarize
+from pdq.bench.options import BenchOptions, add_arguments
+from pdq.bench.plot import plot
+from tests.bench.conftest import make_record, make_run
+
+LATENCY_KEYS = {"p50", "p90", "p99"}
+
+
+def run_entry(name: str, tokens_per_req: int, ttft: float, arrivals: Arrivals = Arrivals()) -> dict:
+    recs = [make_record(0.0, [ttft + 0.01 * i for i in range(tokens_per_req)]) for _ in range(4)]
+    return summarize(make_run(recs, name=name, arrivals=arrivals))
+
+
+def check_schema(doc: dict) -> None:
+    """What issue 8 promises to other tools."""
+    assert isinstance(doc["runs"], list) and doc["runs"]
+    for r in doc["runs"]:
+        for key, kind in (("name", str), ("strategy", str), ("workload", str), ("offered", dict),
+                          ("output_tokens_per_s", float), ("requests_per_s", float), ("goodput", float)):
+            assert isinstance(r[key], kind), key
+        for key in ("ttft_ms", "itl_ms", "e2e_ms"):
+            assert LATENCY_KEYS <= set(r[key]), key
+        assert set(r["offered"]) == {"arrivals", "rate_per_s", "concurrency"}
+
+
+def test_document_schema_and_ratios(tmp_path):
+    runs = [run_entry("static", 10, 2.0), run_entry("continuous", 10, 0.1), run_entry("engine", 10, 0.1),
+            run_entry("hf", 10, 3.0)]
+    # throughput: the same tokens, in less time for the faster TTFT
+    doc = report.document(runs, {"model": "builtin"}, ["--spawn"])
+    path = tmp_path / "bench.json"
+    report.write_json(path, doc)
+    doc = json.loads(path.read_text())
+    check_schema(doc)
+    assert doc["command"] == "pdq bench --spawn" and doc["machine"]["cpus"] >= 1
+    assert [r["name"] for r in doc["runs"]] == ["static", "continuous", "engine", "hf"]
+    got = {(r["a"], r["b"], r["metric"]): r for r in doc["ratios"]}
+    tput = got["continuous", "static", "output_tokens_per_s"]
+    assert tput["value"] == pytest.approx(2.09 / 0.19, rel=1e-2) and tput["goal"] == 3.0 and tput["met"]
+    ttft = got["continuous", "static", "ttft_p99"]  # static's p99 TTFT / continuous's
+    assert ttft["value"] == pytest.approx(20.0) and ttft["goal"] == 10.0 and ttft["met"]
+    assert got["continuous", "hf", "output_tokens_per_s"]["goal"] == 2.4
+    assert got["continuous", "engine", "output_tokens_per_s"]["value"] == pytest.approx(1.0)
+    assert got["static", "hf", "output_tokens_per_s"]["goal"] is None  # goals are for the default strategy
+    text = report.table(runs) + report.ratio_lines(doc["ratios"])
+    assert "continuous" in text and "goal >= 3x: met" in text
+
+
+def test_ratios_pair_runs_at_the_same_offered_load():
+    runs = [run_entry("continuous", 5, 0.1, Arrivals(rate=2.0)), run_entry("static", 5, 0.5, Arrivals(rate=4.0)),
+            run_entry("hf", 5, 1.0)]
+    assert report.ratios(runs) == []
+
+
+def test_plot_writes_a_png(tmp_path):
+    runs = [run_entry(name, 5, ttft, Arrivals(rate=rate)) for name, ttft in (("continuous", 0.1), ("static", 1.0))
+            for rate in (1.0, 2.0)] + [run_entry("hf", 5, 2.0)]
+    plot(runs, tmp_path / "p.png", title="t")
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def options(*argv: str) -> BenchOptions:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return BenchOptions.from_args(parser.parse_args(list(argv)))
+
+
+def test_options():
+    o = options("--spawn", "--rates", "1,inf", "--env", "PDQ_STRATEGY_BATCH_SIZE=4", "--baseline", "hf")
+    assert o.strategies == ("static", "dynamic", "continuous") and o.baselines == ("hf",)
+    assert [a.label for a in o.loads] == ["1/s", "all"] and o.env == {"PDQ_STRATEGY_BATCH_SIZE": "4"}
+    assert options("--target", "h:1").strategies == ("target",)
+    assert [a.label for a in options("--target", "h:1", "--concurrency", "2,4").loads] == ["C=2", "C=4"]
+    keyed = options("--target", "h:1", "--api-key", "k", "--tenant-key", "flood=f")
+    assert keyed.api_key("flood") == "f" and keyed.api_key("steady") == "k"
+    assert options("--baseline", "engine").loads == (Arrivals(),)
+    for bad, match in ((["--spawn", "--target", "h:1"], "not both"), ([], "nothing to measure"),
+                       (["--spawn", "--strategies", "fast"], "unknown fast"),
+                       (["--target", "h:1", "--strategies", "a,b"], "one label"),
+                       (["--spawn", "--env", "X"], "KEY=VALUE"), (["--spawn", "--env", "PDQ_STRATEGY=x"], "--strategies"),
+                       (["--spawn", "--rates", "0"], "rates")):
+        with pytest.raises(ValueError, match=match):
+            options(*bad)

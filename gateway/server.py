@@ -220,7 +220,8 @@ def build_server(config: GatewayConfig) -> Server:
     store = RequestStore(client, config.key_prefix)
     channel = grpc.aio.insecure_channel(config.scheduler_address, options=GRPC_OPTIONS)
     service = GenerationService(config, store, pb_grpc.SchedulerStub(channel), tokenizer, limits, keys)
-    server = Server(config.host, config.port, [gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name])
+    server = Server(config.host, config.port, [gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name],
+                    tls=(config.tls_cert, config.tls_key) if config.tls_cert else None)
     gen_grpc.add_GenerationServicer_to_server(service, server.grpc)
 
     async def start() -> None:

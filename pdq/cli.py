@@ -27,7 +27,7 @@ def _generate(args: argparse.Namespace) -> int:
     kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, request_id=args.request_id,
               tier=args.tier, timeout_ms=args.timeout_ms)
-    with Client(args.target, api_key=args.api_key) as client:
+    with Client(args.target, api_key=args.api_key, tls_ca=args.tls_ca) as client:
         try:
             if args.stream and not args.json:
                 for msg in client.generate_stream(args.prompt, **kw):
@@ -95,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--target", default=os.environ.get("PDQ_TARGET", DEFAULT_TARGET), help="gateway host:port")
     gen.add_argument("--api-key", default=None,
                      help="API key (default: $PDQ_API_KEY, else the dev key of a local `pdq up`)")
+    gen.add_argument("--tls-ca", default=None, help="CA certificate (PEM) of a TLS gateway (default: $PDQ_TLS_CA)")
     gen.add_argument("--max-tokens", type=int, default=0, help="tokens to generate (0 = server default, 16)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0)

@@ -46,12 +46,18 @@ def _timings(t: gen_pb.Timings) -> dict:
 
 
 class Client:
-    def __init__(self, target: str = "127.0.0.1:50051", api_key: str | None = None):
-        """api_key: else $PDQ_API_KEY, else the dev key of a local `pdq up` on that port."""
+    def __init__(self, target: str = "127.0.0.1:50051", api_key: str | None = None, tls_ca: str | None = None):
+        """api_key: else $PDQ_API_KEY, else the dev key of a local `pdq up` on that port.
+        tls_ca: PEM file of the CA to trust for a TLS gateway (else $PDQ_TLS_CA; unset = plaintext)."""
         from pdq.devkeys import find_dev_key
 
         api_key = api_key or os.environ.get("PDQ_API_KEY") or find_dev_key(target)
-        self.channel = grpc.insecure_channel(target)
+        tls_ca = tls_ca or os.environ.get("PDQ_TLS_CA")
+        if tls_ca:
+            with open(tls_ca, "rb") as f:
+                self.channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(f.read()))
+        else:
+            self.channel = grpc.insecure_channel(target)
         self.stub = gen_grpc.GenerationStub(self.channel)
         self.metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
 

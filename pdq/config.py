@@ -91,12 +91,16 @@ class GatewayConfig(StoreConfig):
     max_model_len: int = field(default=2048, metadata={"help": "prompt + max_tokens limit, capped by the model"})
     default_max_tokens: int = field(default=16, metadata={"help": "max_tokens when a request sets none"})
     auth_file: str = field(default="", metadata={"help": "API key file (YAML or JSON); empty = open, tenant 'default'"})
+    tls_cert: str = field(default="", metadata={"help": "PEM certificate chain: serve TLS (with --tls-key)"})
+    tls_key: str = field(default="", metadata={"help": "PEM private key of --tls-cert"})
     grace_s: float = field(default=5.0, metadata={"help": "seconds to finish calls on shutdown"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _positive("max_model_len", self.max_model_len)
         _positive("default_max_tokens", self.default_max_tokens)
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together")
 
 
 @dataclass(frozen=True)

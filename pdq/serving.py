@@ -23,7 +23,8 @@ GRPC_OPTIONS = [
 class Server:
     """A grpc.aio server with health and reflection; `port` is the bound port after `start()`."""
 
-    def __init__(self, host: str, port: int, service_names: Iterable[str]):
+    def __init__(self, host: str, port: int, service_names: Iterable[str], tls: tuple[str, str] | None = None):
+        """tls: (certificate chain PEM path, private key PEM path) to serve TLS instead of plaintext."""
         self.grpc = grpc.aio.server(options=GRPC_OPTIONS)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
@@ -31,7 +32,12 @@ class Server:
         reflection.enable_server_reflection(
             self.service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                                   reflection.SERVICE_NAME], self.grpc)
-        self.port = self.grpc.add_insecure_port(f"{host}:{port}")
+        if tls:
+            with open(tls[0], "rb") as cert, open(tls[1], "rb") as key:
+                creds = grpc.ssl_server_credentials([(key.read(), cert.read())])
+            self.port = self.grpc.add_secure_port(f"{host}:{port}", creds)
+        else:
+            self.port = self.grpc.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"cannot bind {host}:{port}")
         self.host = host

@@ -109,6 +109,12 @@ class RequestStore:
             return {_str(f): (v if _str(f) == "spec" else _str(v)) for f, v in raw.items()}
         return _then(self.client.hgetall(self.keys.request(rid)), decode)
 
+    def streamed_tokens(self, rid: str) -> Any:
+        """Token ids already written to the output stream, in index order."""
+        def tokens(entries: list) -> list[int]:
+            return [int(f[b"t"]) for _, f in entries if b"i" in f]
+        return _then(self.client.xrange(self.keys.output(rid)), tokens)
+
     def lookup_idempotent(self, tenant: str, key: str) -> Any:
         return _then(self.client.get(self.keys.idempotency(tenant, key)), lambda r: _str(r) if r else None)
 

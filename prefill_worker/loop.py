@@ -30,7 +30,7 @@ class Outcome:
     at its first token), "dropped" (it ended elsewhere: cancel, deadline) or "error"."""
 
     kind: str
-    first_token: int = 0
+    generated: list[int] = field(default_factory=list)  # tokens so far, the last one not in `layers`
     layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     error: str = ""
 
@@ -39,9 +39,11 @@ class Outcome:
 class Job:
     item: pb.PrefillItem
     done: Callable[[Outcome], None]  # called once, from the model thread
-    prompt: list[int] = field(default_factory=list)
-    filled: int = 0  # prompt tokens whose KV is in the pool
+    prompt: list[int] = field(default_factory=list)  # tokens to prefill
+    generated: list[int] = field(default_factory=list)  # streamed by an earlier attempt (migration)
+    filled: int = 0  # tokens of `prompt` whose KV is in the pool
     admitted: bool = False
+    started: bool = False
 
     @property
     def rid(self) -> str:
@@ -65,8 +67,24 @@ class PrefillLoop:
         self._thread.start()
 
     def submit(self, job: Job) -> None:
-        job.prompt = list(job.item.spec.prompt_token_ids)
         self.inbox.put(job)
+
+    def _start(self, job: Job) -> bool:
+        """Reads what an earlier attempt already streamed. A resumed request prefills prompt +
+        those tokens (all but the last, which the decode worker feeds next) and samples nothing,
+        so the client sees every token index once. -> False when the job ended here."""
+        job.started = True
+        prompt = list(job.item.spec.prompt_token_ids)
+        job.generated = self.store.streamed_tokens(job.rid)
+        job.prompt = prompt + job.generated[:-1]
+        params = job.item.spec.sampling
+        if job.generated and (len(job.generated) >= params.max_tokens
+                              or (job.generated[-1] in self.eos_ids and not params.ignore_eos)):
+            reason = "length" if len(job.generated) >= params.max_tokens else "eos"
+            self.store.step([StepItem(job.rid, job.item.epoch, final_state=State.COMPLETED, finish_reason=reason)])
+            self._end(job, Outcome("finished", generated=job.generated))
+            return False
+        return True
 
     def stop(self) -> None:
         self.inbox.put(None)
@@ -106,6 +124,8 @@ class PrefillLoop:
         now = now_ms()
         for job in pending:
             deadline = job.item.spec.deadline_ms
+            if not job.started and not self._start(job):
+                continue
             if self.cancels.pop(job.rid):
                 self._end(job, Outcome("dropped", error="request ended"))
             elif deadline and now >= deadline:
@@ -137,8 +157,12 @@ class PrefillLoop:
             job.filled += len(chunks[row].token_ids)
             if job.filled == len(job.prompt):
                 complete.append((row, job))
-        if complete:
-            self._first_tokens(logits, complete)
+        fresh = [(row, job) for row, job in complete if not job.generated]
+        if fresh:
+            self._first_tokens(logits, fresh)
+        for _, job in complete:
+            if job.generated:  # resumed: hand off at once, nothing to sample
+                self._handoff(job, job.generated)
         done = {id(j) for _, j in complete}
         return [j for j in live if id(j) not in done]
 
@@ -162,8 +186,13 @@ class PrefillLoop:
             if not ok:
                 self._end(job, Outcome("dropped", error="request ended"))
             elif reason:
-                self._end(job, Outcome("finished", first_token=token))
+                self._end(job, Outcome("finished", generated=[token]))
             else:
-                self.store.transition(job.rid, job.item.epoch, State.TRANSFERRING)
-                layers = [(k.cpu(), v.cpu()) for k, v in self.runner.export_kv(job.rid, len(job.prompt))]
-                self._end(job, Outcome("handoff", first_token=token, layers=layers))
+                self._handoff(job, [token])
+
+    def _handoff(self, job: Job, generated: list[int]) -> None:
+        if not self.store.transition(job.rid, job.item.epoch, State.TRANSFERRING):
+            self._end(job, Outcome("dropped", error="request ended"))
+            return
+        layers = [(k.cpu(), v.cpu()) for k, v in self.runner.export_kv(job.rid, len(job.prompt))]
+        self._end(job, Outcome("handoff", generated=generated, layers=layers))

@@ -7,6 +7,7 @@ import grpc
 
 from pdq import kv_transfer
 from pdq.config import PrefillConfig
+from pdq.faults import Faults
 from pdq.keys import Keys
 from pdq.model.loader import eos_token_ids, resolve_model
 from pdq.model.tokenizer import load_tokenizer
@@ -24,6 +25,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
     def __init__(self, config: PrefillConfig):
         self.config = config
         self.loop: PrefillLoop | None = None
+        self.faults = Faults.from_env()
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _decode_stub(self, address: str) -> pb_grpc.DecodeWorkerStub:
@@ -52,8 +54,12 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             if outcome.kind == "finished" or outcome.kind == "dropped":
                 await self._release(item)
             return pb.PrefillItemResult(request_id=rid, ok=True)
-        header = pb.KVHeader(spec=item.spec, epoch=item.epoch, generated_token_ids=[outcome.first_token])
+        header = pb.KVHeader(spec=item.spec, epoch=item.epoch, generated_token_ids=outcome.generated)
         chunks = kv_transfer.encode(header, outcome.layers, self.config.kv_chunk_bytes)
+        if self.faults:
+            chunks = self.faults.kv_chunks(chunks)
+            if self.faults.get("kv_delay_ms"):
+                await asyncio.sleep(self.faults.get("kv_delay_ms") / 1000)
         try:
             resp = await self._decode_stub(item.decode_address).PushKV(chunks, timeout=30.0)
         except grpc.aio.AioRpcError as exc:

@@ -8,6 +8,7 @@ they never compete with one for the CPU. Stdout gets the tables; stderr the prog
 import argparse
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from pdq.bench import report
 from pdq.bench.metrics import Slo, summarize
@@ -63,27 +64,35 @@ class Bench:
         for error in entry["errors_sample"]:
             say(f"    error: {error}")
 
-    def service(self, target: str, strategy: str) -> None:
+    def service(self, target: str, strategy: str, keys: dict[str, str | None]) -> None:
+        """Every offered load against the cluster at `target`; keys: tenant -> API key (None:
+        the client's default, $PDQ_API_KEY or a local `pdq up`'s dev key)."""
         from pdq.bench.service import run_service, warm_up
 
         opts = self.opts
-        keys = {t.name: opts.api_key(t.name) for t in self.workload.tenants}
         warm_up(target, self.workload.requests[0].prompt_token_ids[0], opts.warmup,
-                api_key=next(iter(keys.values())), timeout_s=opts.request_timeout)
+                api_key=next(iter(keys.values()), None), timeout_s=opts.request_timeout)
         for load in opts.loads:
             self.measure(f"{strategy} @ {load.label}", lambda p: run_service(
                 target, strategy, strategy, self.workload, load, api_keys=keys, timeout_s=opts.request_timeout,
                 on_done=p))
 
     def spawned(self, strategy: str) -> None:
+        """A fresh cluster for `strategy`, with a key per tenant of the workload (bench.tenancy)."""
+        import tempfile
+
+        from pdq.bench.tenancy import write_auth_file
         from pdq.up import Cluster
 
         opts = self.opts
-        env = {**opts.env, "PDQ_STRATEGY": strategy}
-        say(f"pdq bench: starting a cluster for strategy {strategy!r} ...")
-        with Cluster(prefill=opts.prefill, decode=opts.decode, model=opts.model, redis_url=opts.redis_url,
-                     port=0, extra_env=env) as cluster:
-            self.service(cluster.target, strategy)
+        with tempfile.TemporaryDirectory(prefix="pdq-bench-") as tmp:
+            auth_file = Path(tmp) / "auth.json"
+            keys = write_auth_file(auth_file, self.workload.tenants, opts.api_keys)
+            env = {**opts.env, "PDQ_STRATEGY": strategy, "PDQ_AUTH_FILE": str(auth_file)}
+            say(f"pdq bench: starting a cluster for strategy {strategy!r} ...")
+            with Cluster(prefill=opts.prefill, decode=opts.decode, model=opts.model, redis_url=opts.redis_url,
+                         port=0, auth=False, extra_env=env) as cluster:
+                self.service(cluster.target, strategy, keys)
 
     def baselines(self, model_dir: str) -> None:
         opts = self.opts
@@ -130,12 +139,12 @@ def run(args: argparse.Namespace) -> int:
         say(f"pdq bench: {exc}")
         return 2
     say(f"pdq bench: {workload.describe()}")
-    if len(workload.tenants) > 1 and not any(opts.api_key(t.name) for t in workload.tenants):
-        say("pdq bench: note: no --tenant-key given, so every tenant's requests carry no API key and the server "
-            "sees one tenant; shares are measured from the client side")
+    if opts.target and len(workload.tenants) > 1 and not all(opts.api_key(t.name) for t in workload.tenants):
+        say("pdq bench: note: not every tenant has a --tenant-key, so the server may see fewer tenants than the "
+            "workload has; shares are measured from the client side")
     bench = Bench(opts, workload)
     if opts.target:
-        bench.service(opts.target, opts.strategies[0])
+        bench.service(opts.target, opts.strategies[0], {t.name: opts.api_key(t.name) for t in workload.tenants})
     if opts.spawn:
         for strategy in opts.strategies:
             bench.spawned(strategy)

@@ -44,9 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     arrival.add_argument("--rates", type=str, default=None, help="a sweep of rates, e.g. 1,2,4,inf (inf = all at once)")
     arrival.add_argument("--concurrency", type=str, default=None,
                          help="closed loop: C requests in flight (a list such as 1,8,32 sweeps)")
-    load.add_argument("--api-key", default=None, help="API key of every request")
+    load.add_argument("--api-key", default=None,
+                      help="with --target: the API key of every request (default: $PDQ_API_KEY, else the dev key "
+                           "of a local `pdq up`); a spawned cluster gets a fresh key per tenant")
     load.add_argument("--tenant-key", action="append", default=[], metavar="TENANT=KEY",
-                      help="multi-tenant: the API key of one tenant's requests (repeatable)")
+                      help="the API key of one tenant's requests, e.g. flood=sk-... (repeatable)")
     load.add_argument("--warmup", type=int, default=2, help="small requests sent to each cluster first (default 2)")
     load.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
     out = p.add_argument_group("reports")

@@ -88,7 +88,6 @@ def ratios(runs: list[dict]) -> list[dict]:
     by_load: dict[str, dict[str, dict]] = {}
     for r in runs:
         by_load.setdefault(r["arrivals"], {})[r["name"]] = r
-    hf = next((r for r in runs if r["name"] == "hf"), None)
     out = []
 
     def add(a: dict, b: dict, metric: str, load: str) -> None:
@@ -106,8 +105,7 @@ def ratios(runs: list[dict]) -> list[dict]:
     for load, named in by_load.items():
         service = [r for n, r in named.items() if n not in BASELINE_NAMES]
         for a in service:
-            base_hf = named.get("hf") or (hf if load == "all" else None)
-            for b in (base_hf, named.get("engine")):
+            for b in (named.get("hf"), named.get("engine")):
                 if b is not None:
                     add(a, b, "output_tokens_per_s", load)
         for a in service:

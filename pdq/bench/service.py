@@ -45,7 +45,8 @@ def run_service(target: str, name: str, strategy: str, workload: Workload, arriv
                 api_keys: dict[str, str | None] | None = None, timeout_s: float = 600.0,
                 on_done: Progress | None = None) -> RunRecord:
     """Offers `workload` to the gateway at `target` with `arrivals`; returns when every request
-    has ended. api_keys: tenant name -> API key (None or missing = no key)."""
+    has ended. api_keys: tenant name -> API key (None or missing: the `Client` default,
+    $PDQ_API_KEY or the dev key of a local `pdq up`)."""
     api_keys = api_keys or {}
     tenants = {r.tenant for r in workload.requests}
     clients = {t: Client(target, api_key=api_keys.get(t)) for t in tenants}

@@ -1,19 +1,53 @@
-"""Stateless building blocks of the Llama forward: RMSNorm, rotary embedding, SwiGLU.
+"""Building blocks of the Llama forward: linear, RMSNorm, rotary embedding, SwiGLU.
 
-Each op does the same float operations in the same order as its Hugging Face counterpart,
-so logits agree with `LlamaForCausalLM` up to matmul rounding noise.
+Each op computes the same function as its Hugging Face counterpart in the same precision,
+so logits agree with `LlamaForCausalLM` up to float rounding noise.
 """
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """y = x @ weight.T + bias, weight [out_features, in_features].
+
+    On CPU in float32, `prepack()` also keeps the weight in oneDNN's blocked layout: small-
+    batch GEMMs (decode steps) then skip re-packing the weight on every call, ~1.5x faster
+    for 8..256 rows. Single rows stay on the plain BLAS path, which is faster there. This
+    costs a second copy of the weight in memory.
+    """
+
+    PLAIN_MAX_ROWS = 2
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.packed = None
+
+    def prepack(self) -> None:
+        w = self.weight
+        if w.device.type != "cpu" or w.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+            return
+        try:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+        except (AttributeError, RuntimeError):  # a torch build without these oneDNN ops
+            self.packed = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.shape[0] > self.PLAIN_MAX_ROWS:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, computed in float32 and cast back (as HF's LlamaRMSNorm)."""
-    dtype = x.dtype
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
+    return weight * h.to(x.dtype)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdq.engine.attention import AttnMetadata, attend
-from pdq.engine.layers import RotaryEmbedding, rms_norm, silu_and_mul
+from pdq.engine.layers import Linear, RotaryEmbedding, rms_norm, silu_and_mul
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -101,8 +101,8 @@ def rope_inv_freq(config, spec: LlamaSpec) -> tuple[torch.Tensor, float]:
     return inv.float(), float(scaling)
 
 
-def _param(t: torch.Tensor | None) -> nn.Parameter | None:
-    return None if t is None else nn.Parameter(t.detach().clone(), requires_grad=False)
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
 
 
 class LlamaLayer(nn.Module):
@@ -111,16 +111,17 @@ class LlamaLayer(nn.Module):
     def __init__(self, spec: LlamaSpec, sd: dict[str, torch.Tensor], prefix: str):
         super().__init__()
         a, m = prefix + "self_attn.", prefix + "mlp."
-        cat = lambda *names: torch.cat([sd[n] for n in names])  # noqa: E731
+
+        def fused(names: list[str], bias: bool) -> Linear:
+            w = torch.cat([sd[n + ".weight"] for n in names]) if len(names) > 1 else sd[names[0] + ".weight"]
+            b = (torch.cat([sd[n + ".bias"] for n in names]) if len(names) > 1 else sd[names[0] + ".bias"]) if bias else None
+            return Linear(w, b)
+
         self.spec = spec
-        self.qkv_w = _param(cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"))
-        self.qkv_b = _param(cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if spec.attention_bias else None)
-        self.o_w = _param(sd[a + "o_proj.weight"])
-        self.o_b = _param(sd[a + "o_proj.bias"] if spec.attention_bias else None)
-        self.gate_up_w = _param(cat(m + "gate_proj.weight", m + "up_proj.weight"))
-        self.gate_up_b = _param(cat(m + "gate_proj.bias", m + "up_proj.bias") if spec.mlp_bias else None)
-        self.down_w = _param(sd[m + "down_proj.weight"])
-        self.down_b = _param(sd[m + "down_proj.bias"] if spec.mlp_bias else None)
+        self.qkv = fused([a + "q_proj", a + "k_proj", a + "v_proj"], spec.attention_bias)
+        self.o = fused([a + "o_proj"], spec.attention_bias)
+        self.gate_up = fused([m + "gate_proj", m + "up_proj"], spec.mlp_bias)
+        self.down = fused([m + "down_proj"], spec.mlp_bias)
         self.in_norm = _param(sd[prefix + "input_layernorm.weight"])
         self.post_norm = _param(sd[prefix + "post_attention_layernorm.weight"])
         self.q_size = spec.num_heads * spec.head_dim
@@ -129,15 +130,15 @@ class LlamaLayer(nn.Module):
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttnMetadata) -> torch.Tensor:
         s = self.spec
         t = x.shape[0]
-        h = rms_norm(x, self.in_norm, s.rms_norm_eps)
-        q, k, v = F.linear(h, self.qkv_w, self.qkv_b).split([self.q_size, self.kv_size, self.kv_size], -1)
-        q = RotaryEmbedding.apply(q.view(t, s.num_heads, s.head_dim), cos, sin)
-        k = RotaryEmbedding.apply(k.view(t, s.num_kv_heads, s.head_dim), cos, sin)
-        o = attend(q, k, v.view(t, s.num_kv_heads, s.head_dim), k_cache, v_cache, meta)
-        x = x + F.linear(o.reshape(t, self.q_size), self.o_w, self.o_b)
-        h = rms_norm(x, self.post_norm, s.rms_norm_eps)
-        h = silu_and_mul(F.linear(h, self.gate_up_w, self.gate_up_b))
-        return x + F.linear(h, self.down_w, self.down_b)
+        qkv = self.qkv(rms_norm(x, self.in_norm, s.rms_norm_eps))
+        # rotate q and k heads together: [T, q_heads + kv_heads, head_dim]
+        qk = RotaryEmbedding.apply(qkv[:, : self.q_size + self.kv_size].view(t, -1, s.head_dim), cos, sin)
+        q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, s.num_kv_heads, s.head_dim)
+        o = attend(q, k, v, k_cache, v_cache, meta)
+        x = x + self.o(o.reshape(t, self.q_size))
+        h = silu_and_mul(self.gate_up(rms_norm(x, self.post_norm, s.rms_norm_eps)))
+        return x + self.down(h)
 
 
 class LlamaModel(nn.Module):
@@ -155,10 +156,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaLayer(spec, sd, f"model.layers.{i}.") for i in range(spec.num_layers))
         self.norm = _param(sd["model.norm.weight"])
         lm_head = sd.get("lm_head.weight")
-        if spec.tie_word_embeddings or lm_head is None:
-            self.lm_head = self.embed
-        else:
-            self.lm_head = _param(lm_head)
+        self.lm_head = Linear(embed if spec.tie_word_embeddings or lm_head is None else lm_head)
         self.rotary = RotaryEmbedding(inv_freq, rope_scaling, max_positions, embed.dtype)
 
     @classmethod
@@ -187,4 +185,11 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv[i, 0], kv[i, 1], meta)
         x = rms_norm(x[logit_rows], self.norm, self.spec.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return self.lm_head(x).float()
+
+    def prepack(self) -> "LlamaModel":
+        """Prepack every linear weight for the device's fastest GEMM path (CPU float32 only)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack()
+        return self

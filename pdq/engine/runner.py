@@ -73,7 +73,7 @@ class ModelRunner:
             name: t.detach().to(device=self.device, dtype=self.dtype if t.is_floating_point() else t.dtype)
             for name, t in model.state_dict().items()
         }
-        self.model = LlamaModel.from_hf(state, config, max_seq_len).to(self.device)
+        self.model = LlamaModel.from_hf(state, config, max_seq_len).to(self.device).prepack()
         self.spec = spec
         self.pool = KVPool(
             num_layers=spec.num_layers,

@@ -1,0 +1,60 @@
+"""P/D hand-off failures fail closed, and a request moves between decode workers intact."""
+
+import signal
+import time
+
+import grpc
+import pytest
+import redis
+
+from pdq.client import Client
+from pdq.up import Cluster
+
+
+@pytest.fixture(scope="module")
+def faulty():
+    # the prefill worker corrupts its first 4 KV hand-offs; a stopping worker waits 0.3 s at most
+    with Cluster(model="builtin", port=0, decode=2, extra_env={"PDQ_FAULTS": "kv_corrupt=4", "PDQ_GRACE_S": "0.3"}) as c:
+        yield c
+
+
+def record(c: Cluster, rid: str) -> dict:
+    r = redis.Redis.from_url(c.redis_url)
+    try:
+        return {k.decode(): v.decode() for k, v in r.hgetall(f"pdq:req:{rid}").items() if k != b"spec"}
+    finally:
+        r.close()
+
+
+def test_corrupt_handoffs_never_produce_tokens_and_retries_are_bounded(faulty):
+    with Client(faulty.target) as c:
+        with pytest.raises(grpc.RpcError) as err:  # attempts 1-3 corrupted: FAILED, never garbled
+            c.generate("first", max_tokens=5, ignore_eos=True, request_id="corrupt-a")
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "KV hand-off" in err.value.details() and "checksum" in err.value.details()
+        rid_a = c.get_result("corrupt-a").request_id
+        rec = record(faulty, rid_a)
+        assert rec["state"] == "FAILED" and rec["n_out"] == "1"  # only the prefill's first token was streamed
+
+        ok = c.generate("second", max_tokens=5, ignore_eos=True, request_id="corrupt-b")  # 4th corrupted, 5th fine
+        assert len(ok.token_ids) == 5
+        assert record(faulty, ok.request_id)["attempts"] == "2"
+        assert ok.token_ids == c.generate("second", max_tokens=5, ignore_eos=True).token_ids
+
+
+def test_request_moves_to_another_decode_worker_when_its_worker_stops(faulty):
+    with Client(faulty.target) as c:
+        expected = c.generate("migrate me", max_tokens=200, ignore_eos=True).token_ids
+        stream = c.generate_stream("migrate me", max_tokens=200, ignore_eos=True)
+        rid = next(stream).request_id
+        seen = [next(stream) for _ in range(5)]
+        address = record(faulty, rid)["decode_worker"]
+        victim = next(ch for ch in faulty.children if address.endswith(f":{ch.port}"))
+        victim.process.send_signal(signal.SIGTERM)  # its sequences go back to the scheduler
+        seen += [m for m in stream]
+        tokens = [m for m in seen if m.HasField("index")]
+        assert [m.index for m in tokens] == list(range(200))  # every index exactly once
+        assert [m.token_id for m in tokens] == expected  # same greedy output as uninterrupted
+        rec = record(faulty, rid)
+        assert rec["state"] == "COMPLETED" and rec["decode_worker"] != address
+        victim.process.wait(30)

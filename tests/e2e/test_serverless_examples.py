@@ -1,0 +1,87 @@
+"""The serverless handlers (examples/serverless) against a real cluster: submit returns the id
+at once, fetch returns the state and, once done, the result."""
+
+import importlib.util
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import KEYS
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "serverless"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"pdq_serverless_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def handlers(cluster, monkeypatch):
+    monkeypatch.setenv("PDQ_TARGET", cluster.target)
+    monkeypatch.setenv("PDQ_API_KEY", KEYS["acme"])
+    monkeypatch.delenv("PDQ_TLS_CA", raising=False)
+    submit, fetch = load("submit"), load("fetch")
+    yield submit.handler, fetch.handler
+    for module in (submit, fetch):  # close the channels the handlers cached
+        module.client(cluster.target, KEYS["acme"]).close()
+        module.client.cache_clear()
+
+
+def fetch_until_done(fetch, request_id: str, timeout_s: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        out = fetch({"request_id": request_id, "wait_ms": 1_000}, None)
+        assert "error" not in out, out
+        if out["done"]:
+            return out
+    raise AssertionError(f"{request_id} not done after {timeout_s}s")
+
+
+def test_submit_returns_an_id_at_once_and_fetch_returns_the_result(handlers, client):
+    submit, fetch = handlers
+    started = time.monotonic()
+    out = submit({"prompt": "serverless hello", "max_tokens": 48, "ignore_eos": True}, None)
+    assert set(out) == {"request_id"}, out
+    rid = out["request_id"]
+
+    now = fetch({"request_id": rid, "wait_ms": 0}, None)
+    assert now["request_id"] == rid and now["state"] in (
+        "QUEUED", "PREFILLING", "TRANSFERRING", "DECODING", "COMPLETED")
+    assert time.monotonic() - started < 5.0  # neither handler waited for the generation
+
+    done = fetch_until_done(fetch, rid)
+    assert done["state"] == "COMPLETED" and done["finish_reason"] == "length" and done["error"] == ""
+    assert done["usage"]["completion_tokens"] == 48 == len(done["token_ids"])
+    direct = client.generate("serverless hello", max_tokens=48, ignore_eos=True)
+    assert (done["text"], done["token_ids"]) == (direct.text, direct.token_ids)  # greedy: the same tokens
+
+
+def test_a_retried_submit_with_the_same_request_id_is_one_request(handlers):
+    submit, fetch = handlers
+    key = f"lambda-{uuid.uuid4().hex[:12]}"
+    event = {"prompt": "only once", "max_tokens": 4, "request_id": key}
+    first, retry = submit(event, None), submit(event, None)
+    assert first["request_id"] == retry["request_id"]
+    assert fetch_until_done(fetch, key)["request_id"] == first["request_id"]  # fetchable by the client key
+
+
+def test_errors_come_back_as_the_grpc_status(handlers):
+    submit, fetch = handlers
+    bad = submit({"prompt": "x", "max_tokens": 100_000}, None)
+    assert bad["error"] == "INVALID_ARGUMENT" and bad["message"].startswith("sampling.max_tokens")
+    assert submit({}, None)["error"] == "INVALID_ARGUMENT"
+    assert fetch({"request_id": "no-such-request"}, None)["error"] == "NOT_FOUND"
+    assert fetch({}, None)["error"] == "INVALID_ARGUMENT"
+
+
+def test_fetch_follows_a_cancelled_request(handlers, client):
+    submit, fetch = handlers
+    rid = submit({"prompt": "cancel me", "max_tokens": 1000, "ignore_eos": True}, None)["request_id"]
+    client.cancel(rid)
+    done = fetch_until_done(fetch, rid)
+    assert done["state"] == "CANCELLED" and done["finish_reason"] == "cancelled"

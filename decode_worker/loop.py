@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from decode_worker.strategy import Strategy
+from pdq import metrics, telemetry
 from pdq.convert import sampling_from_pb
 from pdq.engine.sampling import SamplingParams, sample
 from pdq.kv_transfer import ReceivedKV
@@ -40,6 +41,10 @@ class Sequence:
     deadline_ms: int
     arrived: float = field(default_factory=time.monotonic)
     done: bool = False  # finished, still seated (request-level strategies only)
+    labels: tuple[str, str] = ("", "")  # (tier, tenant) of its metrics
+    arrival_ms: int = 0  # the request's arrival (Unix ms), for e2e latency
+    last_token_at: float = 0.0  # monotonic time of its previous token, for inter-token latency
+    span: Any = None  # this attempt's decode span (None when tracing is off)
 
     @property
     def position(self) -> int:
@@ -70,6 +75,8 @@ class DecodeLoop:
         self.waiting: list[Sequence] = []  # KV in the pool, not yet admitted
         self.running: dict[str, Sequence] = {}
         self.stats = LoopStats()
+        self.step_metrics = metrics.DecodeStepStats(strategy.name)
+        self._first_pending: list[Sequence] = []  # traced sequences whose next token is their first here
         self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
 
     def start(self) -> None:
@@ -116,6 +123,10 @@ class DecodeLoop:
     def _arrive(self, kv: ReceivedKV) -> None:
         h = kv.header
         rid = h.spec.request_id
+        span = telemetry.start("pdq.decode", h.spec.traceparent,
+                               attributes={**telemetry.request_attributes(h.spec), "pdq.attempt": h.epoch,
+                                           "pdq.worker": self.address, "pdq.strategy": self.strategy.name,
+                                           "pdq.resumed_tokens": len(h.generated_token_ids) - 1})
         try:
             self.runner.allocate(rid)
             for layer, (k, v) in enumerate(kv.layers):
@@ -124,6 +135,7 @@ class DecodeLoop:
             log.error("cannot take KV of %s: %s", rid, exc)
             self.runner.free(rid)
             self.store.finish(rid, State.FAILED, "error", f"decode worker could not load KV: {exc}", epoch=h.epoch)
+            telemetry.end(span, "failed", f"could not load KV: {exc}")
             self.on_leave(rid)
             return
         params = sampling_from_pb(h.spec.sampling)
@@ -131,7 +143,12 @@ class DecodeLoop:
         generated = list(h.generated_token_ids)
         seq = Sequence(rid, h.epoch, len(prompt), params, TextOutput(self.tokenizer, params.stop, prompt, generated),
                        generated, h.spec.deadline_ms)
+        seq.labels = (h.spec.tier, h.spec.tenant)
+        seq.arrival_ms = h.spec.arrival_ms
+        seq.last_token_at = seq.arrived  # the first gap here runs from the KV cache's arrival
+        seq.span = span
         if not self.store.transition(rid, h.epoch, State.DECODING, decode_worker=self.address):
+            self._end_span(seq, "dropped", reason="request ended during the KV hand-off")
             self._leave(seq)  # ended while in transit
             return
         self.waiting.append(seq)
@@ -144,9 +161,22 @@ class DecodeLoop:
         n = self.strategy.admit(len(self.waiting), live if self.strategy.run_to_completion else len(self.running), oldest)
         for seq in self.waiting[:n]:
             self.running[seq.rid] = seq
+            if seq.span is not None:
+                seq.span.add_event("admitted", {"pdq.batch.running": len(self.running)})
+                self._first_pending.append(seq)
         del self.waiting[:n]
 
+    def _end_span(self, seq: Sequence, event: str, error: str | None = None, reason: str = "") -> None:
+        """Ends the sequence's decode span once (the first end wins)."""
+        if seq.span is not None:
+            attributes = {"gen_ai.usage.output_tokens": len(seq.generated)}
+            if event == "finish":
+                attributes["gen_ai.response.finish_reasons"] = [reason]
+            telemetry.end(seq.span, event, error, attributes, {"pdq.reason": reason or error or ""})
+            seq.span = None
+
     def _leave(self, seq: Sequence) -> None:
+        self._end_span(seq, "left")
         self.running.pop(seq.rid, None)
         if seq in self.waiting:
             self.waiting.remove(seq)
@@ -168,23 +198,27 @@ class DecodeLoop:
             if seq.done:
                 continue
             if self.cancels.pop(seq.rid):
+                self._end_span(seq, "dropped", reason="request ended elsewhere (cancelled, timed out or failed)")
                 self._leave(seq)
             elif seq.deadline_ms and now >= seq.deadline_ms:
                 ended.append(StepItem(seq.rid, seq.epoch, final_state=State.TIMED_OUT, finish_reason="timeout"))
+                self._end_span(seq, "timeout", "deadline exceeded during decode")
                 self._leave(seq)
         if ended:
-            self.store.step(ended)
+            metrics.TIMEOUTS.labels("decode").inc(sum(self.store.step(ended)))
         if self.running and all(s.done for s in self.running.values()):
             for seq in list(self.running.values()):
                 self._leave(seq)
 
     def _step(self) -> None:
+        started = time.perf_counter()
         seqs = [s for s in self.running.values() if s.position + 1 < self.runner.max_seq_len or not s.done]
         logits = self.runner.decode([(s.rid, s.generated[-1], s.position) for s in seqs])
         tokens = sample(logits, [s.params for s in seqs], [len(s.generated) for s in seqs])
         self.stats.steps += 1
         self.stats.seq_steps += len(seqs)
-        items, live = [], []
+        now = time.monotonic()
+        items, live, itl = [], [], []
         for seq, token in zip(seqs, tokens):
             seq.generated.append(token)
             if seq.done:  # a seat kept for a finished sequence: wasted work
@@ -199,13 +233,26 @@ class DecodeLoop:
                 delta += seq.text.flush()
             items.append(StepItem(seq.rid, seq.epoch, len(seq.generated) - 1, token, delta,
                                   State.COMPLETED if reason else None, reason))
-            live.append((seq, bool(reason)))
+            live.append((seq, reason))
+            itl.append((seq.labels, now - seq.last_token_at))
+            seq.last_token_at = now
         kept = self.store.step(items) if items else []
-        for (seq, finished), ok in zip(live, kept):
-            if finished:
+        if self._first_pending:
+            for seq in self._first_pending:
+                if seq.span is not None:
+                    seq.span.add_event("first_token", {"pdq.token_index": len(seq.generated) - 1})
+            self._first_pending.clear()
+        for (seq, reason), ok in zip(live, kept):
+            if reason:
+                metrics.E2E.labels(*seq.labels).observe(max(0, now_ms() - seq.arrival_ms) / 1000)
+                self._end_span(seq, "finish", reason=reason)
                 self._finish_seat(seq)
             elif not ok:  # ended elsewhere (cancelled, timed out, stale epoch)
+                self._end_span(seq, "dropped", reason="request ended elsewhere (cancelled, timed out or stale)")
                 self._leave(seq)
+        self.step_metrics.step(self.stats.seq_steps, self.stats.wasted_seq_steps, len(seqs),
+                               time.perf_counter() - started, itl)
+        metrics.kv_pool("decode", self.runner.capacity - self.runner.num_free, self.runner.capacity)
         if self.running and all(s.done for s in self.running.values()):
             for seq in list(self.running.values()):
                 self._leave(seq)
@@ -218,5 +265,7 @@ class DecodeLoop:
         tokens (seeded per index) and Redis drops the indices already streamed."""
         for seq in self.waiting + list(self.running.values()):
             if not seq.done:
-                self.store.requeue(seq.rid, seq.epoch, why, MAX_ATTEMPTS)
+                state = self.store.requeue(seq.rid, seq.epoch, why, MAX_ATTEMPTS)
+                metrics.REQUEUES.labels("decode", state or "stale").inc()
+                self._end_span(seq, "requeued", why, reason=f"{why}: {state or 'stale'}")
             self._leave(seq)

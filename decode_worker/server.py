@@ -6,6 +6,7 @@ import time
 
 import grpc
 
+from pdq import telemetry
 from pdq.config import DecodeConfig
 from pdq.keys import Keys
 from pdq.kv_transfer import Assembler, KVTransferError
@@ -69,9 +70,15 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         except KVTransferError as exc:
             rid = asm.header.spec.request_id if asm.header else "?"
             log.warning("rejected KV hand-off of %s: %s", rid, exc)
+            telemetry.event("rejected", {"pdq.request_id": rid, "pdq.kv.bytes": asm.total}, error=str(exc))
             await context.abort(grpc.StatusCode.DATA_LOSS, f"KV hand-off rejected: {exc}")
         rid = kv.header.spec.request_id
+        span = telemetry.current()
+        if span is not None:
+            span.set_attributes({"pdq.request_id": rid, "pdq.attempt": kv.header.epoch, "pdq.kv.bytes": asm.total,
+                                 "pdq.kv.tokens": kv.header.num_tokens})
         if rid not in self.holds or self.holds[rid] is None:
+            telemetry.event("rejected", error="no KV reservation (expired or released)")
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"no KV reservation for {rid} (expired or released)")
         self.holds[rid] = None

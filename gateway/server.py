@@ -3,6 +3,7 @@ to the scheduler, and follows the request's output stream in Redis; it holds no 
 
 import asyncio
 import json
+import re
 import logging
 import time
 import uuid
@@ -13,7 +14,8 @@ import redis.asyncio as aioredis
 
 from gateway.auth import KeyRing, Principal
 from gateway.results import Collected, follow, response, usage_and_timings
-from gateway.validation import Limits, build_spec, check_request
+from gateway.validation import REQUEST_ID, Limits, build_spec, check_request, shown
+from pdq import metrics, telemetry
 from pdq.config import GatewayConfig
 from pdq.model.tokenizer import load_tokenizer
 from pdq.request import FINISH_REASONS, STATUS_OF_STATE, State
@@ -27,6 +29,7 @@ from pdq.v1 import internal_pb2_grpc as pb_grpc
 log = logging.getLogger("pdq.gateway")
 
 MAX_WAIT_MS = 60_000
+INTERNAL_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
 def rpc(method):
@@ -41,6 +44,7 @@ def rpc(method):
                 async for item in method(self, request, context):
                     yield item
             except StatusError as exc:
+                note_refusal(exc)
                 await abort(context, exc)
         return stream
 
@@ -49,8 +53,39 @@ def rpc(method):
         try:
             return await method(self, request, context)
         except StatusError as exc:
+            note_refusal(exc)
             await abort(context, exc)
     return unary
+
+
+REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+            grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+def note_refusal(exc: StatusError) -> None:
+    """Counts a request refused at the door (metric by reason, event on the call's span)."""
+    if exc.code not in REFUSALS:
+        return
+    reason = exc.reason or _forwarded_reason(exc) or exc.code.name
+    metrics.REJECTIONS.labels(reason).inc()
+    telemetry.event("rejected", {"pdq.reason": reason, "pdq.error": exc.message})
+
+
+def _forwarded_reason(exc: StatusError) -> str:
+    """The ErrorInfo reason of an error forwarded from the scheduler, if any."""
+    raw = dict(exc.trailing).get("grpc-status-details-bin")
+    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not raw:
+        return "QUEUE_FULL"
+    if not raw:
+        return ""
+    from google.rpc import error_details_pb2, status_pb2
+
+    status = status_pb2.Status.FromString(raw)
+    for detail in status.details:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return info.reason
+    return ""
 
 
 class GenerationService(gen_grpc.GenerationServicer):
@@ -81,6 +116,11 @@ class GenerationService(gen_grpc.GenerationServicer):
         if request.timeout_ms:
             deadline = min(deadline or now + request.timeout_ms, now + request.timeout_ms)
         spec = build_spec(request, prompt_ids, principal.tenant, uuid.uuid4().hex, now, deadline, self.limits)
+        span = telemetry.current()
+        if span is not None:  # later hops continue this span's trace, from Redis
+            span.set_attributes({**telemetry.request_attributes(spec), "gen_ai.request.model": self.config.model,
+                                 **telemetry.content_attributes(request.prompt)})
+            spec.traceparent = telemetry.traceparent(span)
         try:
             resp = await self.scheduler.Submit(pb.SubmitRequest(spec=spec, idempotency_key=request.request_id),
                                                timeout=10.0)
@@ -90,23 +130,30 @@ class GenerationService(gen_grpc.GenerationServicer):
                                 if k in ("grpc-retry-pushback-ms", "grpc-status-details-bin"))
                 raise StatusError(exc.code(), exc.details(), forward) from None
             raise StatusError(grpc.StatusCode.UNAVAILABLE, f"scheduler unreachable: {exc.details()}") from None
+        if span is not None:
+            span.set_attribute("pdq.request_id", resp.request_id)
+            if not resp.created:
+                span.add_event("idempotent_retry", {"pdq.idempotency_key": request.request_id})
         return resp.request_id, resp.created
 
     async def resolve(self, principal: Principal, request_id: str) -> str:
         """The internal id of one of the caller's requests (by id or client request id)."""
-        if not request_id:
-            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "request_id: required")
+        if not REQUEST_ID.match(request_id) and not INTERNAL_ID.match(request_id):
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"request_id: must be 1..128 characters of A-Z a-z 0-9 . _ : -, got {shown(request_id)}",
+                              reason="INVALID_FIELD", field="request_id")
         rid = await self.store.lookup_idempotent(principal.tenant, request_id) or request_id
         tenant = await self.store.client.hget(self.store.keys.request(rid), "tenant")
         if tenant is None or (tenant.decode() != principal.tenant and not principal.admin):
-            raise StatusError(grpc.StatusCode.NOT_FOUND, f"no request {request_id!r}")
+            raise StatusError(grpc.StatusCode.NOT_FOUND, f"no request {shown(request_id)}")
         return rid
 
     async def cancel_on_exit(self, rid: str, context: grpc.aio.ServicerContext) -> None:
         """The client went away (or its deadline passed) before the end: end the request too."""
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
-            await self.store.finish(rid, State.TIMED_OUT, "timeout", "deadline exceeded")
+            if await self.store.finish(rid, State.TIMED_OUT, "timeout", "deadline exceeded") == State.TIMED_OUT:
+                metrics.TIMEOUTS.labels("gateway").inc()
             return
         try:
             await self.scheduler.Cancel(pb.InternalCancelRequest(request_id=rid, reason="client disconnected"),
@@ -117,6 +164,8 @@ class GenerationService(gen_grpc.GenerationServicer):
     async def stream(self, rid: str, context: grpc.aio.ServicerContext, offset: int = 0, cancel_on_close: bool = True):
         """GenerateStreamResponse messages of a request from token `offset`, then its end."""
         end = None
+        span = telemetry.start("pdq.stream", attributes={"pdq.request_id": rid, "pdq.offset": offset})
+        first = span is not None
         try:
             yield gen_pb.GenerateStreamResponse(request_id=rid)
             async for event in follow(self.store, rid):
@@ -124,13 +173,21 @@ class GenerationService(gen_grpc.GenerationServicer):
                     end = event
                     break
                 if event.index >= offset:
+                    if first:
+                        span.add_event("first_token", {"pdq.token_index": event.index})
+                        first = False
                     yield gen_pb.GenerateStreamResponse(request_id=rid, index=event.index,
                                                         token_id=event.token_id, text=event.text)
         finally:
+            if end is not None:
+                telemetry.end(span, "end", event_attributes={"pdq.state": end.state.value})
+            else:
+                telemetry.end(span, "closed", "stream closed before the request ended")
             if end is None and cancel_on_close:
                 await asyncio.shield(self.cancel_on_exit(rid, context))
         raise_for_end(end)
         usage, timings = await usage_and_timings(self.store, rid)
+        note_usage(usage, end)
         yield gen_pb.GenerateStreamResponse(request_id=rid, finish_reason=FINISH_REASONS.get(end.reason, 0),
                                             usage=usage, timings=timings)
 
@@ -140,14 +197,23 @@ class GenerationService(gen_grpc.GenerationServicer):
     async def Generate(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext) -> gen_pb.GenerateResponse:
         rid, _ = await self.submit(request, context, self.keys.authenticate(context))
         got = Collected()
+        span = telemetry.start("pdq.stream", attributes={"pdq.request_id": rid})
         try:
             async for event in follow(self.store, rid):
                 got.add(event)
         finally:
+            if got.end is not None:
+                telemetry.end(span, "end", event_attributes={"pdq.state": got.end.state.value})
+            else:
+                telemetry.end(span, "closed", "call ended before the request")
             if got.end is None:
                 await asyncio.shield(self.cancel_on_exit(rid, context))
         raise_for_end(got.end)
-        return await response(self.store, rid, got)
+        out = await response(self.store, rid, got)
+        note_usage(out.usage, got.end)
+        if telemetry.TRACE_CONTENT:
+            telemetry.event("completion", telemetry.content_attributes(output=out.text))
+        return out
 
     @rpc
     async def GenerateStream(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -196,7 +262,17 @@ def raise_for_end(end) -> None:
     """The call's status for a request's end (OK for COMPLETED)."""
     code = STATUS_OF_STATE[end.state]
     if code != grpc.StatusCode.OK:
+        telemetry.event(end.state.value.lower(), {"pdq.reason": end.reason}, error=end.error or end.state.value)
         raise StatusError(code, end.error or f"request {end.state.value.lower()}")
+
+
+def note_usage(usage: gen_pb.Usage, end) -> None:
+    """Puts the request's usage and finish reason on the call's span."""
+    span = telemetry.current()
+    if span is not None:
+        span.set_attributes({"gen_ai.usage.input_tokens": usage.prompt_tokens,
+                             "gen_ai.usage.output_tokens": usage.completion_tokens,
+                             "gen_ai.response.finish_reasons": [end.reason] if end is not None else []})
 
 
 def model_limits(config: GatewayConfig, model_dir: Path, tokenizer) -> Limits:
@@ -218,7 +294,8 @@ def build_server(config: GatewayConfig) -> Server:
         log.warning("no --auth-file: running open, every caller is tenant 'default' with the admin role")
     client = aioredis.Redis.from_url(config.redis_url, decode_responses=False)
     store = RequestStore(client, config.key_prefix)
-    channel = grpc.aio.insecure_channel(config.scheduler_address, options=GRPC_OPTIONS)
+    channel = grpc.aio.insecure_channel(config.scheduler_address, options=GRPC_OPTIONS,
+                                        interceptors=telemetry.client_interceptors())
     service = GenerationService(config, store, pb_grpc.SchedulerStub(channel), tokenizer, limits, keys)
     server = Server(config.host, config.port, [gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name],
                     tls=(config.tls_cert, config.tls_key) if config.tls_cert else None)

@@ -27,6 +27,12 @@ class Limits:
     default_max_tokens: int
 
 
+def shown(value: str, limit: int = 40) -> str:
+    """A client string as error messages may repeat it: short, so a reply never outgrows the
+    header limits whatever the client sent."""
+    return repr(value) if len(value) <= limit else repr(value[:limit]) + f"... ({len(value)} characters)"
+
+
 def invalid(field: str, message: str, reason: str = "INVALID_FIELD") -> StatusError:
     """INVALID_ARGUMENT whose message starts with the field, with ErrorInfo(reason, field)."""
     return StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {message}", reason=reason, field=field)
@@ -77,7 +83,7 @@ def check_request(req: gen_pb.GenerateRequest, limits: Limits) -> None:
     if req.request_id and not REQUEST_ID.match(req.request_id):
         raise invalid("request_id", "must be 1..128 characters of A-Z a-z 0-9 . _ : -")
     if req.tier and req.tier not in TIERS:
-        raise invalid("tier", f"must be one of {', '.join(TIERS)}, got {req.tier!r}")
+        raise invalid("tier", f"must be one of {', '.join(TIERS)}, got {shown(req.tier)}")
     if req.timeout_ms > MAX_TIMEOUT_MS:
         raise invalid("timeout_ms", f"must be at most {MAX_TIMEOUT_MS} (24 h), got {req.timeout_ms}")
 

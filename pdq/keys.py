@@ -1,22 +1,41 @@
 """Every Redis key and Lua script of pdq, in one place.
 
 Layout (prefix `p`, default "pdq"):
-  p:req:{id}          hash   the request record (fields below); expires result_ttl_s after it ends
-  p:req:{id}:out      stream its output: one entry per token {i, t, x}, then {done, r, e}
-  p:idem:{tenant}:{k} string client idempotency key -> request id
-  p:queue             zset   queued request ids, score = arrival sequence number
-  p:deadlines         zset   non-terminal request ids with a deadline, score = deadline (ms)
-  p:seq               int    arrival sequence counter
-  p:workers:{role}    zset   worker id -> last heartbeat (ms)
-  p:worker:{id}       hash   worker facts: role, address, free_slots, ...
-  p:cancel            pubsub channel: ids of requests that just ended, for workers to drop
+  p:req:{id}              hash   the request record (fields below); expires result_ttl_s after it ends
+  p:req:{id}:out          stream its output: one entry per token {i, t, x}, then {done, r, e}
+  p:idem:{tenant}:{k}     string client idempotency key -> request id
+  p:q:{tier}:{tenant}     zset   one tenant's queued request ids in one tier, score = its order
+                                 (the intra-tenant policy's score, fixed at submit, kept on requeue)
+  p:backlog:{tier}        zset   tenants with queued requests in the tier, score = their VTC counter
+  p:vtc:{tier}            hash   tenant -> virtual token counter (tokens served / weight), cluster-wide
+  p:vtc:{tier}:floor      string the counter of the last tenant that left an emptied backlog
+  p:load                  hash   queued work: n, tokens, n:{tenant}, tokens:{tenant}
+                                 (tokens of a request = prompt + max_tokens)
+  p:deadlines             zset   non-terminal request ids with a deadline, score = deadline (ms)
+  p:leases                zset   ids in PREFILLING/TRANSFERRING, score = prefill lease expiry (ms)
+  p:held:{worker}         set    ids of the current attempts a worker takes part in (prefill or decode)
+  p:seq                   int    arrival sequence counter
+  p:tenant:{name}         hash   tenant policy: weight, tier (best allowed), max_queued, max_queued_tokens
+  p:workers:{role}        zset   worker id -> last heartbeat (ms)
+  p:worker:{id}           hash   worker facts: role, address, free_slots, ...
+  p:cancel                pubsub channel: ids of requests that just ended, for workers to drop
 
-Record fields: id, spec (RequestSpec protobuf bytes), tenant, tier, state, epoch, seq,
-created_ms, deadline_ms, prompt_tokens, max_tokens, n_out, dispatched_ms, first_token_ms,
-finished_ms, finish_reason, error, prefill_worker, decode_worker, attempts.
+Record fields: id, spec (RequestSpec protobuf bytes), tenant, tier, state, epoch, seq, score,
+created_ms, deadline_ms, prompt_tokens, max_tokens, cost (prompt + max_tokens), n_out,
+dispatched_ms (first dispatch), first_token_ms, finished_ms, finish_reason, error, attempts,
+prefill_worker / decode_worker (addresses, for people), lease_prefill / lease_decode (worker ids
+holding the current attempt), charge / charge_w (VTC charge of the request and the weight used).
 
-Every multi-key change is one Lua script, so it is atomic. A write carrying a lease epoch
-other than the record's current one is rejected (a stale worker cannot write).
+Every change is one Lua script, so it is atomic. A write carrying a lease epoch other than the
+record's current one is rejected (a stale worker cannot write). The scripts derive the keys of a
+request's tenant queue, counters and leases from the prefix (ARGV[1]) and the record, so pdq
+needs one Redis (standalone or Sentinel), not Redis Cluster.
+
+Fair-share accounting (VTC): a request is charged (prompt + max_tokens) / weight when it is first
+claimed, and the unused part (max_tokens - tokens produced) is given back when it ends, so its net
+charge is (prompt + output) / weight, once, whatever its retries. A tenant whose queue was empty
+is lifted, as it joins the backlog, to the lowest counter of the backlogged tenants (or the floor
+when none is), so idle time banks no credit.
 """
 
 from dataclasses import dataclass
@@ -35,17 +54,39 @@ class Keys:
     def idempotency(self, tenant: str, key: str) -> str:
         return f"{self.prefix}:idem:{tenant}:{key}"
 
+    def queue(self, tier: str, tenant: str) -> str:
+        return f"{self.prefix}:q:{tier}:{tenant}"
+
+    def backlog(self, tier: str) -> str:
+        return f"{self.prefix}:backlog:{tier}"
+
+    def vtc(self, tier: str) -> str:
+        return f"{self.prefix}:vtc:{tier}"
+
+    def vtc_floor(self, tier: str) -> str:
+        return f"{self.prefix}:vtc:{tier}:floor"
+
     @property
-    def queue(self) -> str:
-        return f"{self.prefix}:queue"
+    def load(self) -> str:
+        return f"{self.prefix}:load"
 
     @property
     def deadlines(self) -> str:
         return f"{self.prefix}:deadlines"
 
     @property
+    def leases(self) -> str:
+        return f"{self.prefix}:leases"
+
+    def held(self, worker_id: str) -> str:
+        return f"{self.prefix}:held:{worker_id}"
+
+    @property
     def seq(self) -> str:
         return f"{self.prefix}:seq"
+
+    def tenant(self, name: str) -> str:
+        return f"{self.prefix}:tenant:{name}"
 
     def workers(self, role: str) -> str:
         return f"{self.prefix}:workers:{role}"
@@ -58,136 +99,341 @@ class Keys:
         return f"{self.prefix}:cancel"
 
 
-_TERMINAL = """
+# The shared part of every script: key names (mirroring Keys), the queue, fair-share counters,
+# leases and the one way a request ends. ARGV[1] is always the prefix.
+_LIB = """
+local P = ARGV[1]
 local TERMINAL = {COMPLETED=true, CANCELLED=true, TIMED_OUT=true, FAILED=true, REJECTED=true}
-"""
 
-# finish(rk, ok, queue, deadlines, state, reason, err, now, ttl, channel): records the one
-# terminal state, closes the output stream, drops queue/deadline entries, sets expiry.
-_FINISH_FN = _TERMINAL + """
-local function finish(rk, ok, queue, deadlines, state, reason, err, now, ttl, channel)
-  local id = redis.call('HGET', rk, 'id')
+local function key(...) return table.concat({P, ...}, ':') end
+local function num(x, default) return tonumber(x) or default end
+
+-- A tenant's VTC counter moves by delta; the backlog keeps a copy as its score.
+local function vtc_add(tier, tenant, delta)
+  local c = redis.call('HINCRBYFLOAT', key('vtc', tier), tenant, delta)
+  redis.call('ZADD', key('backlog', tier), 'XX', c, tenant)
+end
+
+local function load_add(tenant, n, tokens)
+  local load = key('load')
+  redis.call('HINCRBY', load, 'n', n)
+  redis.call('HINCRBY', load, 'tokens', tokens)
+  if redis.call('HINCRBY', load, 'n:' .. tenant, n) <= 0 then
+    redis.call('HDEL', load, 'n:' .. tenant, 'tokens:' .. tenant)
+  else
+    redis.call('HINCRBY', load, 'tokens:' .. tenant, tokens)
+  end
+end
+
+-- Puts a recorded request in its tenant's queue. A tenant that joins the backlog is lifted to
+-- the lowest backlogged counter (or the floor), so it cannot bank credit while idle.
+local function enqueue(id, tier, tenant, score, cost)
+  if redis.call('ZADD', key('q', tier, tenant), score, id) == 0 then return end
+  load_add(tenant, 1, cost)
+  local backlog = key('backlog', tier)
+  if redis.call('ZSCORE', backlog, tenant) then return end
+  local vtc = key('vtc', tier)
+  local c = redis.call('HGET', vtc, tenant) or '0'
+  local low = redis.call('ZRANGE', backlog, 0, 0, 'WITHSCORES')[2]
+  local floor = low or redis.call('GET', key('vtc', tier, 'floor')) or '0'
+  if tonumber(floor) > tonumber(c) then c = floor end
+  redis.call('HSET', vtc, tenant, c)
+  redis.call('ZADD', backlog, c, tenant)
+end
+
+-- Takes a request out of its tenant's queue; a tenant whose queue empties leaves the backlog.
+local function unqueue(id, tier, tenant, cost)
+  local q = key('q', tier, tenant)
+  if redis.call('ZREM', q, id) == 0 then return end
+  load_add(tenant, -1, -num(cost, 0))
+  if redis.call('EXISTS', q) == 1 then return end
+  local backlog = key('backlog', tier)
+  redis.call('ZREM', backlog, tenant)
+  if redis.call('ZCARD', backlog) == 0 then
+    redis.call('SET', key('vtc', tier, 'floor'), redis.call('HGET', key('vtc', tier), tenant) or '0')
+  end
+end
+
+-- Charges a request's tokens to its tenant, once (retries are not charged again).
+local function charge(rk, tier, tenant, cost, default_weight)
+  if redis.call('HEXISTS', rk, 'charge_w') == 1 then return end
+  local w = num(redis.call('HGET', key('tenant', tenant), 'weight'), default_weight)
+  if w <= 0 then w = default_weight end
+  local c = num(cost, 0) / w
+  vtc_add(tier, tenant, c)
+  redis.call('HSET', rk, 'charge', c, 'charge_w', w)
+end
+
+-- Gives back the charge of tokens a request was charged for but did not produce.
+local function settle(rk, tier, tenant)
+  local h = redis.call('HMGET', rk, 'charge_w', 'max_tokens', 'n_out')
+  if not h[1] then return end
+  local unused = num(h[2], 0) - num(h[3], 0)
+  if unused > 0 then vtc_add(tier, tenant, -unused / tonumber(h[1])) end
+end
+
+-- Ends the current attempt's leases: no worker holds the request any more.
+local function release(id, rk)
+  local h = redis.call('HMGET', rk, 'lease_prefill', 'lease_decode')
+  if h[1] then redis.call('SREM', key('held', h[1]), id) end
+  if h[2] then redis.call('SREM', key('held', h[2]), id) end
+  redis.call('HDEL', rk, 'lease_prefill', 'lease_decode')
+  redis.call('ZREM', key('leases'), id)
+end
+
+-- Records the one terminal state of a live request, closes its output stream, frees its queue
+-- entry, leases and deadline, settles its charge, sets expiry and tells the workers.
+local function finish(id, state, reason, err, now, ttl)
+  local rk = key('req', id)
+  local h = redis.call('HMGET', rk, 'state', 'tier', 'tenant', 'cost')
+  if h[1] == 'QUEUED' then unqueue(id, h[2], h[3], h[4]) end
+  settle(rk, h[2], h[3])
+  release(id, rk)
   redis.call('HSET', rk, 'state', state, 'finish_reason', reason, 'error', err, 'finished_ms', now)
+  local ok = key('req', id, 'out')
   redis.call('XADD', ok, '*', 'done', state, 'r', reason, 'e', err)
-  redis.call('ZREM', queue, id)
-  redis.call('ZREM', deadlines, id)
+  redis.call('ZREM', key('deadlines'), id)
   redis.call('EXPIRE', rk, ttl)
   redis.call('EXPIRE', ok, ttl)
-  redis.call('PUBLISH', channel, id)
+  redis.call('PUBLISH', key('cancel'), id)
+end
+
+-- Ends a live, non-queued request's attempt: back to its old place in its tenant's queue under
+-- a new epoch (so the old attempt's writes are rejected), or FAILED when attempts are spent.
+local function requeue(id, err, now, max_attempts, ttl)
+  local rk = key('req', id)
+  local h = redis.call('HMGET', rk, 'attempts', 'tier', 'tenant', 'score', 'cost')
+  if num(h[1], 0) >= max_attempts then
+    finish(id, 'FAILED', 'error', err, now, ttl)
+    return 'FAILED'
+  end
+  release(id, rk)
+  redis.call('HINCRBY', rk, 'epoch', 1)
+  redis.call('HSET', rk, 'state', 'QUEUED', 'error', err)
+  enqueue(id, h[2], h[3], h[4], h[5])
+  return 'QUEUED'
 end
 """
 
-# KEYS: req, idem, queue, deadlines, seq
-# ARGV: id, spec, tenant, tier, now, deadline_ms, prompt_tokens, max_tokens, max_queued,
-#       use_idem (0/1), idem_ttl
-# -> {1, id} created | {0, existing id} idempotent retry | {-1, reason} rejected
-SUBMIT = """
-if ARGV[10] == '1' then
-  local existing = redis.call('GET', KEYS[2])
+# ARGV: prefix, id, spec, tenant, tier, now, deadline_ms, prompt_tokens, max_tokens, seq (0 = next),
+#       score ('' = seq), idem key ('' = none), idem_ttl, max_queued, max_queued_tokens,
+#       tenant_max_queued, tenant_max_queued_tokens
+# Bounds count a scope's queued requests and tokens (prompt + max_tokens); a scope with nothing
+# queued always admits, so no single request is refused forever.
+# -> {1, id} created | {0, existing id} idempotent retry | {-1, reason, tokens to drain} rejected
+SUBMIT = _LIB + """
+local id, tenant, tier = ARGV[2], ARGV[4], ARGV[5]
+local rk = key('req', id)
+local idem = ARGV[12]
+if idem ~= '' then
+  local existing = redis.call('GET', key('idem', tenant, idem))
   if existing then return {0, existing} end
 end
-if redis.call('ZCARD', KEYS[3]) >= tonumber(ARGV[9]) then return {-1, 'QUEUE_FULL'} end
-local seq = redis.call('INCR', KEYS[5])
-redis.call('HSET', KEYS[1], 'id', ARGV[1], 'spec', ARGV[2], 'tenant', ARGV[3], 'tier', ARGV[4],
-  'state', 'QUEUED', 'epoch', 0, 'seq', seq, 'created_ms', ARGV[5], 'deadline_ms', ARGV[6],
-  'prompt_tokens', ARGV[7], 'max_tokens', ARGV[8], 'n_out', 0, 'attempts', 0)
-redis.call('ZADD', KEYS[3], seq, ARGV[1])
-if tonumber(ARGV[6]) > 0 then redis.call('ZADD', KEYS[4], ARGV[6], ARGV[1]) end
-if ARGV[10] == '1' then redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[11]) end
-return {1, ARGV[1]}
+if redis.call('EXISTS', rk) == 1 then return {0, id} end
+local cost = tonumber(ARGV[8]) + tonumber(ARGV[9])
+local l = redis.call('HMGET', key('load'), 'n:' .. tenant, 'tokens:' .. tenant, 'n', 'tokens')
+local checks = {{'TENANT_QUEUE_FULL', 'TENANT_QUEUE_TOKENS_FULL', l[1], l[2], ARGV[16], ARGV[17]},
+                {'QUEUE_FULL', 'QUEUE_TOKENS_FULL', l[3], l[4], ARGV[14], ARGV[15]}}
+for _, c in ipairs(checks) do
+  local n, tokens = num(c[3], 0), num(c[4], 0)
+  if n > 0 then
+    if n + 1 > tonumber(c[5]) then return {-1, c[1], math.ceil(tokens / n)} end
+    if tokens + cost > tonumber(c[6]) then return {-1, c[2], tokens + cost - tonumber(c[6])} end
+  end
+end
+local seq = tonumber(ARGV[10])
+if seq == 0 then seq = redis.call('INCR', key('seq')) end
+local score = ARGV[11]
+if score == '' then score = seq end
+redis.call('HSET', rk, 'id', id, 'spec', ARGV[3], 'tenant', tenant, 'tier', tier, 'state', 'QUEUED',
+  'epoch', 0, 'seq', seq, 'score', score, 'created_ms', ARGV[6], 'deadline_ms', ARGV[7],
+  'prompt_tokens', ARGV[8], 'max_tokens', ARGV[9], 'cost', cost, 'n_out', 0, 'attempts', 0)
+enqueue(id, tier, tenant, score, cost)
+if tonumber(ARGV[7]) > 0 then redis.call('ZADD', key('deadlines'), ARGV[7], id) end
+if idem ~= '' then redis.call('SET', key('idem', tenant, idem), id, 'EX', ARGV[13]) end
+return {1, id}
 """
 
-# KEYS: queue, req_1 .. req_n      ARGV: now, worker
-# Moves each still-QUEUED request to PREFILLING under a new epoch.
-# -> list of epochs, 0 where the request was no longer queued
-CLAIM = """
+# ARGV: prefix, now, prefill worker id, prefill address, lease expiry (ms), default weight,
+#       then per request: id, decode worker id
+# Moves each still-QUEUED request to PREFILLING under a new epoch, leased to both workers, and
+# charges its tenant. -> per request {epoch, spec}, {0, ''} where it was no longer queued
+CLAIM = _LIB + """
 local out = {}
-for i = 2, #KEYS do
-  local h = redis.call('HMGET', KEYS[i], 'state', 'id')
+for i = 7, #ARGV, 2 do
+  local id, decode = ARGV[i], ARGV[i + 1]
+  local rk = key('req', id)
+  local h = redis.call('HMGET', rk, 'state', 'tier', 'tenant', 'cost')
   if h[1] == 'QUEUED' then
-    local ep = redis.call('HINCRBY', KEYS[i], 'epoch', 1)
-    redis.call('HINCRBY', KEYS[i], 'attempts', 1)
-    redis.call('HSET', KEYS[i], 'state', 'PREFILLING', 'dispatched_ms', ARGV[1], 'prefill_worker', ARGV[2])
-    redis.call('ZREM', KEYS[1], h[2])
-    out[#out + 1] = ep
+    local ep = redis.call('HINCRBY', rk, 'epoch', 1)
+    redis.call('HINCRBY', rk, 'attempts', 1)
+    redis.call('HSETNX', rk, 'dispatched_ms', ARGV[2])
+    redis.call('HSET', rk, 'state', 'PREFILLING', 'prefill_worker', ARGV[4],
+      'lease_prefill', ARGV[3], 'lease_decode', decode)
+    charge(rk, h[2], h[3], h[4], tonumber(ARGV[6]))
+    unqueue(id, h[2], h[3], h[4])
+    redis.call('SADD', key('held', ARGV[3]), id)
+    redis.call('SADD', key('held', decode), id)
+    redis.call('ZADD', key('leases'), ARGV[5], id)
+    out[#out + 1] = {ep, redis.call('HGET', rk, 'spec')}
   else
-    out[#out + 1] = 0
+    out[#out + 1] = {0, ''}
   end
 end
 return out
 """
 
-# KEYS: req, out, queue, deadlines     ARGV: epoch, now, max_attempts, error, ttl, channel
-# Puts a request whose attempt failed back in the queue at its old place, or FAILS it when
-# its attempts are spent. -> new state, or false when the epoch is stale / state terminal.
-REQUEUE = _FINISH_FN + """
-local h = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'attempts', 'seq', 'id')
-if not h[1] or TERMINAL[h[1]] or h[1] == 'QUEUED' or h[2] ~= ARGV[1] then return false end
-if tonumber(h[3]) >= tonumber(ARGV[3]) then
-  finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], 'FAILED', 'error', ARGV[4], ARGV[2], ARGV[5], ARGV[6])
-  return 'FAILED'
-end
-redis.call('HSET', KEYS[1], 'state', 'QUEUED', 'error', ARGV[4])
-redis.call('ZADD', KEYS[3], h[4], h[5])
-return 'QUEUED'
+# ARGV: prefix, id, epoch, now, max_attempts, error, ttl
+# Gives back a failed attempt (see requeue). -> 'QUEUED' | 'FAILED', or false when the epoch is
+# stale or the request is queued or ended.
+REQUEUE = _LIB + """
+local h = redis.call('HMGET', key('req', ARGV[2]), 'state', 'epoch')
+if not h[1] or TERMINAL[h[1]] or h[1] == 'QUEUED' or h[2] ~= ARGV[3] then return false end
+return requeue(ARGV[2], ARGV[6], ARGV[4], tonumber(ARGV[5]), ARGV[7])
 """
 
-# KEYS: req     ARGV: epoch, state, field1, value1, ...
+# ARGV: prefix, id, epoch, state, field1, value1, ...
+# Moving to DECODING ends the prefill lease (the decode worker's heartbeat covers it from then).
 # -> 1 when moved, 0 when the epoch is stale or the request ended
-TRANSITION = _TERMINAL + """
-local h = redis.call('HMGET', KEYS[1], 'state', 'epoch')
-if not h[1] or TERMINAL[h[1]] or h[2] ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'state', ARGV[2])
-for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+TRANSITION = _LIB + """
+local rk = key('req', ARGV[2])
+local h = redis.call('HMGET', rk, 'state', 'epoch')
+if not h[1] or TERMINAL[h[1]] or h[2] ~= ARGV[3] then return 0 end
+redis.call('HSET', rk, 'state', ARGV[4])
+for i = 5, #ARGV, 2 do redis.call('HSET', rk, ARGV[i], ARGV[i + 1]) end
+if ARGV[4] == 'DECODING' then redis.call('ZREM', key('leases'), ARGV[2]) end
 return 1
 """
 
-# KEYS: queue, deadlines, then per item: req, out
-# ARGV: now, ttl, channel, then per item 6 values:
-#       epoch, index ('' = no token), token_id, text, final state ('' = none), finish reason
+# ARGV: prefix, now, ttl, then per item 7 values:
+#       id, epoch, index ('' = no token), token_id, text, final state ('' = none), finish reason
 # Appends each item's token at its index (a replayed index is ignored) and optionally ends
 # the request. -> per item 1 (written) or 0 (stale epoch / already ended: drop the sequence)
-STEP = _FINISH_FN + """
+STEP = _LIB + """
 local res = {}
-local n = (#KEYS - 2) / 2
-for j = 0, n - 1 do
-  local rk, ok = KEYS[3 + 2 * j], KEYS[4 + 2 * j]
-  local a = 4 + 6 * j
+for a = 4, #ARGV, 7 do
+  local id = ARGV[a]
+  local rk = key('req', id)
   local h = redis.call('HMGET', rk, 'state', 'epoch', 'n_out')
-  if not h[1] or TERMINAL[h[1]] or h[2] ~= ARGV[a] then
-    res[j + 1] = 0
+  if not h[1] or TERMINAL[h[1]] or h[2] ~= ARGV[a + 1] then
+    res[#res + 1] = 0
   else
-    if ARGV[a + 1] ~= '' then
-      local i = tonumber(ARGV[a + 1])
+    if ARGV[a + 2] ~= '' then
+      local i = tonumber(ARGV[a + 2])
       local n_out = tonumber(h[3])
       if i == n_out then
-        redis.call('XADD', ok, '*', 'i', i, 't', ARGV[a + 2], 'x', ARGV[a + 3])
+        redis.call('XADD', key('req', id, 'out'), '*', 'i', i, 't', ARGV[a + 3], 'x', ARGV[a + 4])
         redis.call('HSET', rk, 'n_out', i + 1)
-        if i == 0 then redis.call('HSET', rk, 'first_token_ms', ARGV[1]) end
+        if i == 0 then redis.call('HSET', rk, 'first_token_ms', ARGV[2]) end
       elseif i > n_out then
         return redis.error_reply('token index gap: ' .. i .. ' > ' .. n_out)
       end
     end
-    if ARGV[a + 4] ~= '' then
-      finish(rk, ok, KEYS[1], KEYS[2], ARGV[a + 4], ARGV[a + 5], '', ARGV[1], ARGV[2], ARGV[3])
-    end
-    res[j + 1] = 1
+    if ARGV[a + 5] ~= '' then finish(id, ARGV[a + 5], ARGV[a + 6], '', ARGV[2], ARGV[3]) end
+    res[#res + 1] = 1
   end
 end
 return res
 """
 
-# KEYS: req, out, queue, deadlines    ARGV: state, reason, error, now, ttl, channel, epoch ('' = any)
+# ARGV: prefix, id, state, reason, error, now, ttl, epoch ('' = any)
 # Ends a request from outside its worker (cancel, timeout, failure).
 # -> the state after the call; false when the request does not exist.
-FINISH = _FINISH_FN + """
-local h = redis.call('HMGET', KEYS[1], 'state', 'epoch')
+FINISH = _LIB + """
+local h = redis.call('HMGET', key('req', ARGV[2]), 'state', 'epoch')
 if not h[1] then return false end
 if TERMINAL[h[1]] then return h[1] end
-if ARGV[7] ~= '' and ARGV[7] ~= h[2] then return h[1] end
-finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6])
-return ARGV[1]
+if ARGV[8] ~= '' and ARGV[8] ~= h[2] then return h[1] end
+finish(ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
+return ARGV[3]
+"""
+
+# ARGV: prefix, now, limit, ttl
+# Ends live requests whose deadline has passed, in any state. -> how many it looked at
+EXPIRE_DEADLINES = _LIB + """
+local due = redis.call('ZRANGEBYSCORE', key('deadlines'), '-inf', ARGV[2], 'LIMIT', 0, ARGV[3])
+for _, id in ipairs(due) do
+  local state = redis.call('HGET', key('req', id), 'state')
+  if state and not TERMINAL[state] then
+    finish(id, 'TIMED_OUT', 'timeout', 'deadline exceeded', ARGV[2], ARGV[4])
+  else
+    redis.call('ZREM', key('deadlines'), id)
+  end
+end
+return #due
+"""
+
+# ARGV: prefix, worker id, now, max_attempts, ttl
+# A worker stopped heartbeating: every current attempt it takes part in is given back (a prefill
+# worker's only while the request is still in its hands). -> {requeued, failed}
+REAP_WORKER = _LIB + """
+local w = ARGV[2]
+local held = key('held', w)
+local requeued, failed = 0, 0
+for _, id in ipairs(redis.call('SMEMBERS', held)) do
+  local h = redis.call('HMGET', key('req', id), 'state', 'lease_prefill', 'lease_decode')
+  local s = h[1]
+  if s and not TERMINAL[s] and s ~= 'QUEUED'
+      and (h[3] == w or (h[2] == w and (s == 'PREFILLING' or s == 'TRANSFERRING'))) then
+    if requeue(id, 'worker ' .. w .. ' stopped heartbeating', ARGV[3], tonumber(ARGV[4]), ARGV[5]) == 'QUEUED' then
+      requeued = requeued + 1
+    else
+      failed = failed + 1
+    end
+  end
+end
+redis.call('DEL', held)
+return {requeued, failed}
+"""
+
+# ARGV: prefix, now, max_attempts, ttl, limit
+# Gives back requests whose prefill lease expired (claimed, never handed off: e.g. the scheduler
+# died before sending the batch, or a worker dropped it). -> {requeued, failed}
+EXPIRE_LEASES = _LIB + """
+local requeued, failed = 0, 0
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', key('leases'), '-inf', ARGV[2], 'LIMIT', 0, ARGV[5])) do
+  local s = redis.call('HGET', key('req', id), 'state')
+  if s == 'PREFILLING' or s == 'TRANSFERRING' then
+    if requeue(id, 'prefill lease expired', ARGV[2], tonumber(ARGV[3]), ARGV[4]) == 'QUEUED' then
+      requeued = requeued + 1
+    else
+      failed = failed + 1
+    end
+  else
+    redis.call('ZREM', key('leases'), id)
+  end
+end
+return {requeued, failed}
+"""
+
+# ARGV: prefix, max tenants per tier, max requests per tenant, tier1, tier2, ...
+# A bounded, read-only view of the queue: per tier, the backlogged tenants with the lowest
+# counters, each with its weight ('' = default) and the head of its queue.
+# -> per tier {{tenant, counter, weight, {id, prompt_tokens, max_tokens, created_ms, deadline_ms, ...}}, ...}
+SNAPSHOT = _LIB + """
+local out = {}
+for t = 4, #ARGV do
+  local tier = ARGV[t]
+  local rows = redis.call('ZRANGE', key('backlog', tier), 0, tonumber(ARGV[2]) - 1, 'WITHSCORES')
+  local tenants = {}
+  for i = 1, #rows, 2 do
+    local tenant = rows[i]
+    local heads = {}
+    for _, id in ipairs(redis.call('ZRANGE', key('q', tier, tenant), 0, tonumber(ARGV[3]) - 1)) do
+      local h = redis.call('HMGET', key('req', id), 'prompt_tokens', 'max_tokens', 'created_ms', 'deadline_ms')
+      if h[1] then
+        heads[#heads + 1] = id
+        for j = 1, 4 do heads[#heads + 1] = h[j] end
+      end
+    end
+    local weight = redis.call('HGET', key('tenant', tenant), 'weight') or ''
+    tenants[#tenants + 1] = {tenant, rows[i + 1], weight, heads}
+  end
+  out[#out + 1] = tenants
+end
+return out
 """
 
 SCRIPTS = {"submit": SUBMIT, "claim": CLAIM, "requeue": REQUEUE, "transition": TRANSITION,
-           "step": STEP, "finish": FINISH}
+           "step": STEP, "finish": FINISH, "expire_deadlines": EXPIRE_DEADLINES,
+           "reap_worker": REAP_WORKER, "expire_leases": EXPIRE_LEASES, "snapshot": SNAPSHOT}

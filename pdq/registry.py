@@ -1,4 +1,10 @@
-"""Worker registry in Redis: workers heartbeat their facts; the scheduler reads who is alive."""
+"""Worker registry in Redis: workers heartbeat their facts; the scheduler reads who is alive.
+
+A worker is alive while its last heartbeat (its score in `p:workers:{role}`) is younger than the
+scheduler's worker timeout. A worker that leaves (`deregister`) is marked draining and stays
+listed until that timeout passes, so it can finish its running requests; then the scheduler
+reaps it: whatever it still holds goes back to the queue (`RequestStore.reap_worker`).
+"""
 
 from dataclasses import dataclass
 from typing import Any
@@ -32,9 +38,24 @@ def heartbeat(client: Any, keys: Keys, info: WorkerInfo, ttl_s: float) -> Any:
 
 
 def deregister(client: Any, keys: Keys, worker_id: str, role: str) -> Any:
+    """Takes no new work from now on (draining); the entry goes when the scheduler reaps it."""
     pipe = client.pipeline(transaction=True)
-    pipe.delete(keys.worker(worker_id))
+    pipe.hset(keys.worker(worker_id), "draining", 1)
+    pipe.expire(keys.worker(worker_id), 60)  # never a key without expiry, even if it had lapsed
+    return pipe.execute()
+
+
+def dead_workers(client: Any, keys: Keys, role: str, timeout_s: float) -> Any:
+    """Ids of workers of `role` whose last heartbeat is older than timeout_s."""
+    cutoff = now_ms() - int(timeout_s * 1000)
+    return _then(client.zrangebyscore(keys.workers(role), "-inf", f"({cutoff}"), lambda ids: [_str(i) for i in ids])
+
+
+def forget(client: Any, keys: Keys, worker_id: str, role: str) -> Any:
+    """Removes a reaped worker from the registry."""
+    pipe = client.pipeline(transaction=True)
     pipe.zrem(keys.workers(role), worker_id)
+    pipe.delete(keys.worker(worker_id))
     return pipe.execute()
 
 
@@ -42,8 +63,7 @@ def live_workers(client: Any, keys: Keys, role: str, timeout_s: float) -> Any:
     """Workers of `role` that sent a heartbeat within timeout_s (async client)."""
     async def run() -> list[WorkerInfo]:
         cutoff = now_ms() - int(timeout_s * 1000)
-        await client.zremrangebyscore(keys.workers(role), "-inf", cutoff)
-        ids = [_str(i) for i in await client.zrange(keys.workers(role), 0, -1)]
+        ids = [_str(i) for i in await client.zrangebyscore(keys.workers(role), cutoff, "+inf")]
         if not ids:
             return []
         pipe = client.pipeline(transaction=False)
@@ -51,10 +71,10 @@ def live_workers(client: Any, keys: Keys, role: str, timeout_s: float) -> Any:
             pipe.hgetall(keys.worker(wid))
         out = []
         for wid, raw in zip(ids, await pipe.execute()):
-            if not raw:
-                continue
             h = {_str(k): _str(v) for k, v in raw.items()}
-            out.append(WorkerInfo(worker_id=wid, role=h["role"], address=h["address"],
+            if "address" not in h:
+                continue
+            out.append(WorkerInfo(worker_id=wid, role=role, address=h["address"],
                                   free_slots=int(h.get("free_slots", 0)), capacity=int(h.get("capacity", 0)),
                                   running=int(h.get("running", 0)), draining=h.get("draining") == "1",
                                   heartbeat_ms=int(h.get("heartbeat_ms", 0))))

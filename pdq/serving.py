@@ -18,6 +18,11 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
+# Servers accept the clients' keepalive pings above (else they GOAWAY with too_many_pings).
+SERVER_OPTIONS = GRPC_OPTIONS + [
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
 
 
 class Server:
@@ -25,7 +30,9 @@ class Server:
 
     def __init__(self, host: str, port: int, service_names: Iterable[str], tls: tuple[str, str] | None = None):
         """tls: (certificate chain PEM path, private key PEM path) to serve TLS instead of plaintext."""
-        self.grpc = grpc.aio.server(options=GRPC_OPTIONS)
+        from pdq import telemetry
+
+        self.grpc = grpc.aio.server(options=SERVER_OPTIONS, interceptors=telemetry.server_interceptors())
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         self.service_names = list(service_names)
@@ -145,10 +152,18 @@ def run_service(role: str, config_cls: type, build_server: Callable[[Any], Serve
     except ValueError as exc:
         parser.error(str(exc))
     setup_logging(role)
+    from pdq import metrics, telemetry
+
+    telemetry.setup(role, getattr(config, "worker_id", "") or "")
+    metrics.serve(config.metrics_port, config.host)
 
     async def run() -> None:
         server = build_server(config)
         await run_until_signal(server, config.grace_s,
                                lambda: log.info("%s serving on %s:%d", role, config.host, server.port))
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    finally:
+        telemetry.shutdown()  # export the spans still buffered
+        metrics.stop()

@@ -7,12 +7,14 @@ it for an async client. Clients must use `decode_responses=False` (records hold 
 
 import inspect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 from pdq.keys import SCRIPTS, Keys
 from pdq.request import State
 from pdq.v1 import internal_pb2 as pb
+
+UNBOUNDED = 1 << 62
 
 
 def now_ms() -> int:
@@ -44,6 +46,86 @@ class StepItem:
     finish_reason: str = ""
 
 
+@dataclass(frozen=True)
+class QueueLimits:
+    """Admission bounds on queued work; tokens of a request = prompt + max_tokens."""
+
+    max_queued: int = UNBOUNDED
+    max_queued_tokens: int = UNBOUNDED
+    tenant_max_queued: int = UNBOUNDED
+    tenant_max_queued_tokens: int = UNBOUNDED
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """What became of a submit: kind "created", "existing" (an idempotent retry; request_id is
+    the first request's) or "rejected" (reason names the bound; `drain_tokens` is how many
+    queued tokens must leave before a retry can pass)."""
+
+    kind: str
+    request_id: str = ""
+    reason: str = ""
+    drain_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """One claimed request: epoch 0 means it was no longer queued (cancelled, ended)."""
+
+    request_id: str
+    epoch: int
+    spec: bytes | None
+
+
+@dataclass(frozen=True)
+class TenantPolicy:
+    """A tenant's scheduling policy, kept in the `p:tenant:{name}` hash (written by operators);
+    None means the scheduler's default. `tier` is the best tier the tenant may use."""
+
+    weight: float | None = None
+    tier: str | None = None
+    max_queued: int | None = None
+    max_queued_tokens: int | None = None
+
+    @classmethod
+    def from_hash(cls, raw: dict) -> "TenantPolicy":
+        """Reads the hash; a missing, malformed or non-positive number means the default."""
+        h = {_str(k): _str(v) for k, v in raw.items()}
+        return cls(weight=_positive(h.get("weight"), float), tier=h.get("tier") or None,
+                   max_queued=_positive(h.get("max_queued"), int),
+                   max_queued_tokens=_positive(h.get("max_queued_tokens"), int))
+
+
+def _positive(text: str | None, kind: type) -> Any:
+    try:
+        value = kind(text)
+    except (TypeError, ValueError):
+        return None
+    return value if value > 0 else None
+
+
+@dataclass(frozen=True)
+class QueuedHead:
+    """A queued request as the dispatcher sees it in a snapshot."""
+
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+    created_ms: int
+    deadline_ms: int
+
+
+@dataclass(frozen=True)
+class TenantBacklog:
+    """One backlogged tenant of a tier in a snapshot: its VTC counter, weight (None = default)
+    and the head of its queue in order."""
+
+    tenant: str
+    counter: float
+    weight: float | None
+    heads: list[QueuedHead]
+
+
 class RequestStore:
     def __init__(self, client: Any, prefix: str = "pdq", result_ttl_s: int = 3600):
         self.client = client
@@ -51,57 +133,121 @@ class RequestStore:
         self.result_ttl_s = result_ttl_s
         self._scripts = {name: client.register_script(src) for name, src in SCRIPTS.items()}
 
-    def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        return self._scripts[name](keys=keys, args=args)
+    def _run(self, name: str, args: list[Any]) -> Any:
+        return self._scripts[name](keys=[], args=[self.keys.prefix, *args])
 
-    def _end_keys(self, rid: str) -> list[str]:
-        k = self.keys
-        return [k.request(rid), k.output(rid), k.queue, k.deadlines]
+    # -- the queue: the scheduler's calls --------------------------------------------------
 
-    def submit(self, spec: pb.RequestSpec, idempotency_key: str = "", max_queued: int = 10**9) -> Any:
-        """Writes and queues a request. -> ("created"|"existing"|"rejected", request id or reason)."""
-        k = self.keys
-        keys = [k.request(spec.request_id), k.idempotency(spec.tenant, idempotency_key or "-"),
-                k.queue, k.deadlines, k.seq]
+    def submit(self, spec: pb.RequestSpec, idempotency_key: str = "", limits: QueueLimits = QueueLimits(),
+               seq: int = 0, score: float | None = None) -> Any:
+        """Writes and queues a request in its tier and tenant queue, unless a bound is reached.
+        `score` orders it in its tenant's queue (default: `seq`, arrival order); seq 0 takes the
+        next arrival number. -> Submitted."""
         args = [spec.request_id, spec.SerializeToString(), spec.tenant, spec.tier, spec.arrival_ms,
-                spec.deadline_ms, len(spec.prompt_token_ids), spec.sampling.max_tokens, max_queued,
-                1 if idempotency_key else 0, self.result_ttl_s]
-        kinds = {1: "created", 0: "existing", -1: "rejected"}
-        return _then(self._run("submit", keys, args), lambda r: (kinds[int(r[0])], _str(r[1])))
+                spec.deadline_ms, len(spec.prompt_token_ids), spec.sampling.max_tokens, seq,
+                "" if score is None else score, idempotency_key, self.result_ttl_s,
+                limits.max_queued, limits.max_queued_tokens, limits.tenant_max_queued, limits.tenant_max_queued_tokens]
 
-    def claim(self, rids: list[str], worker: str) -> Any:
-        """Moves queued requests to PREFILLING. -> epochs (0 = no longer queued)."""
-        keys = [self.keys.queue] + [self.keys.request(r) for r in rids]
-        return _then(self._run("claim", keys, [now_ms(), worker]), lambda r: [int(x) for x in r])
+        def parse(r: list) -> Submitted:
+            kind = int(r[0])
+            if kind < 0:
+                return Submitted("rejected", reason=_str(r[1]), drain_tokens=int(r[2]))
+            return Submitted("created" if kind == 1 else "existing", _str(r[1]))
+        return _then(self._run("submit", args), parse)
+
+    def next_seq(self) -> Any:
+        """The next arrival number (for an order score computed before submit)."""
+        return self.client.incr(self.keys.seq)
+
+    def snapshot(self, tiers: list[str], max_tenants: int, max_heads: int) -> Any:
+        """A bounded view of the queue: per tier (in the order given), up to `max_tenants`
+        backlogged tenants with the lowest counters, each with up to `max_heads` requests from
+        the head of its queue. -> {tier: [TenantBacklog]}"""
+        def parse(raw: list) -> dict[str, list[TenantBacklog]]:
+            out = {}
+            for tier, rows in zip(tiers, raw):
+                backlogs = []
+                for tenant, counter, weight, flat in rows:
+                    heads = [QueuedHead(_str(flat[i]), int(flat[i + 1]), int(flat[i + 2]), int(flat[i + 3]),
+                                        int(flat[i + 4])) for i in range(0, len(flat), 5)]
+                    backlogs.append(TenantBacklog(_str(tenant), float(counter), _positive(_str(weight), float), heads))
+                out[tier] = backlogs
+            return out
+        return _then(self._run("snapshot", [max_tenants, max_heads, *tiers]), parse)
+
+    def claim(self, placed: list[tuple[str, str]], worker_id: str, address: str = "", lease_ms: int = 60_000,
+              default_weight: float = 1.0) -> Any:
+        """Moves queued requests to PREFILLING on prefill worker `worker_id` (at `address`), each
+        leased to it and to its decode worker: `placed` is [(request id, decode worker id)].
+        The prefill lease runs `lease_ms`. Charges each tenant's counter. -> [Claimed]"""
+        now = now_ms()
+        args: list[Any] = [now, worker_id, address, now + lease_ms, default_weight]
+        for rid, decode_id in placed:
+            args += [rid, decode_id]
+
+        def parse(r: list) -> list[Claimed]:
+            return [Claimed(rid, int(ep), spec or None) for (rid, _), (ep, spec) in zip(placed, r)]
+        return _then(self._run("claim", args), parse)
+
+    def expire_deadlines(self, limit: int = 256) -> Any:
+        """Ends (TIMED_OUT) live requests past their deadline. -> how many were due."""
+        return _then(self._run("expire_deadlines", [now_ms(), limit, self.result_ttl_s]), int)
+
+    def reap_worker(self, worker_id: str, max_attempts: int) -> Any:
+        """Gives back the attempts of a worker that stopped heartbeating. -> (requeued, failed)"""
+        args = [worker_id, now_ms(), max_attempts, self.result_ttl_s]
+        return _then(self._run("reap_worker", args), lambda r: (int(r[0]), int(r[1])))
+
+    def expire_leases(self, max_attempts: int, limit: int = 256) -> Any:
+        """Gives back requests whose prefill lease expired. -> (requeued, failed)"""
+        args = [now_ms(), max_attempts, self.result_ttl_s, limit]
+        return _then(self._run("expire_leases", args), lambda r: (int(r[0]), int(r[1])))
+
+    def load(self) -> Any:
+        """Queued work: {"n": requests, "tokens": tokens, "n:{tenant}": ..., "tokens:{tenant}": ...}."""
+        return _then(self.client.hgetall(self.keys.load), lambda raw: {_str(k): int(v) for k, v in raw.items()})
+
+    def tenant_policy(self, tenant: str) -> Any:
+        return _then(self.client.hgetall(self.keys.tenant(tenant)), TenantPolicy.from_hash)
+
+    def set_tenant_policy(self, tenant: str, policy: TenantPolicy) -> Any:
+        """Writes a tenant's policy; None fields are removed (back to the default)."""
+        pipe = self.client.pipeline(transaction=True)
+        key = self.keys.tenant(tenant)
+        for f in fields(policy):
+            value = getattr(policy, f.name)
+            if value is None:
+                pipe.hdel(key, f.name)
+            else:
+                pipe.hset(key, f.name, value)
+        return pipe.execute()
+
+    # -- a request's life: the workers' and the gateway's calls ----------------------------
 
     def requeue(self, rid: str, epoch: int, error: str, max_attempts: int) -> Any:
         """Puts a failed attempt back in the queue, or FAILS it. -> new state name or None."""
-        args = [epoch, now_ms(), max_attempts, error, self.result_ttl_s, self.keys.cancel_channel]
-        return _then(self._run("requeue", self._end_keys(rid), args), lambda r: _str(r) if r else None)
+        args = [rid, epoch, now_ms(), max_attempts, error, self.result_ttl_s]
+        return _then(self._run("requeue", args), lambda r: _str(r) if r else None)
 
     def transition(self, rid: str, epoch: int, state: State, **fields: Any) -> Any:
         """Moves a live request of this epoch to `state`, setting fields. -> True when moved."""
-        args: list[Any] = [epoch, state.value]
+        args: list[Any] = [rid, epoch, state.value]
         for name, value in fields.items():
             args += [name, value]
-        return _then(self._run("transition", [self.keys.request(rid)], args), lambda r: bool(r))
+        return _then(self._run("transition", args), lambda r: bool(r))
 
     def step(self, items: list[StepItem]) -> Any:
         """Appends tokens / ends requests in one round trip. -> per item True (kept) / False (drop)."""
-        k = self.keys
-        keys = [k.queue, k.deadlines]
-        args: list[Any] = [now_ms(), self.result_ttl_s, k.cancel_channel]
+        args: list[Any] = [now_ms(), self.result_ttl_s]
         for it in items:
-            keys += [k.request(it.request_id), k.output(it.request_id)]
-            args += [it.epoch, "" if it.index is None else it.index, it.token_id, it.text,
+            args += [it.request_id, it.epoch, "" if it.index is None else it.index, it.token_id, it.text,
                      it.final_state.value if it.final_state else "", it.finish_reason]
-        return _then(self._run("step", keys, args), lambda r: [bool(x) for x in r])
+        return _then(self._run("step", args), lambda r: [bool(x) for x in r])
 
     def finish(self, rid: str, state: State, reason: str, error: str = "", epoch: int | None = None) -> Any:
         """Ends a request from outside (cancel, timeout, failure). -> state after, None if unknown."""
-        args = [state.value, reason, error, now_ms(), self.result_ttl_s, self.keys.cancel_channel,
-                "" if epoch is None else epoch]
-        return _then(self._run("finish", self._end_keys(rid), args), lambda r: State(_str(r)) if r else None)
+        args = [rid, state.value, reason, error, now_ms(), self.result_ttl_s, "" if epoch is None else epoch]
+        return _then(self._run("finish", args), lambda r: State(_str(r)) if r else None)
 
     def record(self, rid: str) -> Any:
         """The request record as {field: str}, with `spec` left as bytes; {} when unknown."""

@@ -29,6 +29,10 @@ class Child:
     name: str
     port: int
     process: subprocess.Popen
+    metrics_port: int = -1  # its Prometheus /metrics port (-1 = none)
+
+    def metrics_url(self, host: str = "127.0.0.1") -> str:
+        return f"http://{host}:{self.metrics_port}/metrics"
 
 
 @dataclass
@@ -42,6 +46,9 @@ class Cluster:
     durable: bool = False
     auth: bool = True  # write dev API keys (pdq.devkeys) and start the gateway with them
     extra_env: dict = field(default_factory=dict)
+    # /metrics ports: 0 = a free port per process; N = gateway N, scheduler N+1, prefill-i N+10+i,
+    # decode-i N+20+i (what deploy/prometheus.yml scrapes); -1 = no metrics endpoints
+    metrics_port: int = field(default_factory=lambda: int(os.environ.get("PDQ_UP_METRICS_PORT") or 0))
     client_key: str = ""
     admin_key: str = ""
     children: list[Child] = field(default_factory=list)
@@ -68,24 +75,28 @@ class Cluster:
                 auth_file, self.client_key, self.admin_key = write_dev_keys(self.port)
                 env["PDQ_AUTH_FILE"] = str(auth_file)
             sched_port = free_port(self.host)
-            self._spawn("scheduler", "scheduler", sched_port, env)
+            self._spawn("scheduler", "scheduler", sched_port, env, metrics_offset=1)
             for i in range(self.prefill):
                 self._spawn(f"prefill-{i}", "prefill_worker", free_port(self.host), env,
-                            ["--worker-id", f"prefill-{i}-{os.getpid()}"])
+                            ["--worker-id", f"prefill-{i}-{os.getpid()}"], metrics_offset=10 + i)
             for i in range(self.decode):
                 self._spawn(f"decode-{i}", "decode_worker", free_port(self.host), env,
-                            ["--worker-id", f"decode-{i}-{os.getpid()}"])
-            self._spawn("gateway", "gateway", self.port, env, ["--scheduler-address", f"{self.host}:{sched_port}"])
+                            ["--worker-id", f"decode-{i}-{os.getpid()}"], metrics_offset=20 + i)
+            self._spawn("gateway", "gateway", self.port, env, ["--scheduler-address", f"{self.host}:{sched_port}"],
+                        metrics_offset=0)
             self._wait_healthy(timeout_s)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _spawn(self, name: str, module: str, port: int, env: dict, extra: list[str] = ()) -> None:
-        args = [sys.executable, "-m", module, "--host", self.host, "--port", str(port), *extra]
+    def _spawn(self, name: str, module: str, port: int, env: dict, extra: list[str] = (), metrics_offset: int = 0) -> None:
+        metrics_port = (-1 if self.metrics_port < 0 else free_port(self.host) if self.metrics_port == 0
+                        else self.metrics_port + metrics_offset)
+        args = [sys.executable, "-m", module, "--host", self.host, "--port", str(port),
+                "--metrics-port", str(metrics_port), *extra]
         proc = subprocess.Popen(args, env=env, preexec_fn=die_with_parent)
-        self.children.append(Child(name, port, proc))
+        self.children.append(Child(name, port, proc, metrics_port))
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -156,6 +167,8 @@ def run(cluster: Cluster) -> int:
         say(f"API keys (the CLI finds them by itself for this port):\n"
             f"  client (tenant default): {cluster.client_key}\n  admin  (tenant ops):     {cluster.admin_key}")
     say(f"try:  .venv/bin/pdq generate \"Hello\" --target {cluster.target}")
+    if cluster.metrics_port >= 0:
+        say("metrics: " + "  ".join(f"{c.name} {c.metrics_url(cluster.host)}" for c in cluster.children))
     say("stop: Ctrl-C")
     code = 0
     while not stopping:

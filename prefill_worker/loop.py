@@ -4,12 +4,14 @@ first token written to Redis and the KV cache exported for the hand-off."""
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from pdq import metrics, telemetry
 from pdq.convert import sampling_from_pb
 from pdq.engine.kv_pool import KVPoolFull
 from pdq.engine.runner import PrefillItem as ChunkItem
@@ -44,6 +46,7 @@ class Job:
     filled: int = 0  # tokens of `prompt` whose KV is in the pool
     admitted: bool = False
     started: bool = False
+    span: Any = None  # this attempt's prefill span (None when tracing is off)
 
     @property
     def rid(self) -> str:
@@ -116,6 +119,14 @@ class PrefillLoop:
         if job.admitted:
             self.runner.free(job.rid)
             job.admitted = False
+        if job.span is not None:
+            if outcome.kind == "error":
+                telemetry.end(job.span, "failed", outcome.error)
+            elif outcome.kind == "dropped":
+                telemetry.end(job.span, "dropped", event_attributes={"pdq.reason": outcome.error})
+            else:
+                telemetry.end(job.span, outcome.kind, attributes={"pdq.kv.tokens": len(job.prompt)})
+            job.span = None
         job.done(outcome)
 
     def _pass(self, pending: list[Job]) -> list[Job]:
@@ -129,8 +140,10 @@ class PrefillLoop:
             if self.cancels.pop(job.rid):
                 self._end(job, Outcome("dropped", error="request ended"))
             elif deadline and now >= deadline:
-                self.store.finish(job.rid, State.TIMED_OUT, "timeout", "deadline exceeded during prefill",
-                                  epoch=job.item.epoch)
+                if self.store.finish(job.rid, State.TIMED_OUT, "timeout", "deadline exceeded during prefill",
+                                     epoch=job.item.epoch) == State.TIMED_OUT:
+                    metrics.TIMEOUTS.labels("prefill").inc()
+                telemetry.add_event(job.span, "timeout", error="deadline exceeded during prefill")
                 self._end(job, Outcome("dropped", error="deadline exceeded"))
             else:
                 live.append(job)
@@ -151,7 +164,11 @@ class PrefillLoop:
             if n:
                 chunks.append(ChunkItem(job.rid, job.prompt[job.filled:job.filled + n], job.filled))
                 jobs.append(job)
+        started = time.perf_counter()
         logits = self.runner.prefill(chunks)
+        metrics.prefill_pass(len(chunks), sum(len(c.token_ids) for c in chunks), self.max_batched_tokens,
+                             time.perf_counter() - started)
+        metrics.kv_pool("prefill", self.runner.capacity - self.runner.num_free, self.runner.capacity)
         complete = []
         for row, job in enumerate(jobs):
             job.filled += len(chunks[row].token_ids)
@@ -182,7 +199,17 @@ class PrefillLoop:
                                   State.COMPLETED if reason else None, reason))
             results.append((job, token, reason))
         kept = self.store.step(items)
+        now = now_ms()
         for (job, token, reason), ok in zip(results, kept):
+            if ok:  # once per request: its first token (a resumed request never samples here)
+                spec = job.item.spec
+                labels = (spec.tier, spec.tenant)
+                metrics.TTFT.labels(*labels).observe(max(0, now - spec.arrival_ms) / 1000)
+                metrics.PROMPT_TOKENS.labels(*labels).inc(len(job.prompt))
+                metrics.GENERATED_TOKENS.labels(*labels).inc()
+                if reason:
+                    metrics.E2E.labels(*labels).observe(max(0, now - spec.arrival_ms) / 1000)
+                telemetry.add_event(job.span, "first_token", {"pdq.token_index": 0, "pdq.finish_reason": reason})
             if not ok:
                 self._end(job, Outcome("dropped", error="request ended"))
             elif reason:

@@ -2,10 +2,12 @@
 
 import asyncio
 import logging
+import math
+import time
 
 import grpc
 
-from pdq import kv_transfer
+from pdq import kv_transfer, metrics, telemetry
 from pdq.config import PrefillConfig
 from pdq.faults import Faults
 from pdq.keys import Keys
@@ -30,19 +32,33 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
 
     def _decode_stub(self, address: str) -> pb_grpc.DecodeWorkerStub:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS,
+                                                                 interceptors=telemetry.client_interceptors())
         return pb_grpc.DecodeWorkerStub(self._channels[address])
 
     async def Prefill(self, request: pb.PrefillBatch, context: grpc.aio.ServicerContext) -> pb.PrefillBatchResult:
         assert self.loop is not None
         aio_loop = asyncio.get_running_loop()
         futures = []
+        batch = telemetry.start("pdq.prefill_batch", links=[telemetry.span_context_of(it.spec.traceparent)
+                                                             for it in request.items],
+                                attributes={"pdq.batch_id": request.batch_id, "pdq.batch.size": len(request.items),
+                                            "pdq.worker": self.config.name("prefill")})
         for item in request.items:
             fut: asyncio.Future[Outcome] = aio_loop.create_future()
             futures.append(fut)
             done = (lambda f: lambda outcome: aio_loop.call_soon_threadsafe(f.set_result, outcome))(fut)
-            self.loop.submit(Job(item, done))
-        results = await asyncio.gather(*(self._finish(item, fut) for item, fut in zip(request.items, futures)))
+            span = None
+            if batch is not None:  # per request, in the request's trace, linked to the batch
+                span = telemetry.start("pdq.prefill", item.spec.traceparent, links=[batch.get_span_context()],
+                                       attributes={**telemetry.request_attributes(item.spec),
+                                                   "pdq.attempt": item.epoch, "pdq.batch_id": request.batch_id,
+                                                   "pdq.worker": self.config.name("prefill")})
+            self.loop.submit(Job(item, done, span=span))
+        try:
+            results = await asyncio.gather(*(self._finish(item, fut) for item, fut in zip(request.items, futures)))
+        finally:
+            telemetry.end(batch)
         return pb.PrefillBatchResult(results=results)
 
     async def _finish(self, item: pb.PrefillItem, fut: asyncio.Future) -> pb.PrefillItemResult:
@@ -56,17 +72,33 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             return pb.PrefillItemResult(request_id=rid, ok=True)
         header = pb.KVHeader(spec=item.spec, epoch=item.epoch, generated_token_ids=outcome.generated)
         chunks = kv_transfer.encode(header, outcome.layers, self.config.kv_chunk_bytes)
+        sizes = [t.numel() * t.element_size() for pair in outcome.layers for t in pair]
+        n_bytes, n_chunks = sum(sizes), 2 + sum(math.ceil(n / self.config.kv_chunk_bytes) for n in sizes)
+        span = telemetry.start("pdq.kv_transfer", item.spec.traceparent, kind=telemetry.SpanKind.CLIENT,
+                               attributes={"pdq.request_id": rid, "pdq.attempt": item.epoch,
+                                           "pdq.kv.bytes": n_bytes, "pdq.kv.chunks": n_chunks,
+                                           "pdq.kv.layers": len(outcome.layers),
+                                           "pdq.kv.tokens": len(item.spec.prompt_token_ids) + len(outcome.generated) - 1,
+                                           "server.address": item.decode_address})
+        started = time.perf_counter()
         if self.faults:
             chunks = self.faults.kv_chunks(chunks)
             if self.faults.get("kv_delay_ms"):
                 await asyncio.sleep(self.faults.get("kv_delay_ms") / 1000)
+        error = None
         try:
-            resp = await self._decode_stub(item.decode_address).PushKV(chunks, timeout=30.0)
+            with telemetry.use(span):  # PushKV carries this span's context
+                resp = await self._decode_stub(item.decode_address).PushKV(chunks, timeout=30.0)
+            if not resp.accepted:
+                error = "decode worker refused the KV hand-off"
         except grpc.aio.AioRpcError as exc:
-            return pb.PrefillItemResult(request_id=rid, ok=False,
-                                        error=f"KV hand-off to {item.decode_address}: {exc.code().name} {exc.details()}")
-        if not resp.accepted:
-            return pb.PrefillItemResult(request_id=rid, ok=False, error="decode worker refused the KV hand-off")
+            error = f"KV hand-off to {item.decode_address}: {exc.code().name} {exc.details()}"
+        result = "ok" if error is None else "error"
+        metrics.KV_TRANSFER.labels(result).observe(time.perf_counter() - started)
+        metrics.KV_TRANSFER_BYTES.labels(result).inc(n_bytes)
+        telemetry.end(span, "failed" if error else None, error)
+        if error:
+            return pb.PrefillItemResult(request_id=rid, ok=False, error=error)
         return pb.PrefillItemResult(request_id=rid, ok=True)
 
     async def _release(self, item: pb.PrefillItem) -> None:

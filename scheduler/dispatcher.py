@@ -1,26 +1,36 @@
 """The dispatch loop: queue in Redis -> prefill batches on workers, with KV room reserved on a
-decode worker first. IO lives here; the choices are made by `scheduler.policy`."""
+decode worker first. IO lives here; the choices are made by `scheduler.policies`.
+
+One dispatch: read a bounded snapshot of the queue (per tier, the backlogged tenants with the
+lowest counters and the head of each one's queue), let the policies order it and cut a batch,
+reserve a decode slot for each request, CLAIM them in Redis (atomically: requests cancelled
+meanwhile are skipped, tenants are charged), and send the batch to the least busy prefill worker.
+A failed attempt goes back to the queue (REQUEUE), or FAILS when its attempts are spent.
+"""
 
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 
 import grpc
 
+from pdq import metrics, telemetry
 from pdq.config import SchedulerConfig
 from pdq.registry import WorkerInfo, live_workers
-from pdq.request import State
 from pdq.serving import GRPC_OPTIONS
-from pdq.store import RequestStore, _str, now_ms, spec_from_bytes
+from pdq.store import RequestStore, TenantBacklog, now_ms, spec_from_bytes
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
-from scheduler.policy import Candidate, DecodeSlots, choose_decode_worker, form_batch
+from scheduler.policies import (Candidate, DecodeSlots, DrainRate, TenantQueue, TierQueue, choose_decode_worker,
+                                fair_policy, form_batch, schedule, tier_policy)
 
 log = logging.getLogger("pdq.scheduler")
 
-MAX_ATTEMPTS = 3  # prefill/hand-off attempts before a request FAILS
-INFLIGHT_PER_PREFILL_WORKER = 2  # batches in flight per prefill worker (one running, one ready)
+# Prompt tokens in flight per prefill worker, in batches' worth (max_batched_tokens): one running,
+# one ready. Counting tokens, not batches, lets small batches (one slot freed at a time) flow.
+INFLIGHT_BATCHES_PER_PREFILL_WORKER = 2
 
 
 @dataclass
@@ -28,9 +38,23 @@ class _Peer:
     address: str
     channel: grpc.aio.Channel
     stub: object
-    inflight: int = 0
-    free_slots: int = 0
+    inflight: int = 0  # prompt tokens of its batches in flight
+    heartbeat_ms: int = 0  # its last heartbeat seen
+    failed_hb: int = -1  # its last heartbeat seen when a call failed to reach it: skipped until a newer one
     tasks: set = field(default_factory=set)
+
+
+def to_tier_queues(snapshot: dict[str, list[TenantBacklog]], tiers: list[str],
+                   default_weight: float) -> list[TierQueue]:
+    """A store snapshot as the policies' plain data."""
+    out = []
+    for rank, tier in enumerate(tiers):
+        queues = [TenantQueue(b.tenant, b.counter, b.weight if b.weight and b.weight > 0 else default_weight,
+                              [Candidate(h.request_id, h.prompt_tokens, h.max_tokens, b.tenant, tier, h.deadline_ms,
+                                         h.created_ms) for h in b.heads])
+                  for b in snapshot.get(tier, []) if b.heads]
+        out.append(TierQueue(tier, rank, queues))
+    return out
 
 
 class Dispatcher:
@@ -38,9 +62,16 @@ class Dispatcher:
         self.config = config
         self.store = store
         self.wake = asyncio.Event()
+        self.drain = DrainRate()  # tokens dispatched per second, for retry hints
+        self.tiers = config.tier_names
+        self.tier_policy = tier_policy(config.tier_policy, config.aging_ms)
+        self.fair_policy = fair_policy(config.fair_policy)
         self._peers: dict[str, _Peer] = {}
         self._task: asyncio.Task | None = None
         self._stopping = False
+        self._requeued_ms: dict[str, int] = {}  # requests this dispatcher requeued -> when (their queue wait starts)
+        self._depth_at = 0.0  # last refresh of the queue depth gauges
+        self._depth_labels: set[tuple[str, str]] = set()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="dispatch")
@@ -59,7 +90,8 @@ class Dispatcher:
     def _peer(self, info: WorkerInfo) -> _Peer:
         peer = self._peers.get(info.worker_id)
         if peer is None or peer.address != info.address:
-            channel = grpc.aio.insecure_channel(info.address, options=GRPC_OPTIONS)
+            channel = grpc.aio.insecure_channel(info.address, options=GRPC_OPTIONS,
+                                                interceptors=telemetry.client_interceptors())
             stub = (pb_grpc.PrefillWorkerStub if info.role == "prefill" else pb_grpc.DecodeWorkerStub)(channel)
             peer = self._peers[info.worker_id] = _Peer(info.address, channel, stub)
         return peer
@@ -75,40 +107,38 @@ class Dispatcher:
             if self._stopping:
                 break
             try:
-                await self.expire_deadlines()
                 while await self.dispatch_once():
                     pass
+                await self.observe_queue()
             except Exception:  # keep dispatching; Redis or a worker may come back
                 log.exception("dispatch failed")
                 await asyncio.sleep(interval)
 
-    async def expire_deadlines(self) -> None:
-        """Ends requests past their deadline that no worker ended (e.g. still queued)."""
-        client = self.store.client
-        due = await client.zrangebyscore(self.store.keys.deadlines, "-inf", now_ms(), start=0, num=256)
-        for rid in due:
-            await self.store.finish(_str(rid), State.TIMED_OUT, "timeout", "deadline exceeded")
+    async def _workers(self, role: str) -> list[WorkerInfo]:
+        infos = await live_workers(self.store.client, self.store.keys, role, self.config.worker_timeout_s)
+        metrics.LIVE_WORKERS.labels(role).set(len(infos))
+        out = []
+        for w in infos:
+            peer = self._peer(w)
+            peer.heartbeat_ms = w.heartbeat_ms
+            if not w.draining and w.heartbeat_ms > peer.failed_hb:
+                out.append(w)
+        return out
 
     async def dispatch_once(self) -> bool:
         """Sends at most one batch. -> True when a batch went out (call again)."""
-        timeout = self.config.worker_timeout_s
-        client = self.store.client
-        prefill = [w for w in await live_workers(client, self.store.keys, "prefill", timeout) if not w.draining]
-        decode = [w for w in await live_workers(client, self.store.keys, "decode", timeout) if not w.draining]
+        prefill = await self._workers("prefill")
+        decode = await self._workers("decode")
         if not prefill or not decode:
             return False
-        peers = [self._peer(w) for w in prefill]
-        target = min(peers, key=lambda p: p.inflight)
-        if target.inflight >= INFLIGHT_PER_PREFILL_WORKER:
+        target_info = min(prefill, key=lambda w: (self._peers[w.worker_id].inflight, w.worker_id))
+        target = self._peers[target_info.worker_id]
+        if target.inflight >= INFLIGHT_BATCHES_PER_PREFILL_WORKER * self.config.max_batched_tokens:
             return False
-        candidates = await self._candidates(self.config.max_batch_size * 2)
-        batch = form_batch(candidates, self.config.max_batch_size, self.config.max_batched_tokens)
+        batch = await self.next_batch()
         if not batch:
             return False
-        slots = []
-        for w in decode:
-            self._peer(w)
-            slots.append(DecodeSlots(w.worker_id, w.address, w.free_slots))
+        slots = [DecodeSlots(w.worker_id, w.address, w.free_slots) for w in decode]
         placed: list[tuple[Candidate, DecodeSlots]] = []
         for cand in batch:
             choice = choose_decode_worker(slots)
@@ -121,44 +151,38 @@ class Dispatcher:
             placed.append((cand, choice))
         if not placed:
             return False
-        epochs = await self.store.claim([c.request_id for c, _ in placed], target.address)
+        claimed = await self.store.claim([(c.request_id, dw.worker_id) for c, dw in placed], target_info.worker_id,
+                                         target.address, int(self.config.prefill_lease_s * 1000),
+                                         self.config.default_weight)
         items, reserved = [], []
-        raw_specs = await self._specs([c.request_id for c, _ in placed])
-        for (cand, dw), epoch, raw in zip(placed, epochs, raw_specs):
-            if epoch == 0 or raw is None:  # cancelled or ended meanwhile
+        for (cand, dw), got in zip(placed, claimed):
+            if got.epoch == 0 or got.spec is None:  # cancelled or ended meanwhile
                 await self._release(dw, cand.request_id)
                 continue
-            items.append(pb.PrefillItem(spec=spec_from_bytes(raw), epoch=epoch, decode_address=dw.address))
+            items.append(pb.PrefillItem(spec=spec_from_bytes(got.spec), epoch=got.epoch, decode_address=dw.address))
             reserved.append(dw)
+            self.drain.add(time.monotonic(), cand.kv_tokens)
+            self._waited(items[-1])
         if not items:
             return True
+        prompt_tokens = sum(len(it.spec.prompt_token_ids) for it in items)
+        metrics.BATCH_SIZE.labels("dispatch").observe(len(items))
+        metrics.BATCH_TOKENS.labels("dispatch").observe(prompt_tokens)
+        metrics.TOKEN_BUDGET_USE.labels("dispatch").observe(min(1.0, prompt_tokens / self.config.max_batched_tokens))
         batch_msg = pb.PrefillBatch(batch_id=uuid.uuid4().hex[:12], items=items)
-        target.inflight += 1
+        target.inflight += prompt_tokens
         task = asyncio.create_task(self._run_batch(target, batch_msg, reserved))
         target.tasks.add(task)
         task.add_done_callback(target.tasks.discard)
         return True
 
-    async def _candidates(self, limit: int) -> list[Candidate]:
-        client = self.store.client
-        rids = [_str(r) for r in await client.zrange(self.store.keys.queue, 0, limit - 1)]
-        if not rids:
-            return []
-        pipe = client.pipeline(transaction=False)
-        for rid in rids:
-            pipe.hmget(self.store.keys.request(rid), "prompt_tokens", "max_tokens", "tenant", "tier", "deadline_ms")
-        out = []
-        for rid, row in zip(rids, await pipe.execute()):
-            if row[0] is None:
-                continue
-            out.append(Candidate(rid, int(row[0]), int(row[1]), _str(row[2]), _str(row[3]), int(row[4])))
-        return out
-
-    async def _specs(self, rids: list[str]) -> list[bytes | None]:
-        pipe = self.store.client.pipeline(transaction=False)
-        for rid in rids:
-            pipe.hget(self.store.keys.request(rid), "spec")
-        return await pipe.execute()
+    async def next_batch(self) -> list[Candidate]:
+        """The next batch in the order of choice, from a bounded snapshot of the queue."""
+        size = self.config.max_batch_size
+        snapshot = await self.store.snapshot(self.tiers, size, size)
+        order = schedule(to_tier_queues(snapshot, self.tiers, self.config.default_weight), now_ms(),
+                         self.tier_policy, self.fair_policy)
+        return form_batch(order, size, self.config.max_batched_tokens)
 
     async def _reserve(self, slots: DecodeSlots, cand: Candidate) -> bool:
         peer = self._peers[slots.worker_id]
@@ -167,6 +191,8 @@ class Dispatcher:
                                            timeout=2.0)
         except grpc.aio.AioRpcError as exc:
             log.warning("reserve on %s failed: %s", slots.address, exc.details())
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                peer.failed_hb = peer.heartbeat_ms
             return False
         return resp.granted
 
@@ -176,20 +202,71 @@ class Dispatcher:
         except grpc.aio.AioRpcError as exc:
             log.warning("release on %s failed: %s", slots.address, exc.details())
 
+    def _waited(self, item: pb.PrefillItem) -> None:
+        """Records a claimed request's queue wait: from its arrival (first attempt) or from when
+        this dispatcher requeued it, to now (the time of its dispatch)."""
+        spec = item.spec
+        since = spec.arrival_ms if item.epoch <= 1 else self._requeued_ms.pop(spec.request_id, 0)
+        if not since:  # requeued elsewhere (a worker, the janitor): when is not known here
+            return
+        metrics.QUEUE_TIME.labels(spec.tier, spec.tenant).observe(max(0, now_ms() - since) / 1000)
+        telemetry.end(telemetry.start("pdq.queue_wait", spec.traceparent, start_ms=since,
+                                      attributes={"pdq.request_id": spec.request_id, "pdq.tenant": spec.tenant,
+                                                  "pdq.tier": spec.tier, "pdq.attempt": item.epoch}))
+
+    async def observe_queue(self) -> None:
+        """Refreshes the queue depth gauges (per tier and tenant), at most once a second."""
+        if time.monotonic() - self._depth_at < 1.0:
+            return
+        self._depth_at = time.monotonic()
+        client, keys = self.store.client, self.store.keys
+        labels = []
+        for tier in self.tiers:
+            labels += [(tier, t.decode() if isinstance(t, bytes) else t)
+                       for t in await client.zrange(keys.backlog(tier), 0, -1)]
+        pipe = client.pipeline(transaction=False)
+        for tier, tenant in labels:
+            pipe.zcard(keys.queue(tier, tenant))
+        depths = await pipe.execute() if labels else []
+        for (tier, tenant), depth in zip(labels, depths):
+            metrics.QUEUE_DEPTH.labels(tier, tenant).set(depth)
+        for gone in self._depth_labels - set(labels):
+            metrics.QUEUE_DEPTH.labels(*gone).set(0)
+        self._depth_labels = set(labels)
+
     async def _run_batch(self, peer: _Peer, batch: pb.PrefillBatch, reserved: list[DecodeSlots]) -> None:
         """Runs one batch on a prefill worker; failed items go back to the queue."""
+        span = telemetry.start("pdq.dispatch", kind=telemetry.SpanKind.CLIENT,
+                               links=[telemetry.span_context_of(it.spec.traceparent) for it in batch.items],
+                               attributes={"pdq.batch_id": batch.batch_id, "pdq.batch.size": len(batch.items),
+                                           "pdq.batch.prompt_tokens": sum(len(it.spec.prompt_token_ids)
+                                                                          for it in batch.items),
+                                           "server.address": peer.address})
         try:
-            result = await peer.stub.Prefill(batch)
+            with telemetry.use(span):  # the prefill worker's batch continues this span's trace
+                result = await peer.stub.Prefill(batch)
             failed = {r.request_id: r.error for r in result.results if not r.ok}
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                peer.failed_hb = peer.heartbeat_ms
             failed = {it.spec.request_id: f"prefill worker {peer.address}: {exc.code().name} {exc.details()}"
                       for it in batch.items}
         finally:
-            peer.inflight -= 1
-            self.wake.set()
+            peer.inflight -= sum(len(it.spec.prompt_token_ids) for it in batch.items)
+        telemetry.end(span, attributes={"pdq.batch.failed": len(failed)})
         for item, dw in zip(batch.items, reserved):
             rid = item.spec.request_id
             if rid in failed:
                 log.warning("request %s attempt %d failed: %s", rid, item.epoch, failed[rid])
                 await self._release(dw, rid)
-                await self.store.requeue(rid, item.epoch, failed[rid], MAX_ATTEMPTS)
+                state = await self.store.requeue(rid, item.epoch, failed[rid], self.config.max_attempts)
+                metrics.REQUEUES.labels("prefill", state or "stale").inc()
+                if state == "QUEUED":
+                    if len(self._requeued_ms) > 100_000:  # ids that never came back (cancelled meanwhile)
+                        self._requeued_ms.clear()
+                    self._requeued_ms[rid] = now_ms()
+                telemetry.end(telemetry.start("pdq.requeue", item.spec.traceparent,
+                                              attributes={"pdq.request_id": rid, "pdq.attempt": item.epoch}),
+                              "requeued" if state == "QUEUED" else "failed", failed[rid],
+                              event_attributes={"pdq.state": state or "stale", "pdq.error": failed[rid]})
+        self.wake.set()

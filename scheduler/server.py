@@ -1,15 +1,50 @@
-"""The scheduler process: the internal `Scheduler` service plus the dispatch loop."""
+"""The scheduler process: the internal `Scheduler` service, the dispatch loop and the janitor.
+
+Everything it needs is in Redis, so a restarted scheduler resumes where the last one stopped.
+"""
+
+import logging
+import time
 
 import grpc
 import redis.asyncio as aioredis
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
 
+from pdq import metrics, telemetry
 from pdq.config import SchedulerConfig
 from pdq.request import State
 from pdq.serving import Server
-from pdq.store import RequestStore
+from pdq.store import QueueLimits, RequestStore, TenantPolicy, spec_from_bytes
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 from scheduler.dispatcher import Dispatcher
+from scheduler.janitor import Janitor
+from scheduler.policies import ORDER_POLICIES, resolve_tier, retry_after_ms
+
+log = logging.getLogger("pdq.scheduler")
+
+RETRY_PUSHBACK = "grpc-retry-pushback-ms"
+STATUS_DETAILS = "grpc-status-details-bin"
+
+
+def queue_limits(config: SchedulerConfig, policy: TenantPolicy) -> QueueLimits:
+    """The admission bounds for one tenant: its policy, else the scheduler's defaults."""
+    return QueueLimits(config.max_queued, config.max_queued_tokens,
+                       policy.max_queued or config.tenant_max_queued,
+                       policy.max_queued_tokens or config.tenant_max_queued_tokens)
+
+
+def retry_metadata(reason: str, message: str, delay_ms: int) -> tuple:
+    """Trailing metadata of a RESOURCE_EXHAUSTED: the gRPC retry pushback and a
+    `google.rpc.Status` carrying `ErrorInfo` (the reason) and `RetryInfo` (what grpcio-status
+    clients read)."""
+    info, retry = any_pb2.Any(), any_pb2.Any()
+    info.Pack(error_details_pb2.ErrorInfo(reason=reason, domain="pdq", metadata={"retry_after_ms": str(delay_ms)}))
+    retry.Pack(error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(
+        seconds=delay_ms // 1000, nanos=(delay_ms % 1000) * 1_000_000)))
+    status = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=message, details=[info, retry])
+    return ((RETRY_PUSHBACK, str(delay_ms)), (STATUS_DETAILS, status.SerializeToString()))
 
 
 class SchedulerService(pb_grpc.SchedulerServicer):
@@ -17,17 +52,35 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         self.config = config
         self.store = store
         self.dispatcher = dispatcher
+        self.order = ORDER_POLICIES[config.order_policy]
 
     async def Submit(self, request: pb.SubmitRequest, context: grpc.aio.ServicerContext) -> pb.SubmitResponse:
-        spec = request.spec
+        spec = pb.RequestSpec()
+        spec.CopyFrom(request.spec)
         if not spec.request_id or not spec.tenant or not spec.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "spec needs request_id, tenant and prompt_token_ids")
-        kind, value = await self.store.submit(spec, request.idempotency_key, self.config.max_queued)
-        if kind == "rejected":
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{value}: {self.config.max_queued} requests are queued; retry later")
-        self.dispatcher.wake.set()
-        return pb.SubmitResponse(request_id=value, created=kind == "created")
+        policy = await self.store.tenant_policy(spec.tenant)
+        tier = resolve_tier(spec.tier, policy.tier, self.config.tier_names)
+        if tier is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"tier: must be one of {', '.join(self.config.tier_names)}, got {spec.tier!r}")
+        spec.tier = tier
+        seq = await self.store.next_seq()
+        score = self.order(seq, len(spec.prompt_token_ids), spec.sampling.max_tokens, spec.deadline_ms)
+        span = telemetry.start("pdq.enqueue", attributes={"pdq.request_id": spec.request_id, "pdq.tenant": spec.tenant,
+                                                          "pdq.tier": tier, "pdq.seq": seq})
+        got = await self.store.submit(spec, request.idempotency_key, queue_limits(self.config, policy), seq, score)
+        if got.kind == "rejected":
+            delay = retry_after_ms(got.drain_tokens, self.dispatcher.drain.rate(time.monotonic()),
+                                   self.config.retry_after_min_ms, self.config.retry_after_max_ms)
+            message = f"{got.reason}: {_explain(got.reason)}; retry in {delay} ms"
+            telemetry.end(span, "rejected", message, event_attributes={"pdq.reason": got.reason, "pdq.retry_ms": delay})
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message, retry_metadata(got.reason, message, delay))
+        telemetry.end(span, "idempotent_retry" if got.kind == "existing" else None,
+                      attributes={"pdq.enqueue.result": got.kind})
+        if got.kind == "created":
+            self.dispatcher.wake.set()
+        return pb.SubmitResponse(request_id=got.request_id, created=got.kind == "created")
 
     async def Cancel(self, request: pb.InternalCancelRequest, context: grpc.aio.ServicerContext) -> pb.InternalCancelResponse:
         record = await self.store.record(request.request_id)
@@ -35,26 +88,50 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no request {request.request_id!r}")
         state = await self.store.finish(request.request_id, State.CANCELLED, "cancelled",
                                         f"cancelled by {request.reason or 'client'}")
+        if state == State.CANCELLED and record.get("state") != State.CANCELLED.value:
+            metrics.CANCELLATIONS.labels(metrics.cancel_source(request.reason)).inc()
+        if telemetry.enabled() and record.get("spec"):  # in the request's trace, whoever cancels it
+            caller = telemetry.current()
+            span = telemetry.start("pdq.cancel", spec_from_bytes(record["spec"]).traceparent,
+                                   links=[caller.get_span_context()] if caller else [],
+                                   attributes={"pdq.request_id": request.request_id})
+            telemetry.end(span, "cancelled", event_attributes={
+                "pdq.reason": request.reason or "client", "pdq.state_before": record.get("state", ""),
+                "pdq.state": state.value if state else ""})
         return pb.InternalCancelResponse(state=state.value if state else "")
 
 
+def _explain(reason: str) -> str:
+    return {"QUEUE_FULL": "the queue holds its maximum of requests",
+            "QUEUE_TOKENS_FULL": "the queue holds its maximum of tokens",
+            "TENANT_QUEUE_FULL": "this tenant has its maximum of requests queued",
+            "TENANT_QUEUE_TOKENS_FULL": "this tenant has its maximum of tokens queued"}.get(reason, "queue full")
+
+
 def build_server(config: SchedulerConfig) -> Server:
-    """Builds (does not start) the scheduler: gRPC server, Redis store, dispatcher."""
+    """Builds (does not start) the scheduler: gRPC server, Redis store, dispatcher, janitor."""
     client = aioredis.Redis.from_url(config.redis_url, decode_responses=False)
     store = RequestStore(client, config.key_prefix, config.result_ttl_s)
     dispatcher = Dispatcher(config, store)
+    janitor = Janitor(config, store, dispatcher.wake.set)
     server = Server(config.host, config.port, [pb.DESCRIPTOR.services_by_name["Scheduler"].full_name])
     pb_grpc.add_SchedulerServicer_to_server(SchedulerService(config, store, dispatcher), server.grpc)
 
     async def start() -> None:
         await client.ping()
+        load = await store.load()
+        if load.get("n"):
+            log.info("resuming: %d request(s) queued (%d tokens)", load["n"], load.get("tokens", 0))
+        janitor.start()
         dispatcher.start()
 
     async def close() -> None:
+        await janitor.stop()
         await dispatcher.stop()
         await client.aclose()
 
     server.on_start.append(start)
     server.on_stop.append(close)
     server.dispatcher = dispatcher  # type: ignore[attr-defined]
+    server.janitor = janitor  # type: ignore[attr-defined]
     return server

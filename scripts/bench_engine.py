@@ -1,4 +1,5 @@
-"""Benchmark the model runtime on a small random Llama (hidden 512, 8 layers, vocab 4096).
+"""Benchmark the model runtime on a small random Llama (hidden 512, 8 layers, 8 heads / 4 KV
+heads, intermediate 1408, vocab 4096: the shape of the built-in "small" model).
 
 Prints:
   (a) one decode step's time at batch 1/8/32 with ~200 tokens of context;
@@ -7,10 +8,11 @@ Prints:
   (c) HF `generate()` on the same requests in static batches of 8, left padded, greedy
       (useful output tokens/s: only each request's requested tokens count).
 
-    .venv/bin/python scripts/bench_engine.py [--skip-hf] [--max-batched-tokens N] [--prefill-chunk N]
+    .venv/bin/python scripts/bench_engine.py [--parts abc] [--repeat N] [--max-batched-tokens N] [--prefill-chunk N]
 """
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -31,8 +33,10 @@ def small_llama() -> LlamaForCausalLM:
         intermediate_size=1408,
         num_hidden_layers=8,
         num_attention_heads=8,
-        num_key_value_heads=8,
+        num_key_value_heads=4,
         max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        initializer_range=0.05,
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=0,
@@ -47,8 +51,8 @@ def mixed_workload(n=32, seed=0, vocab=4096) -> tuple[list[list[int]], list[int]
     return prompts, out_lens
 
 
-def bench_decode_step(runner: ModelRunner, batch: int, context: int = 200, steps: int = 20) -> float:
-    """Median ms of one decode step for `batch` sequences with `context` tokens of KV."""
+def bench_decode_step(runner: ModelRunner, batch: int, context: int = 200, steps: int = 20) -> tuple[float, float]:
+    """(median, min) ms of one decode step for `batch` sequences with `context` tokens of KV."""
     g = torch.Generator().manual_seed(batch)
     ids = [f"b{batch}-{i}" for i in range(batch)]
     for s in ids:
@@ -63,7 +67,7 @@ def bench_decode_step(runner: ModelRunner, batch: int, context: int = 200, steps
         times.append(time.perf_counter() - t)
     for s in ids:
         runner.free(s)
-    return statistics.median(times[3:]) * 1e3
+    return statistics.median(times[3:]) * 1e3, min(times[3:]) * 1e3
 
 
 def bench_engine(engine: LLMEngine, prompts, out_lens) -> tuple[float, int]:
@@ -95,33 +99,41 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-batched-tokens", type=int, default=1024)
     ap.add_argument("--prefill-chunk", type=int, default=512)
-    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--parts", default="abc", help="which of (a), (b), (c) to run, e.g. 'ab'")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of (b) and (c), alternating; best is kept")
     args = ap.parse_args()
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
 
     hf = small_llama()
     runner = ModelRunner(hf, kv_budget_tokens=32 * MAX_SEQ_LEN, max_seq_len=MAX_SEQ_LEN)
     print(f"device {runner.device}, dtype {runner.dtype}, KV slots {runner.capacity} x {MAX_SEQ_LEN} tokens")
 
-    print("(a) decode step, ~200 tokens of context")
-    for b in (1, 8, 32):
-        print(f"    batch {b:2d}: {bench_decode_step(runner, b):7.2f} ms")
+    if "a" in args.parts:
+        print("(a) decode step, ~200 tokens of context")
+        for b in (1, 8, 32):
+            med, best = bench_decode_step(runner, b)
+            print(f"    batch {b:2d}: {med:7.2f} ms (median), {best:7.2f} ms (min)")
 
     prompts, out_lens = mixed_workload()
     engine = LLMEngine(runner, max_batched_tokens=args.max_batched_tokens, prefill_chunk=args.prefill_chunk)
-    dt, n = bench_engine(engine, prompts, out_lens)
-    eng_tps = n / dt
-    print(
-        f"(b) LLMEngine mixed workload: {n} output tokens in {dt:.2f} s = {eng_tps:.0f} tok/s "
-        f"(max_batched_tokens={args.max_batched_tokens}, prefill_chunk={args.prefill_chunk})"
-    )
-    assert runner.num_free == runner.capacity, "KV slots leaked"
-    if args.skip_hf:
-        return
-    dt, n = bench_hf(hf, prompts, out_lens)
-    hf_tps = n / dt
-    print(f"(c) HF generate, static batches of 8: {n} useful tokens in {dt:.2f} s = {hf_tps:.0f} tok/s")
-    print(f"    engine / HF = {eng_tps / hf_tps:.2f}x")
+    n = sum(out_lens)
+    eng_s = hf_s = float("inf")
+    for _ in range(args.repeat):
+        if "b" in args.parts:
+            eng_s = min(eng_s, bench_engine(engine, prompts, out_lens)[0])
+            assert runner.num_free == runner.capacity, "KV slots leaked"
+        if "c" in args.parts:
+            hf_s = min(hf_s, bench_hf(hf, prompts, out_lens)[0])
+    if "b" in args.parts:
+        print(
+            f"(b) LLMEngine mixed workload: {n} output tokens in {eng_s:.2f} s = {n / eng_s:.0f} tok/s "
+            f"(max_batched_tokens={args.max_batched_tokens}, prefill_chunk={args.prefill_chunk})"
+        )
+    if "c" in args.parts:
+        print(f"(c) HF generate, static batches of 8: {n} useful tokens in {hf_s:.2f} s = {n / hf_s:.0f} tok/s")
+    if "b" in args.parts and "c" in args.parts:
+        print(f"    engine / HF = {hf_s / eng_s:.2f}x")
+    print(f"load average {os.getloadavg()[0]:.2f} (other processes on this machine skew the numbers)")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from prefill_worker.chunking import plan_chunks
-from scheduler.policy import Candidate, DecodeSlots, choose_decode_worker, form_batch
+from scheduler.policies import Candidate, DecodeSlots, choose_decode_worker, form_batch
 
 
 def cands(*prompts):

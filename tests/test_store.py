@@ -1,9 +1,10 @@
-"""The Lua scripts of pdq.keys against a real Redis server."""
+"""The Lua scripts of pdq.keys against a real Redis server: a request's life as workers see it.
+(Queue structure, fair-share counters, admission and leases: tests/scheduler/.)"""
 
 import pytest
 
 from pdq.request import State
-from pdq.store import RequestStore, StepItem
+from pdq.store import QueueLimits, RequestStore, StepItem
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import internal_pb2 as pb
 
@@ -23,24 +24,35 @@ def tokens(store, rid):
     return [(int(f[b"i"]), int(f[b"t"]), f[b"x"].decode()) for _, f in store.client.xrange(store.keys.output(rid)) if b"i" in f]
 
 
+def queued(store, tenant="acme"):
+    return [x.decode() for x in store.client.zrange(store.keys.queue("interactive", tenant), 0, -1)]
+
+
+def claim(store, rid, worker="w"):
+    return store.claim([(rid, "d")], worker)[0].epoch
+
+
 def test_submit_queues_once_per_idempotency_key(store):
-    assert store.submit(make_spec("r1"), "client-key") == ("created", "r1")
-    assert store.submit(make_spec("r2"), "client-key") == ("existing", "r1")
-    assert store.submit(make_spec("r3", tenant="other"), "client-key") == ("created", "r3")
-    assert [x.decode() for x in store.client.zrange(store.keys.queue, 0, -1)] == ["r1", "r3"]
+    assert store.submit(make_spec("r1"), "client-key").request_id == "r1"
+    again = store.submit(make_spec("r2"), "client-key")
+    assert (again.kind, again.request_id) == ("existing", "r1")
+    assert store.submit(make_spec("r3", tenant="other"), "client-key").kind == "created"
+    assert store.submit(make_spec("r1")).kind == "existing"  # the same request id twice
+    assert queued(store) == ["r1"] and queued(store, "other") == ["r3"]
     assert store.record("r1")["state"] == "QUEUED"
 
 
 def test_submit_rejects_over_the_queue_bound(store):
-    assert store.submit(make_spec("a"), "", max_queued=1)[0] == "created"
-    assert store.submit(make_spec("b"), "", max_queued=1) == ("rejected", "QUEUE_FULL")
+    assert store.submit(make_spec("a"), limits=QueueLimits(max_queued=1)).kind == "created"
+    got = store.submit(make_spec("b"), limits=QueueLimits(max_queued=1))
+    assert (got.kind, got.reason) == ("rejected", "QUEUE_FULL")
     assert store.record("b") == {}
 
 
 def test_claim_step_finish_and_stale_epochs(store):
     store.submit(make_spec("r"))
-    assert store.claim(["r"], "w1") == [1]
-    assert store.claim(["r"], "w1") == [0]  # already claimed
+    assert claim(store, "r", "w1") == 1
+    assert claim(store, "r", "w1") == 0  # already claimed
     assert store.step([StepItem("r", 1, 0, 7, "a")]) == [True]
     assert store.step([StepItem("r", 1, 0, 7, "a")]) == [True]  # a replayed index is ignored
     assert store.step([StepItem("r", 0, 1, 8, "b")]) == [False]  # stale epoch rejected
@@ -56,7 +68,7 @@ def test_claim_step_finish_and_stale_epochs(store):
 
 def test_token_gap_is_an_error(store):
     store.submit(make_spec("r"))
-    store.claim(["r"], "w")
+    claim(store, "r")
     with pytest.raises(Exception, match="gap"):
         store.step([StepItem("r", 1, 3, 1, "x")])
 
@@ -66,29 +78,30 @@ def test_cancel_a_queued_request_frees_its_queue_entry(store):
     pubsub = store.client.pubsub()
     pubsub.subscribe(store.keys.cancel_channel)
     assert store.finish("r", State.CANCELLED, "cancelled", "by client") == State.CANCELLED
-    assert store.client.zcard(store.keys.queue) == 0
+    assert queued(store) == []
     assert store.client.zcard(store.keys.deadlines) == 0
-    assert store.claim(["r"], "w") == [0]
+    assert claim(store, "r") == 0
     assert store.finish("nope", State.CANCELLED, "cancelled") is None
     msgs = [m for m in iter(lambda: pubsub.get_message(timeout=1), None) if m["type"] == "message"]
     assert [m["data"] for m in msgs] == [b"r"]
 
 
-def test_requeue_keeps_the_place_then_fails_when_attempts_are_spent(store):
+def test_requeue_keeps_the_place_under_a_new_epoch_then_fails_when_attempts_are_spent(store):
     store.submit(make_spec("first"))
     store.submit(make_spec("second"))
-    assert store.claim(["first"], "w") == [1]
+    assert claim(store, "first") == 1
     assert store.requeue("first", 1, "worker died", max_attempts=2) == "QUEUED"
     assert store.requeue("first", 1, "again", max_attempts=2) is None  # already requeued: stale
-    assert [x.decode() for x in store.client.zrange(store.keys.queue, 0, -1)] == ["first", "second"]
-    assert store.claim(["first"], "w") == [2]
-    assert store.requeue("first", 2, "worker died", max_attempts=2) == "FAILED"
+    assert store.step([StepItem("first", 1, 0, 7, "a")]) == [False]  # the old attempt cannot write
+    assert queued(store) == ["first", "second"]
+    assert claim(store, "first") == 3
+    assert store.requeue("first", 3, "worker died", max_attempts=2) == "FAILED"
     assert store.record("first")["error"] == "worker died"
 
 
 def test_transition_checks_epoch(store):
     store.submit(make_spec("r"))
-    store.claim(["r"], "w")
+    claim(store, "r")
     assert store.transition("r", 2, State.DECODING) is False
     assert store.transition("r", 1, State.DECODING, decode_worker="d1") is True
     rec = store.record("r")

@@ -1,11 +1,15 @@
 """`pdq bench`: build the workload, run it through every strategy and baseline, report.
 
-Order: each strategy on its own freshly spawned cluster (or the --target cluster), every
-offered load in turn; then the baselines in this process, after the clusters have stopped, so
-they never compete with one for the CPU. Stdout gets the tables; stderr the progress.
+Each strategy runs on its own freshly spawned cluster (or the --target cluster), every offered
+load in turn; the baselines run in this process while no spawned cluster is up, so they never
+compete with one for the CPU. With --repeat N the whole sequence runs N times, in alternating
+order (forward, backward, ...) so slow drift of a shared machine's load hits every system
+alike; each run is then reported by its median repeat. Stdout gets the tables; stderr the
+progress.
 """
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +19,9 @@ from pdq.bench.metrics import Slo, summarize
 from pdq.bench.options import BenchOptions
 from pdq.bench.record import RequestRecord, RunRecord
 from pdq.bench.workload import Workload, build, vocabulary
+
+
+START_ATTEMPTS = 3
 
 
 def say(*parts: object) -> None:
@@ -48,23 +55,32 @@ class Bench:
         self.opts = opts
         self.workload = workload
         self.slo = Slo(opts.slo_ttft, opts.slo_itl)
-        self.runs: list[dict] = []
+        self.runs: list[dict] = []  # every run of every repeat
+        self.repeat = 0
+        self._baselines: dict = {}
 
     def measure(self, desc: str, go: Callable[[Progress], RunRecord]) -> None:
+        load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         progress = Progress(len(self.workload.requests), desc, self.opts.progress)
         try:
             record = go(progress)
         finally:
             progress.close()
         entry = summarize(record, self.slo)
+        entry["repeat"] = self.repeat
+        entry["loadavg_1m_before"] = None if load_before is None else round(load_before, 2)
         self.runs.append(entry)
-        say(f"pdq bench: {entry['name']} @ {entry['arrivals']}: {entry['output_tokens_per_s']:.1f} output tok/s, "
-            f"{entry['completed']}/{entry['requests']} ok, TTFT p99 {entry['ttft_ms']['p99']} ms"
-            + (f", client CPU {entry['client_cpu_pct']}%" if entry["client_cpu_pct"] is not None else ""))
+        rep = f" (repeat {self.repeat + 1}/{self.opts.repeat})" if self.opts.repeat > 1 else ""
+        who = "CPU" if entry["name"] in report.BASELINE_NAMES else "client CPU"
+        cpu = f", {who} {entry['client_cpu_pct']}%" if entry["client_cpu_pct"] is not None else ""
+        if entry["server_cpu_pct"]:
+            cpu += ", " + ", ".join(f"{k} {v:.0f}%" for k, v in entry["server_cpu_pct"].items())
+        say(f"pdq bench: {entry['name']} @ {entry['arrivals']}{rep}: {entry['output_tokens_per_s']:.1f} output tok/s, "
+            f"{entry['completed']}/{entry['requests']} ok, TTFT p99 {entry['ttft_ms']['p99']} ms{cpu}")
         for error in entry["errors_sample"]:
             say(f"    error: {error}")
 
-    def service(self, target: str, strategy: str, keys: dict[str, str | None]) -> None:
+    def service(self, target: str, strategy: str, keys: dict[str, str | None], cpu_probe=None) -> None:
         """Every offered load against the cluster at `target`; keys: tenant -> API key (None:
         the client's default, $PDQ_API_KEY or a local `pdq up`'s dev key)."""
         from pdq.bench.service import run_service, warm_up
@@ -75,12 +91,14 @@ class Bench:
         for load in opts.loads:
             self.measure(f"{strategy} @ {load.label}", lambda p: run_service(
                 target, strategy, strategy, self.workload, load, api_keys=keys, timeout_s=opts.request_timeout,
-                on_done=p))
+                on_done=p, cpu_probe=cpu_probe))
 
     def spawned(self, strategy: str) -> None:
-        """A fresh cluster for `strategy`, with a key per tenant of the workload (bench.tenancy)."""
+        """A fresh cluster for `strategy`, with a key per tenant of the workload (bench.tenancy).
+        A failed start-up (e.g. a port taken in between by another process) is retried."""
         import tempfile
 
+        from pdq.bench.procstat import cluster_probe
         from pdq.bench.tenancy import write_auth_file
         from pdq.up import Cluster
 
@@ -89,27 +107,48 @@ class Bench:
             auth_file = Path(tmp) / "auth.json"
             keys = write_auth_file(auth_file, self.workload.tenants, opts.api_keys)
             env = {**opts.env, "PDQ_STRATEGY": strategy, "PDQ_AUTH_FILE": str(auth_file)}
-            say(f"pdq bench: starting a cluster for strategy {strategy!r} ...")
-            with Cluster(prefill=opts.prefill, decode=opts.decode, model=opts.model, redis_url=opts.redis_url,
-                         port=0, auth=False, extra_env=env) as cluster:
-                self.service(cluster.target, strategy, keys)
+            for attempt in range(1, START_ATTEMPTS + 1):
+                say(f"pdq bench: starting a cluster for strategy {strategy!r} ...")
+                cluster = Cluster(prefill=opts.prefill, decode=opts.decode, model=opts.model,
+                                  redis_url=opts.redis_url, port=0, auth=False, extra_env=env)
+                try:
+                    cluster.start()
+                    break
+                except (RuntimeError, TimeoutError) as exc:
+                    if attempt == START_ATTEMPTS:
+                        raise
+                    say(f"pdq bench: the cluster did not start ({exc}); trying again")
+            try:
+                self.service(cluster.target, strategy, keys, cluster_probe(cluster))
+            finally:
+                cluster.stop()
 
-    def baselines(self, model_dir: str) -> None:
+    def baseline(self, name: str, model_dir: str) -> None:
+        """Runs baseline `name` ("engine": every offered load; "hf": all at once); its model
+        loads on first use and stays loaded for the next repeat."""
+        from pdq.bench.baselines import EngineBaseline, HFBaseline
+
+        if name not in self._baselines:
+            say(f"pdq bench: loading the model for the {name} baseline ...")
+            self._baselines[name] = (EngineBaseline if name == "engine" else HFBaseline)(model_dir)
+        system = self._baselines[name]
+        if name == "engine":
+            for load in self.opts.loads:
+                self.measure(f"engine @ {load.label}", lambda p: system.run(self.workload, load, on_done=p))
+        else:
+            self.measure("hf @ all", lambda p: system.run(self.workload, on_done=p))
+
+    def systems(self, model_dir: str) -> list[Callable[[], None]]:
+        """What one repeat runs, in order: the target or the spawned strategies, then baselines."""
         opts = self.opts
-        if "engine" in opts.baselines:
-            from pdq.bench.baselines import EngineBaseline
-
-            say("pdq bench: loading the in-process engine ...")
-            engine = EngineBaseline(model_dir)
-            for load in opts.loads:
-                self.measure(f"engine @ {load.label}", lambda p: engine.run(self.workload, load, on_done=p))
-            del engine
-        if "hf" in opts.baselines:
-            from pdq.bench.baselines import HFBaseline
-
-            say("pdq bench: loading the model into transformers ...")
-            hf = HFBaseline(model_dir)
-            self.measure("hf @ all", lambda p: hf.run(self.workload, on_done=p))
+        out: list[Callable[[], None]] = []
+        if opts.target:
+            keys = {t.name: opts.api_key(t.name) for t in self.workload.tenants}
+            out.append(lambda: self.service(opts.target, opts.strategies[0], keys))
+        if opts.spawn:
+            out += [lambda s=s: self.spawned(s) for s in opts.strategies]
+        out += [lambda b=b: self.baseline(b, model_dir) for b in opts.baselines]
+        return out
 
 
 def config_json(opts: BenchOptions, model_dir: str, workload: Workload) -> dict:
@@ -118,7 +157,8 @@ def config_json(opts: BenchOptions, model_dir: str, workload: Workload) -> dict:
             "output_tokens": workload.output_tokens, "target": opts.target, "spawn": opts.spawn,
             "strategies": list(opts.strategies), "baselines": list(opts.baselines),
             "loads": [a.offered() for a in opts.loads], "prefill": opts.prefill, "decode": opts.decode,
-            "env": opts.env, "slo": Slo(opts.slo_ttft, opts.slo_itl).to_json(), "max_model_len": opts.max_model_len}
+            "env": opts.env, "slo": Slo(opts.slo_ttft, opts.slo_itl).to_json(), "max_model_len": opts.max_model_len,
+            "repeat": opts.repeat}
 
 
 def _command_line() -> list[str] | None:
@@ -143,17 +183,15 @@ def run(args: argparse.Namespace) -> int:
         say("pdq bench: note: not every tenant has a --tenant-key, so the server may see fewer tenants than the "
             "workload has; shares are measured from the client side")
     bench = Bench(opts, workload)
-    if opts.target:
-        bench.service(opts.target, opts.strategies[0], {t.name: opts.api_key(t.name) for t in workload.tenants})
-    if opts.spawn:
-        for strategy in opts.strategies:
-            bench.spawned(strategy)
-    if opts.baselines:
-        bench.baselines(model_dir)
+    systems = bench.systems(model_dir)
+    for repeat in range(opts.repeat):
+        bench.repeat = repeat
+        for go in systems if repeat % 2 == 0 else systems[::-1]:
+            go()
 
-    runs = bench.runs
+    runs = report.median_repeats(bench.runs)
     print(report.table(runs))
-    for extra in (report.tenant_table(runs), report.kind_table(runs)):
+    for extra in (report.tenant_table(runs), report.kind_table(runs), report.cpu_table(runs)):
         if extra:
             print()
             print(extra)
@@ -164,11 +202,14 @@ def run(args: argparse.Namespace) -> int:
         print(report.ratio_lines(rs))
     sys.stdout.flush()
     if opts.json:
-        report.write_json(opts.json, report.document(runs, config_json(opts, model_dir, workload), _command_line()))
+        doc = report.document(runs, config_json(opts, model_dir, workload), _command_line())
+        if opts.repeat > 1:
+            doc["all_runs"] = bench.runs
+        report.write_json(opts.json, doc)
         say(f"pdq bench: wrote {opts.json}")
     if opts.plot:
         from pdq.bench.plot import plot
 
         plot(runs, opts.plot, title=f"pdq bench: {workload.name}, {len(workload.requests)} requests, {opts.model}")
         say(f"pdq bench: wrote {opts.plot}")
-    return 0 if all(r["errors"] == 0 for r in runs) else 1
+    return 0 if all(r["errors"] == 0 for r in bench.runs) else 1

@@ -1,7 +1,7 @@
 """From a `RunRecord` to the numbers users compare: pure functions, no IO.
 
 - throughput: output tokens (as received) and completed requests per second of the run's
-  duration (first due time to last end);
+  duration (first due time to last end); and output tokens per CPU-second, when known;
 - TTFT, e2e: per request, from its due time; ITL: every gap between consecutive tokens of a
   request, pooled over all requests; p50/p90/p99 with linear interpolation (numpy's default);
 - goodput: completed requests per second that met the SLO: TTFT <= slo_ttft and TPOT (a
@@ -97,12 +97,26 @@ def summarize(run: RunRecord, slo: Slo = Slo()) -> dict:
         "slo": slo.to_json(),
         "client_cpu_pct": (round(100 * run.client_cpu_s / duration, 1)
                            if run.client_cpu_s is not None and duration > 0 else None),
+        "output_tokens_per_cpu_s": tokens_per_cpu_s(run, tokens),
+        "server_cpu_pct": ({name: round(100 * cpu / duration, 1) for name, cpu in run.server_cpu_s.items()}
+                           if run.server_cpu_s and duration > 0 else None),
         "tenants": tenant_shares(run),
         "kinds": kind_latencies(run),
         "errors_sample": sorted({r.error for r in recs if r.error})[:5],
         **run.notes,
     }
     return entry
+
+
+def tokens_per_cpu_s(run: RunRecord, tokens: int) -> float | None:
+    """Output tokens per CPU-second of everything that worked for them: every process of a
+    spawned cluster plus the benchmark process (or, for a baseline, its own process). Less
+    sensitive than tokens/s to other load on a shared machine. None when the CPU is not known
+    (e.g. a --target cluster)."""
+    if run.client_cpu_s is None or run.server_cpu_s is None:
+        return None
+    cpu = run.client_cpu_s + sum(run.server_cpu_s.values())
+    return round(tokens / cpu, 2) if cpu > 0 else None
 
 
 def tenant_shares(run: RunRecord) -> dict:

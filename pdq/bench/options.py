@@ -49,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            "of a local `pdq up`); a spawned cluster gets a fresh key per tenant")
     load.add_argument("--tenant-key", action="append", default=[], metavar="TENANT=KEY",
                       help="the API key of one tenant's requests, e.g. flood=sk-... (repeatable)")
+    load.add_argument("--repeat", type=int, default=1,
+                      help="run everything N times in alternating order; report each run's median repeat (default 1)")
     load.add_argument("--warmup", type=int, default=2, help="small requests sent to each cluster first (default 2)")
     load.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
     out = p.add_argument_group("reports")
@@ -88,6 +90,7 @@ class BenchOptions:
     env: dict = field(default_factory=dict)
     api_keys: dict = field(default_factory=dict)
     warmup: int = 2
+    repeat: int = 1
     request_timeout: float = 600.0
     slo_ttft: float | None = None
     slo_itl: float | None = None
@@ -119,9 +122,9 @@ class BenchOptions:
         else:
             rates = parse_rates(a.rates or a.rate) if (a.rates or a.rate) else [math.inf]
             loads = tuple(Arrivals(rate=r, seed=a.seed) for r in rates)
-        for name in ("prefill", "decode", "warmup"):
-            if getattr(a, name) < (0 if name == "warmup" else 1):
-                raise ValueError(f"--{name} must be >= {0 if name == 'warmup' else 1}")
+        for name, least in (("prefill", 1), ("decode", 1), ("repeat", 1), ("warmup", 0)):
+            if getattr(a, name) < least:
+                raise ValueError(f"--{name} must be >= {least}")
         for name in ("slo_ttft", "slo_itl", "request_timeout"):
             value = getattr(a, name)
             if value is not None and not value > 0:
@@ -135,7 +138,7 @@ class BenchOptions:
         return cls(target=a.target, spawn=a.spawn, strategies=strategies, baselines=tuple(dict.fromkeys(a.baseline)),
                    loads=loads, workload=a.workload, requests=a.requests, seed=a.seed,
                    max_model_len=a.max_model_len, model=a.model, prefill=a.prefill, decode=a.decode,
-                   redis_url=a.redis_url, env=env, api_keys=keys, warmup=a.warmup,
+                   redis_url=a.redis_url, env=env, api_keys=keys, warmup=a.warmup, repeat=a.repeat,
                    request_timeout=a.request_timeout, slo_ttft=a.slo_ttft, slo_itl=a.slo_itl, json=a.json,
                    plot=a.plot, progress=not a.no_progress)
 

@@ -56,7 +56,9 @@ class RequestRecord:
 class RunRecord:
     """name: "continuous", "hf", "engine", ...; strategy: the batching strategy that ran
     (for a baseline: its own name); client_cpu_s: CPU seconds the benchmark process spent
-    while the run lasted (None when not measured: the baseline runs in the same process)."""
+    while the run lasted (for a baseline, that is the baseline's own work); server_cpu_s: CPU
+    seconds of each process of a spawned cluster during the run ({} for a baseline, which has
+    none; None: not known, e.g. a --target cluster)."""
 
     name: str
     strategy: str
@@ -64,6 +66,7 @@ class RunRecord:
     arrivals: Arrivals
     requests: list[RequestRecord]
     client_cpu_s: float | None = None
+    server_cpu_s: dict[str, float] | None = None
     notes: dict = field(default_factory=dict)
 
     @property

@@ -33,18 +33,26 @@ def _lat(d: dict) -> str:
     return "/".join(_fmt(d.get(k)) for k in ("p50", "p90", "p99"))
 
 
+def _columns(head: list[str], rows: list[list]) -> list[str]:
+    """Lines of a text table: the first column left-aligned, the others right-aligned."""
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+
+    def line(cells: list) -> str:
+        return "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    return [line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
+
+
 def table(runs: list[dict]) -> str:
     """One row per run: throughput first, then latency percentiles (ms), never one blended number."""
     head = ["run", "offered", "ok", "out tok/s", "req/s", "TTFT p50/p90/p99", "ITL p50/p90/p99",
-            "e2e p50/p90/p99", "goodput"]
+            "e2e p50/p90/p99", "goodput", "tok/CPU-s"]
     rows = [[r["name"], r["arrivals"], f"{r['completed']}/{r['requests']}", _fmt(r["output_tokens_per_s"], 1),
              _fmt(r["requests_per_s"], 2), _lat(r["ttft_ms"]), _lat(r["itl_ms"]), _lat(r["e2e_ms"]),
-             _fmt(r["goodput"], 2)] for r in runs]
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    line = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w)  # noqa: E731
-                                   for i, (c, w) in enumerate(zip(cells, widths)))
-    out = [line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
-    out.append("latencies in ms; goodput in requests/s meeting the SLO" + _slo_note(runs))
+             _fmt(r["goodput"], 2), _fmt(r.get("output_tokens_per_cpu_s"), 1)] for r in runs]
+    out = _columns(head, rows)
+    out.append("latencies in ms; goodput in requests/s meeting the SLO" + _slo_note(runs)
+               + "; tok/CPU-s: output tokens per CPU-second of every process involved")
     return "\n".join(out)
 
 
@@ -57,16 +65,14 @@ def _slo_note(runs: list[dict]) -> str:
 
 
 def tenant_table(runs: list[dict]) -> str:
-    lines = []
-    for r in runs:
-        if not r.get("tenants"):
-            continue
-        lines.append(f"{r['name']} @ {r['arrivals']}: tenant  weight  fair share  share (contended)  tok/s  TTFT p50/p99")
-        for name, t in r["tenants"].items():
-            lines.append(f"    {name:>10}  {t['weight']:6g}  {t['fair_share']:10.2f}  {t['share']:5.2f} "
-                         f"({t['share_contended']:.2f})  {t['output_tokens_per_s']:7.1f}  "
-                         f"{_fmt(t['ttft_ms']['p50'])}/{_fmt(t['ttft_ms']['p99'])}")
-    return "\n".join(lines)
+    """Per tenant: its share of output tokens (over the run, and while every tenant had work)
+    next to its fair share (weight / sum of weights)."""
+    head = ["run @ offered: tenant", "weight", "fair share", "share", "share contended", "tok/s", "TTFT p50/p99"]
+    rows = [[f"{r['name']} @ {r['arrivals']}: {name}", f"{t['weight']:g}", f"{t['fair_share']:.2f}",
+             f"{t['share']:.2f}", f"{t['share_contended']:.2f}", _fmt(t["output_tokens_per_s"], 1),
+             f"{_fmt(t['ttft_ms']['p50'])}/{_fmt(t['ttft_ms']['p99'])}"]
+            for r in runs for name, t in (r.get("tenants") or {}).items()]
+    return "\n".join(_columns(head, rows)) if rows else ""
 
 
 def kind_table(runs: list[dict]) -> str:
@@ -75,6 +81,43 @@ def kind_table(runs: list[dict]) -> str:
         for kind, k in (r.get("kinds") or {}).items():
             lines.append(f"{r['name']} @ {r['arrivals']}: {kind:>6} requests ({k['requests']}): "
                          f"TTFT p50/p90/p99 {_lat(k['ttft_ms'])} ms, e2e {_lat(k['e2e_ms'])} ms")
+    return "\n".join(lines)
+
+
+def median_repeats(runs: list[dict]) -> list[dict]:
+    """One entry per (name, offered load): the repeat with the median output tokens/s (the
+    lower middle for an even count), with every repeat's throughput and p99 TTFT under
+    "repeats". A single repeat passes through unchanged. Order: first appearance."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["name"], r["arrivals"]), []).append(r)
+    out = []
+    for group in groups.values():
+        if len(group) == 1:
+            out.append(group[0])
+            continue
+        ranked = sorted(group, key=lambda r: r["output_tokens_per_s"])
+        chosen = dict(ranked[(len(ranked) - 1) // 2])
+        chosen["repeats"] = {"n": len(group), "output_tokens_per_s": [r["output_tokens_per_s"] for r in group],
+                             "ttft_p99_ms": [r["ttft_ms"]["p99"] for r in group]}
+        out.append(chosen)
+    return out
+
+
+def cpu_table(runs: list[dict]) -> str:
+    """CPU use during each run, in % of one core: every process of a spawned cluster, and this
+    benchmark process ("bench": the load generator, or for a baseline the baseline itself)."""
+    rows = [r for r in runs if r.get("client_cpu_pct") is not None]
+    if not any(r.get("server_cpu_pct") for r in rows):
+        return ""
+    names = list(dict.fromkeys(n for r in rows for n in r.get("server_cpu_pct") or {}))
+    lines = [f"CPU during the run, % of one core (this machine has {os.cpu_count()} cores):",
+             "  " + "run @ offered".ljust(22) + "".join(n.rjust(11) for n in [*names, "bench", "total"])]
+    for r in rows:
+        cpu = r.get("server_cpu_pct") or {}
+        total = sum(cpu.values()) + (r["client_cpu_pct"] or 0)
+        cells = [_fmt(cpu.get(n)) for n in names] + [_fmt(r["client_cpu_pct"]), _fmt(total)]
+        lines.append("  " + f"{r['name']} @ {r['arrivals']}".ljust(22) + "".join(c.rjust(11) for c in cells))
     return "\n".join(lines)
 
 
@@ -108,6 +151,7 @@ def ratios(runs: list[dict]) -> list[dict]:
             for b in (named.get("hf"), named.get("engine")):
                 if b is not None:
                     add(a, b, "output_tokens_per_s", load)
+                    add(a, b, "output_tokens_per_cpu_s", load)
         for a in service:
             for b in service:
                 if a is not b and a["name"] == "continuous":
@@ -121,7 +165,8 @@ def ratios(runs: list[dict]) -> list[dict]:
 def ratio_lines(rs: list[dict]) -> str:
     lines = []
     for r in rs:
-        what = ("throughput" if r["metric"] == "output_tokens_per_s" else "p99 TTFT lower by")
+        what = {"output_tokens_per_s": "throughput", "output_tokens_per_cpu_s": "tokens per CPU-second",
+                "ttft_p99": "p99 TTFT lower by"}[r["metric"]]
         value = "-" if r["value"] is None else f"{r['value']:.2f}x"
         goal = "" if r["goal"] is None else f"   goal >= {r['goal']:g}x: {'met' if r['met'] else 'NOT met'}"
         if r["metric"] == "ttft_p99":

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from pdq.bench.arrivals import Arrivals
+from pdq.bench.procstat import CpuProbe
 from pdq.bench.record import RequestRecord, RunRecord
 from pdq.bench.workload import BenchRequest, Workload
 from pdq.client import Client, finish_name
@@ -43,10 +44,11 @@ def stream_one(client: Client, req: BenchRequest, rec: RequestRecord, t0: float,
 
 def run_service(target: str, name: str, strategy: str, workload: Workload, arrivals: Arrivals, *,
                 api_keys: dict[str, str | None] | None = None, timeout_s: float = 600.0,
-                on_done: Progress | None = None) -> RunRecord:
+                on_done: Progress | None = None, cpu_probe: CpuProbe | None = None) -> RunRecord:
     """Offers `workload` to the gateway at `target` with `arrivals`; returns when every request
     has ended. api_keys: tenant name -> API key (None or missing: the `Client` default,
-    $PDQ_API_KEY or the dev key of a local `pdq up`)."""
+    $PDQ_API_KEY or the dev key of a local `pdq up`). cpu_probe: the cluster's processes, whose
+    CPU time during the run goes into the record."""
     api_keys = api_keys or {}
     tenants = {r.tenant for r in workload.requests}
     clients = {t: Client(target, api_key=api_keys.get(t)) for t in tenants}
@@ -55,13 +57,19 @@ def run_service(target: str, name: str, strategy: str, workload: Workload, arriv
     finished: queue.Queue[RequestRecord] = queue.Queue()
     offsets = arrivals.offsets(len(reqs))
     workers = min(len(reqs), MAX_THREADS) if offsets is not None else arrivals.concurrency
+    if cpu_probe:
+        cpu_probe.start()
     cpu0 = time.process_time()
     t0 = time.perf_counter()
 
     def one(i: int, due: float) -> None:
         rec = records[i] = RequestRecord(reqs[i], due)
-        stream_one(clients[reqs[i].tenant], reqs[i], rec, t0, timeout_s)
-        finished.put(rec)
+        try:
+            stream_one(clients[reqs[i].tenant], reqs[i], rec, t0, timeout_s)
+        except Exception as exc:  # a bug here must not hang the run: record it as the request's error
+            rec.error, rec.end = f"client: {exc!r}", time.perf_counter() - t0
+        finally:
+            finished.put(rec)
 
     try:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bench") as pool:
@@ -95,7 +103,8 @@ def run_service(target: str, name: str, strategy: str, workload: Workload, arriv
         for c in clients.values():
             c.close()
     cpu = time.process_time() - cpu0
-    return RunRecord(name, strategy, workload, arrivals, list(records), client_cpu_s=cpu)
+    return RunRecord(name, strategy, workload, arrivals, list(records), client_cpu_s=cpu,
+                     server_cpu_s=cpu_probe.stop() if cpu_probe else None)
 
 
 def warm_up(target: str, vocab_id: int, n: int = 2, api_key: str | None = None, timeout_s: float = 600.0) -> None:

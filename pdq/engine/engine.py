@@ -80,6 +80,18 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def abort_request(self, seq_id: int) -> bool:
+        """Drop a waiting or running sequence and free its KV slot; False if unknown/finished."""
+        seq = self.running.pop(seq_id, None)
+        if seq is not None:
+            self.runner.free(seq_id)
+            return True
+        for seq in self.waiting:
+            if seq.seq_id == seq_id:
+                self.waiting.remove(seq)
+                return True
+        return False
+
     def step(self) -> list[Completion]:
         """Run one iteration; returns the sequences that finished in it."""
         runner = self.runner
@@ -94,6 +106,8 @@ class LLMEngine:
             runner.allocate(seq_id)
             self.running[seq_id] = seq
         if not plan:
+            if self.waiting and not self.running:
+                raise RuntimeError("cannot schedule any waiting sequence (no KV slot or seat)")
             return []
         prefill, decode, to_sample = [], [], []
         for c in plan.prefill:
@@ -108,6 +122,8 @@ class LLMEngine:
             to_sample.append(seq)
         logits = runner.step(prefill, decode)
         rows = [i for i, s in enumerate(to_sample) if s is not None]
+        if not rows:  # only partial prompt chunks ran
+            return []
         seqs = [to_sample[i] for i in rows]
         if len(rows) != len(to_sample):
             logits = logits[rows]

@@ -14,11 +14,11 @@ class Linear(nn.Module):
 
     On CPU in float32, `prepack()` also keeps the weight in oneDNN's blocked layout: small-
     batch GEMMs (decode steps) then skip re-packing the weight on every call, ~1.5x faster
-    for 8..256 rows. Single rows stay on the plain BLAS path, which is faster there. This
-    costs a second copy of the weight in memory.
+    for 8..256 rows. One or two rows (GEMV) and big prefill batches stay on the plain BLAS
+    path, which is as fast or faster there. This costs a second copy of the weight in memory.
     """
 
-    PLAIN_MAX_ROWS = 2
+    PACKED_ROWS = range(3, 513)  # measured crossovers on a 2-core AVX-512 Xeon
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -36,7 +36,7 @@ class Linear(nn.Module):
             self.packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] > self.PLAIN_MAX_ROWS:
+        if self.packed is not None and x.shape[0] in self.PACKED_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

@@ -112,10 +112,9 @@ class LlamaLayer(nn.Module):
         super().__init__()
         a, m = prefix + "self_attn.", prefix + "mlp."
 
-        def fused(names: list[str], bias: bool) -> Linear:
-            w = torch.cat([sd[n + ".weight"] for n in names]) if len(names) > 1 else sd[names[0] + ".weight"]
-            b = (torch.cat([sd[n + ".bias"] for n in names]) if len(names) > 1 else sd[names[0] + ".bias"]) if bias else None
-            return Linear(w, b)
+        def fused(names: list[str], bias: bool) -> Linear:  # concatenated along out_features
+            w = torch.cat([sd[f"{n}.weight"] for n in names])
+            return Linear(w, torch.cat([sd[f"{n}.bias"] for n in names]) if bias else None)
 
         self.spec = spec
         self.qkv = fused([a + "q_proj", a + "k_proj", a + "v_proj"], spec.attention_bias)
@@ -144,8 +143,8 @@ class LlamaLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Llama causal LM over flattened token rows; K/V live in an external pool.
 
-    Build with `from_hf(hf_model_or_state_dict, config, max_positions)`; weights are copied,
-    the HF model can be dropped afterwards.
+    Build with `from_hf(hf_model_or_state_dict, config, max_positions)`. Projection weights
+    are copied (fused); embeddings and norms may alias the given tensors.
     """
 
     def __init__(self, spec: LlamaSpec, sd: dict[str, torch.Tensor], inv_freq, rope_scaling, max_positions):
@@ -173,7 +172,7 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,
         meta: AttnMetadata,
         kv: torch.Tensor,
-        logit_rows: torch.Tensor,
+        logit_rows: torch.Tensor | slice,
     ) -> torch.Tensor:
         """Run T token rows; returns float logits [len(logit_rows), vocab] of the chosen rows.
 

@@ -35,10 +35,12 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def default_dtype(device: torch.device, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+def default_dtype(device: torch.device, checkpoint_dtype: torch.dtype | str | None) -> torch.dtype:
     """float32 on CPU; on GPU the checkpoint's 16-bit dtype, else bfloat16 (or float16)."""
     if device.type == "cpu":
         return torch.float32
+    if isinstance(checkpoint_dtype, str):
+        checkpoint_dtype = getattr(torch, checkpoint_dtype, None)
     if checkpoint_dtype in (torch.float16, torch.bfloat16):
         return checkpoint_dtype
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -245,7 +247,10 @@ class ModelRunner:
         length = self.kv_length(seq_id) if length is None else length
         if length > self.kv_length(seq_id):
             raise ValueError(f"sequence {seq_id!r} has {self.kv_length(seq_id)} positions, asked {length}")
-        return [tuple(t.clone() for t in self.pool.view(seq_id, i, length)) for i in range(self.num_layers)]
+        return [
+            tuple(t.clone(memory_format=torch.contiguous_format) for t in self.pool.view(seq_id, i, length))
+            for i in range(self.num_layers)
+        ]
 
     def kv_view(self, seq_id: Hashable, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Writable (k, v) views into the pool, [num_kv_heads, length, head_dim] each, for

@@ -32,7 +32,10 @@ class Sequence:
         return self.prompt[pos] if pos < n else self.output[pos - n]
 
     def tokens(self, start: int, end: int) -> list[int]:
-        return (self.prompt + self.output)[start:end] if end > len(self.prompt) else self.prompt[start:end]
+        """Tokens at positions [start, end) of prompt + output."""
+        if end <= len(self.prompt):
+            return self.prompt[start:end]
+        return (self.prompt + self.output)[start:end]
 
     def view(self) -> SeqView:
         return SeqView(self.seq_id, self.num_tokens, self.num_cached)

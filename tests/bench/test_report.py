@@ -55,10 +55,36 @@ def test_document_schema_and_ratios(tmp_path):
     assert "continuous" in text and "goal >= 3x: met" in text
 
 
+def test_cpu_table_and_tokens_per_cpu_second():
+    service = make_run([make_record(0.0, [0.5, 1.0])], client_cpu_s=0.1)
+    service.server_cpu_s = {"decode-0": 0.7, "gateway": 0.2}
+    baseline = make_run([make_record(0.0, [0.5, 1.0])], name="engine", client_cpu_s=1.6)
+    baseline.server_cpu_s = {}
+    target = make_run([make_record(0.0, [0.5, 1.0])], client_cpu_s=0.1)  # --target: server CPU unknown
+    runs = [summarize(service), summarize(baseline), summarize(target)]
+    assert [r["output_tokens_per_cpu_s"] for r in runs] == [2.0, 1.25, None]
+    assert runs[0]["server_cpu_pct"] == {"decode-0": 70.0, "gateway": 20.0} and runs[1]["server_cpu_pct"] is None
+    lines = report.cpu_table(runs).splitlines()
+    assert lines[1].split() == ["run", "@", "offered", "decode-0", "gateway", "bench", "total"]
+    assert lines[2].split()[-4:] == ["70", "20", "10", "100"] and lines[3].split()[-2:] == ["160", "160"]
+    assert report.cpu_table(runs[2:]) == ""
+
+
 def test_ratios_pair_runs_at_the_same_offered_load():
     runs = [run_entry("continuous", 5, 0.1, Arrivals(rate=2.0)), run_entry("static", 5, 0.5, Arrivals(rate=4.0)),
             run_entry("hf", 5, 1.0)]
     assert report.ratios(runs) == []
+
+
+def test_median_repeats_keeps_the_median_run_of_each_system():
+    runs = [dict(run_entry(name, 10, ttft), repeat=i) for i, ttfts in enumerate(((0.1, 1.0), (0.3, 2.0), (0.2, 3.0)))
+            for name, ttft in zip(("continuous", "static"), ttfts)]
+    merged = report.median_repeats(runs)
+    assert [r["name"] for r in merged] == ["continuous", "static"]
+    assert merged[0]["repeat"] == 2 and merged[0]["ttft_ms"]["p99"] == pytest.approx(200.0)
+    assert merged[1]["repeat"] == 1 and merged[1]["repeats"]["n"] == 3
+    assert merged[1]["repeats"]["ttft_p99_ms"] == pytest.approx([1000.0, 2000.0, 3000.0])
+    assert report.median_repeats(runs[:2]) == runs[:2]
 
 
 def test_plot_writes_a_png(tmp_path):
@@ -82,11 +108,12 @@ def test_options():
     assert [a.label for a in options("--target", "h:1", "--concurrency", "2,4").loads] == ["C=2", "C=4"]
     keyed = options("--target", "h:1", "--api-key", "k", "--tenant-key", "flood=f")
     assert keyed.api_key("flood") == "f" and keyed.api_key("steady") == "k"
-    assert options("--baseline", "engine").loads == (Arrivals(),)
+    assert options("--baseline", "engine").loads == (Arrivals(),) and options("--spawn", "--repeat", "3").repeat == 3
     for bad, match in ((["--spawn", "--target", "h:1"], "not both"), ([], "nothing to measure"),
                        (["--spawn", "--strategies", "fast"], "unknown fast"),
                        (["--target", "h:1", "--strategies", "a,b"], "one label"),
-                       (["--spawn", "--env", "X"], "KEY=VALUE"), (["--spawn", "--env", "PDQ_STRATEGY=x"], "--strategies"),
-                       (["--spawn", "--rates", "0"], "rates")):
+                       (["--spawn", "--env", "X"], "KEY=VALUE"),
+                       (["--spawn", "--env", "PDQ_STRATEGY=x"], "--strategies"),
+                       (["--spawn", "--rates", "0"], "rates"), (["--spawn", "--repeat", "0"], "--repeat")):
         with pytest.raises(ValueError, match=match):
             options(*bad)

@@ -61,7 +61,9 @@ def workload(n: int, first_id: int = 5) -> Workload:
     return Workload("test", 0, reqs, tenants)
 
 
-def test_all_at_once_counts_only_token_messages_and_sends_each_tenants_key(gateway):
+def test_all_at_once_counts_only_token_messages_and_sends_each_tenants_key(gateway, monkeypatch, tmp_path):
+    monkeypatch.delenv("PDQ_API_KEY", raising=False)
+    monkeypatch.setenv("PDQ_CACHE_DIR", str(tmp_path))  # no dev key of a local `pdq up` either
     fake, target = gateway
     done = []
     run = run_service(target, "continuous", "continuous", workload(6), Arrivals(), api_keys={"a": "ka"},

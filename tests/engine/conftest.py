@@ -15,6 +15,7 @@ TINY = dict(
     num_key_value_heads=2,
     max_position_embeddings=512,
     rope_theta=5000.0,
+    initializer_range=0.1,
     bos_token_id=None,
     eos_token_id=None,
     pad_token_id=0,

@@ -67,3 +67,20 @@ def test_request_validation(tiny_llama, make_runner):
         engine.add_request([256], SamplingParams())
     with pytest.raises(ValueError, match="2 prompts but 1"):
         engine.generate([[1], [2]], [SamplingParams()])
+
+
+def test_abort_frees_kv_and_leaves_others_intact(tiny_llama, make_runner, hf_greedy):
+    runner = make_runner(tiny_llama, slots=2)
+    engine = small_engine(runner)
+    ps = prompts()[:4]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in ps]
+    engine.step()
+    assert engine.abort_request(ids[0]) and engine.abort_request(ids[3])  # one running, one waiting
+    assert not engine.abort_request(ids[3])
+    done = {}
+    while engine.has_unfinished():
+        done.update({c.seq_id: c.token_ids for c in engine.step()})
+    assert sorted(done) == ids[1:3]
+    assert [done[i] for i in ids[1:3]] == [hf_greedy(tiny_llama, p, 6) for p in ps[1:3]]
+    assert runner.num_free == runner.capacity

@@ -1,42 +1,44 @@
-"""Pure batch forming: which queued requests go into the next prefill batch.
+"""Batch forming: how many requests, taken in the order of choice, go into one prefill batch;
+and which decode worker takes each."""
 
-Takes plain data, returns decisions; no Redis, no gRPC. The queue order it receives is the
-order of choice (FCFS by arrival here; tier and fair-share layers come on top of it).
-"""
-
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class Candidate:
+    """A queued request as the policies see it."""
+
     request_id: str
     prompt_tokens: int
     max_tokens: int
     tenant: str = ""
     tier: str = "interactive"
     deadline_ms: int = 0
+    created_ms: int = 0
 
     @property
     def kv_tokens(self) -> int:
-        """KV room the sequence may need at its longest."""
+        """KV room the sequence may need at its longest; also its fair-share cost in tokens."""
         return self.prompt_tokens + self.max_tokens
 
 
-def form_batch(queue: list[Candidate], max_batch_size: int, max_batched_tokens: int) -> list[Candidate]:
-    """Takes requests in queue order while the batch has room in count and prompt tokens.
+def form_batch(order: Iterable[Candidate], max_batch_size: int, max_batched_tokens: int) -> list[Candidate]:
+    """Takes requests in the order of choice while the batch has room in count and prompt
+    tokens; stops at the first that does not fit, so the order is never overtaken.
 
     A request larger than the whole token budget still goes alone (the prefill worker chunks
-    it), so nothing can block the queue forever.
+    it), so nothing can block the queue forever. Reads `order` lazily.
     """
     batch: list[Candidate] = []
     tokens = 0
-    for cand in queue:
-        if len(batch) >= max_batch_size:
-            break
+    for cand in order:
         if batch and tokens + cand.prompt_tokens > max_batched_tokens:
             break
         batch.append(cand)
         tokens += cand.prompt_tokens
+        if len(batch) >= max_batch_size:
+            break
     return batch
 
 

@@ -1,0 +1,89 @@
+"""The janitor loop: deadlines, dead workers and expired leases.
+
+Every `dispatch_interval_ms` it ends live requests past their deadline (TIMED_OUT, in any state;
+a worker running one drops it at its next step, told on the cancel channel). Every quarter of
+`worker_timeout_s` it reaps workers that stopped heartbeating (their attempts go back to the
+queue under a new epoch, or FAIL when spent) and requeues requests whose prefill lease expired.
+All of it is Redis scripts, so a restarted scheduler simply carries on.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from pdq import metrics
+from pdq.config import SchedulerConfig
+from pdq.registry import dead_workers, forget
+from pdq.store import RequestStore
+
+log = logging.getLogger("pdq.scheduler")
+
+ROLES = ("prefill", "decode")
+
+
+class Janitor:
+    def __init__(self, config: SchedulerConfig, store: RequestStore, on_requeue: Callable[[], None]):
+        self.config = config
+        self.store = store
+        self.on_requeue = on_requeue  # wakes the dispatcher
+        self._task: asyncio.Task | None = None
+        self._stopping = asyncio.Event()
+        self._last_reap = 0.0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="janitor")
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        if self._task:
+            await self._task
+
+    async def _loop(self) -> None:
+        interval = self.config.dispatch_interval_ms / 1000
+        while not self._stopping.is_set():
+            try:
+                await self.sweep()
+            except Exception:  # keep sweeping; Redis may come back
+                log.exception("janitor sweep failed")
+            try:
+                await asyncio.wait_for(self._stopping.wait(), interval)
+            except asyncio.TimeoutError:
+                pass
+
+    async def sweep(self) -> None:
+        """One pass: deadlines always, workers and leases when their period has come."""
+        while True:
+            due = await self.store.expire_deadlines(256)
+            metrics.TIMEOUTS.labels("scheduler").inc(due)
+            if due < 256:
+                break
+        now = time.monotonic()
+        if now - self._last_reap >= self.config.worker_timeout_s / 4:
+            self._last_reap = now
+            await self.reap()
+
+    async def reap(self) -> tuple[int, int]:
+        """Requeues the attempts of dead workers and of expired prefill leases. -> (requeued, failed)"""
+        client, keys, attempts = self.store.client, self.store.keys, self.config.max_attempts
+        requeued = failed = 0
+        for role in ROLES:
+            for wid in await dead_workers(client, keys, role, self.config.worker_timeout_s):
+                r, f = await self.store.reap_worker(wid, attempts)
+                metrics.REQUEUES.labels("worker_lost", "QUEUED").inc(r)
+                metrics.REQUEUES.labels("worker_lost", "FAILED").inc(f)
+                await forget(client, keys, wid, role)
+                log.warning("%s worker %s stopped heartbeating: %d request(s) requeued, %d failed", role, wid, r, f)
+                requeued, failed = requeued + r, failed + f
+        while True:
+            r, f = await self.store.expire_leases(attempts, 256)
+            metrics.REQUEUES.labels("lease_expired", "QUEUED").inc(r)
+            metrics.REQUEUES.labels("lease_expired", "FAILED").inc(f)
+            if r or f:
+                log.warning("prefill lease expired: %d request(s) requeued, %d failed", r, f)
+            requeued, failed = requeued + r, failed + f
+            if r + f < 256:
+                break
+        if requeued:
+            self.on_requeue()
+        return requeued, failed

@@ -1,0 +1,66 @@
+"""Every process serves Prometheus /metrics; a request moves the histograms of each hop."""
+
+import time
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def scrape(url: str) -> dict:
+    """{(sample name, frozenset of labels): value}"""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+def scrape_all(cluster) -> dict:
+    return {c.name: scrape(c.metrics_url(cluster.host)) for c in cluster.children}
+
+
+def test_every_process_serves_metrics(traced_cluster):
+    for child in traced_cluster.children:
+        assert child.metrics_port > 0
+        samples = scrape(child.metrics_url(traced_cluster.host))
+        assert any(name.startswith("python_") or name.startswith("process_") for name, _ in samples)
+
+
+def test_histograms_move(traced_cluster, client):
+    req = {"tier": "interactive", "tenant": "default"}
+    before = scrape_all(traced_cluster)
+    client.generate("metrics please", max_tokens=8, ignore_eos=True)
+    with pytest.raises(grpc.RpcError):
+        client.generate("x", max_tokens=100_000)
+
+    def moved(name: str, process: str, by: float = 1, **labels) -> bool:
+        return value(after[process], name, **labels) - value(before[process], name, **labels) >= by
+
+    deadline = time.monotonic() + 10
+    while True:  # the workers update after their step; give them a moment
+        after = scrape_all(traced_cluster)
+        if moved("pdq_e2e_request_latency_seconds_count", "decode-0", **req) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+
+    assert moved("pdq_grpc_server_handled_total", "gateway", service="pdq.v1.Generation", method="Generate", code="OK")
+    assert moved("pdq_rejections_total", "gateway", reason="MAX_TOKENS_TOO_LARGE")
+    assert moved("pdq_queue_time_seconds_count", "scheduler", **req)
+    assert moved("pdq_batch_size_count", "scheduler", stage="dispatch")
+    assert value(after["scheduler"], "pdq_live_workers", role="decode") == 1
+    assert moved("pdq_time_to_first_token_seconds_count", "prefill-0", **req)
+    assert moved("pdq_prompt_tokens_total", "prefill-0", by=3, **req)
+    assert moved("pdq_batch_tokens_count", "prefill-0", stage="prefill")
+    assert moved("pdq_kv_transfer_seconds_count", "prefill-0", outcome="ok")
+    assert moved("pdq_inter_token_latency_seconds_count", "decode-0", by=7, **req)  # 8 tokens, the first from prefill
+    assert moved("pdq_inter_token_latency_seconds_bucket", "decode-0", by=7, le="+Inf", **req)
+    assert moved("pdq_generated_tokens_total", "decode-0", by=7, **req)
+    assert moved("pdq_e2e_request_latency_seconds_count", "decode-0", **req)
+    assert moved("pdq_batch_size_count", "decode-0", by=7, stage="decode")
+    assert value(after["decode-0"], "pdq_kv_pool_capacity_slots", stage="decode") > 0
+    assert value(after["decode-0"], "pdq_decode_padding_ratio", strategy="continuous") == 0

@@ -1,0 +1,66 @@
+"""Fast checks of the pure parts: when tracing is on, W3C context round trips, and the bulk
+histogram the decode loop feeds once per step."""
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.exposition import generate_latest
+
+from pdq import metrics, telemetry
+
+
+def test_tracing_is_on_only_with_an_exporter(monkeypatch):
+    for name in ("OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT",
+                 "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    assert not telemetry.wanted()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317")
+    assert telemetry.wanted()
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    assert not telemetry.wanted()
+    monkeypatch.delenv("OTEL_SDK_DISABLED")
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    assert not telemetry.wanted()
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT")
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
+    assert telemetry.wanted()
+
+
+def test_off_means_no_spans_and_no_interceptors():
+    assert not telemetry.enabled()  # no exporter configured in the test process
+    assert telemetry.start("x", "00-" + "a" * 32 + "-" + "b" * 16 + "-01") is None
+    assert telemetry.current() is None
+    assert telemetry.client_interceptors() is None
+    telemetry.end(None, "event", "error")  # no-ops
+    telemetry.add_event(None, "event")
+
+
+def test_traceparent_round_trip():
+    value = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    ctx = telemetry.span_context_of(value)
+    assert format(ctx.trace_id, "032x") == "0af7651916cd43dd8448eb211c80319c"
+    assert format(ctx.span_id, "016x") == "b7ad6b7169203331" and ctx.trace_flags.sampled
+    assert telemetry.context_of("") is None and telemetry.context_of("garbage") is None
+
+
+def test_bulk_histogram_exposes_what_a_histogram_would():
+    buckets = (0.01, 0.1, 1.0)
+    samples = [0.005, 0.01, 0.05, 0.1, 0.5, 2.0, 0.02]
+    ref_registry, bulk_registry = CollectorRegistry(), CollectorRegistry()
+    ref = Histogram("itl_seconds", "doc", ("tier",), buckets=buckets, registry=ref_registry)
+    for v in samples:
+        ref.labels("a").observe(v)
+    bulk = metrics.BulkHistogram("itl_seconds", "doc", ("tier",), buckets, registry=bulk_registry)
+    bulk.observe_many([(("a",), v) for v in samples[:3]])
+    bulk.observe_many([(("a",), v) for v in samples[3:]])
+
+    def lines(registry):
+        return sorted(line for line in generate_latest(registry).decode().splitlines()
+                      if line.startswith("itl_seconds") and "_created" not in line)
+
+    assert lines(bulk_registry) == lines(ref_registry)
+
+
+def test_cancel_sources_are_bounded():
+    assert metrics.cancel_source("client") == "client"
+    assert metrics.cancel_source("client disconnected") == "disconnect"
+    assert metrics.cancel_source("operator alice") == "operator"
+    assert metrics.cancel_source("anything else") == "other"

@@ -1,0 +1,194 @@
+"""Fake workers for scheduler tests: real gRPC servers on loopback that register and heartbeat in
+Redis and write tokens through the real store scripts, without a model. A decode step writes one
+token for every running sequence; KV room is a number of slots."""
+
+import asyncio
+from dataclasses import dataclass, field
+
+import grpc
+import redis.asyncio as aioredis
+
+from pdq.registry import WorkerInfo, heartbeat
+from pdq.request import State
+from pdq.store import RequestStore, StepItem
+from pdq.v1 import internal_pb2 as pb
+from pdq.v1 import internal_pb2_grpc as pb_grpc
+
+
+@dataclass
+class Seq:
+    rid: str
+    epoch: int
+    next_index: int
+    max_tokens: int
+
+
+class _Worker:
+    role = ""
+
+    def __init__(self, store: RequestStore, worker_id: str, heartbeat_s: float = 0.05):
+        self.store = store
+        self.worker_id = worker_id
+        self.heartbeat_s = heartbeat_s
+        self.server = grpc.aio.server()
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.address = f"127.0.0.1:{self.port}"
+        self.tasks: list[asyncio.Task] = []
+        self.alive = True
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(self.worker_id, self.role, self.address)
+
+    async def _beat(self) -> None:
+        while self.alive:
+            await heartbeat(self.store.client, self.store.keys, self.info(), ttl_s=5)
+            await asyncio.sleep(self.heartbeat_s)
+
+    async def start(self) -> None:
+        await self.server.start()
+        self.tasks.append(asyncio.create_task(self._beat()))
+
+    async def kill(self) -> None:
+        """Dies like a killed process: no goodbye, nothing handed back. (Its loops also stop at
+        their next turn: a cancelled redis call may swallow the cancellation.)"""
+        self.alive = False
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.wait(self.tasks, timeout=2)
+        self.tasks.clear()
+        await self.server.stop(None)
+
+
+class FakeDecode(_Worker, pb_grpc.DecodeWorkerServicer):
+    role = "decode"
+
+    def __init__(self, store: RequestStore, worker_id: str, slots: int = 4, step_s: float = 0.005):
+        super().__init__(store, worker_id)
+        pb_grpc.add_DecodeWorkerServicer_to_server(self, self.server)
+        self.slots = slots
+        self.step_s = step_s
+        self.holds: set[str] = set()
+        self.running: dict[str, Seq] = {}
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(self.worker_id, "decode", self.address, free_slots=self.slots - len(self.holds),
+                          capacity=self.slots, running=len(self.running))
+
+    async def start(self) -> None:
+        await super().start()
+        self.tasks.append(asyncio.create_task(self._loop()))
+
+    async def Reserve(self, request, context):  # noqa: N802 (gRPC method names)
+        granted = request.request_id in self.holds or len(self.holds) < self.slots
+        if granted:
+            self.holds.add(request.request_id)
+        return pb.ReserveResponse(granted=granted, free_slots=self.slots - len(self.holds))
+
+    async def Release(self, request, context):
+        if request.request_id not in self.running:
+            self.holds.discard(request.request_id)
+        return pb.ReleaseResponse()
+
+    async def join(self, item: pb.PrefillItem) -> bool:
+        """The KV hand-off: the sequence joins the batch after the tokens already streamed."""
+        rid = item.spec.request_id
+        if not self.alive or rid not in self.holds:
+            return False
+        if not await self.store.transition(rid, item.epoch, State.DECODING, decode_worker=self.address):
+            self.holds.discard(rid)
+            return True  # ended in transit
+        n_out = int((await self.store.record(rid)).get("n_out", 0))
+        self.running[rid] = Seq(rid, item.epoch, n_out, item.spec.sampling.max_tokens)
+        return True
+
+    async def _loop(self) -> None:
+        while self.alive:
+            await asyncio.sleep(self.step_s)
+            seqs = list(self.running.values())
+            if not seqs:
+                continue
+            items = []
+            for s in seqs:
+                last = s.next_index + 1 >= s.max_tokens
+                items.append(StepItem(s.rid, s.epoch, s.next_index, 7, "x",
+                                      State.COMPLETED if last else None, "length" if last else ""))
+                s.next_index += 1
+            kept = await self.store.step(items)
+            for s, item, ok in zip(seqs, items, kept):
+                if not ok or item.final_state:
+                    del self.running[s.rid]
+                    self.holds.discard(s.rid)
+
+
+class FakePrefill(_Worker, pb_grpc.PrefillWorkerServicer):
+    role = "prefill"
+
+    def __init__(self, store: RequestStore, worker_id: str, decoders: dict[str, FakeDecode], prefill_s: float = 0.002):
+        super().__init__(store, worker_id)
+        pb_grpc.add_PrefillWorkerServicer_to_server(self, self.server)
+        self.decoders = decoders  # address -> worker
+        self.prefill_s = prefill_s
+        self.batches: list[list[str]] = []
+
+    async def Prefill(self, request, context):
+        self.batches.append([it.spec.request_id for it in request.items])
+        await asyncio.sleep(self.prefill_s)
+        results = []
+        for it in request.items:
+            rid = it.spec.request_id
+            last = it.spec.sampling.max_tokens <= 1
+            kept = await self.store.step([StepItem(rid, it.epoch, 0, 7, "x", State.COMPLETED if last else None,
+                                                   "length" if last else "")])
+            if not kept[0] or last:
+                results.append(pb.PrefillItemResult(request_id=rid, ok=True))
+                continue
+            await self.store.transition(rid, it.epoch, State.TRANSFERRING)
+            ok = await self.decoders[it.decode_address].join(it)
+            results.append(pb.PrefillItemResult(request_id=rid, ok=ok, error="" if ok else "KV hand-off refused"))
+        return pb.PrefillBatchResult(results=results)
+
+
+@dataclass
+class FakeWorkers:
+    """`prefill` fake prefill workers and `decode` fake decode workers on the store's prefix."""
+
+    redis_url: str
+    prefix: str
+    decode: int = 1
+    prefill: int = 1
+    slots: int = 4
+    step_s: float = 0.005
+    decoders: dict[str, FakeDecode] = field(default_factory=dict)
+    prefillers: list[FakePrefill] = field(default_factory=list)
+
+    async def start(self) -> "FakeWorkers":
+        self.client = aioredis.Redis.from_url(self.redis_url)
+        self.store = RequestStore(self.client, self.prefix, 60)
+        for i in range(self.decode):
+            d = FakeDecode(self.store, f"decode-{i}", self.slots, self.step_s)
+            self.decoders[d.address] = d
+            await d.start()
+        for i in range(self.prefill):
+            p = FakePrefill(self.store, f"prefill-{i}", self.decoders)
+            self.prefillers.append(p)
+            await p.start()
+        return self
+
+    async def stop(self) -> None:
+        for w in [*self.prefillers, *self.decoders.values()]:
+            if w.tasks:
+                await w.kill()
+        await self.client.aclose()
+
+
+async def wait_for(predicate, timeout_s: float = 10.0, every_s: float = 0.01):
+    """Polls an async predicate until it returns something true; returns it."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        got = await predicate()
+        if got:
+            return got
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {predicate.__name__}")
+        await asyncio.sleep(every_s)
+

@@ -1,0 +1,220 @@
+"""The scheduler service on a real Redis and real gRPC, with fake workers: admission with retry
+hints, idempotent submit, tiers, fair share, cancellation, deadlines, dead workers and leases."""
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2, status_pb2
+
+from pdq.store import TenantPolicy, now_ms
+from pdq.v1 import internal_pb2 as pb
+from tests.scheduler.fakes import wait_for
+from tests.scheduler.harness import harness, spec
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+@pytest.fixture
+def url(redis_server):
+    return redis_server.url
+
+
+async def ended(h, rids, states=("COMPLETED",)):
+    async def all_ended():
+        got = [await h.state(r) for r in rids]
+        return got if all(s in states for s in got) else None
+    return await wait_for(all_ended, timeout_s=20)
+
+
+async def token_indices(h, rid):
+    entries = await h.store.client.xrange(h.store.keys.output(rid))
+    return [int(f[b"i"]) for _, f in entries if b"i" in f]
+
+
+# -- admission ------------------------------------------------------------------------------------
+
+async def test_over_the_bound_the_caller_gets_resource_exhausted_with_a_retry_hint(url, prefix):
+    async with harness(url, prefix, tenant_max_queued=2, retry_after_min_ms=250) as h:
+        await h.submit(spec("r1"))
+        await h.submit(spec("r2"))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await h.submit(spec("r3"))
+        exc = err.value
+        assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert exc.details().startswith("TENANT_QUEUE_FULL: ") and "retry in" in exc.details()
+        meta = dict(exc.trailing_metadata())
+        delay = int(meta["grpc-retry-pushback-ms"])
+        assert 250 <= delay <= h.config.retry_after_max_ms
+        status = status_pb2.Status.FromString(meta["grpc-status-details-bin"])
+        info, retry = error_details_pb2.ErrorInfo(), error_details_pb2.RetryInfo()
+        assert status.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        assert status.details[0].Unpack(info) and status.details[1].Unpack(retry)
+        assert info.reason == "TENANT_QUEUE_FULL" and retry.retry_delay.ToMilliseconds() == delay
+        assert await h.store.record("r3") == {}
+        assert (await h.submit(spec("other", tenant="globex"))).created  # another tenant still gets in
+
+
+async def test_a_tenant_policy_in_redis_overrides_the_default_bounds_and_tier(url, prefix):
+    async with harness(url, prefix) as h:
+        await h.store.set_tenant_policy("acme", TenantPolicy(max_queued=1, tier="batch"))
+        await h.submit(spec("r1", tier="interactive"))
+        assert (await h.store.record("r1"))["tier"] == "batch"  # capped at its tier
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await h.submit(spec("r2"))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+async def test_an_unknown_tier_is_an_invalid_argument(url, prefix):
+    async with harness(url, prefix) as h:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await h.submit(spec("r1", tier="vip"))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("tier:")
+
+
+async def test_a_retried_submit_with_the_same_key_gives_one_request(url, prefix):
+    async with harness(url, prefix, workers={}) as h:
+        first = await h.submit(spec("a"), key="client-key-1")
+        again = await h.submit(spec("b"), key="client-key-1")
+        assert first.created and not again.created and again.request_id == "a"
+        await ended(h, ["a"])
+        assert await h.store.record("b") == {}
+        assert await token_indices(h, "a") == [0, 1, 2, 3]
+
+
+# -- dispatch order ---------------------------------------------------------------------------------
+
+async def test_every_request_is_served_once_by_the_fake_workers(url, prefix):
+    async with harness(url, prefix, workers=dict(decode=2, slots=3)) as h:
+        rids = [f"r{k}" for k in range(20)]
+        for rid in rids:
+            await h.submit(spec(rid, max_tokens=6))
+        await ended(h, rids)
+        for rid in rids:
+            assert await token_indices(h, rid) == list(range(6))
+        assert (await h.store.load()).get("n", 0) == 0
+
+
+async def test_interactive_goes_before_batch(url, prefix):
+    async with harness(url, prefix, max_batch_size=1) as h:
+        for k in range(3):
+            await h.submit(spec(f"b{k}", tier="batch"))
+        for k in range(3):
+            await h.submit(spec(f"i{k}", tier="interactive"))
+        await h.start_workers(slots=1)
+        await ended(h, [f"b{k}" for k in range(3)] + [f"i{k}" for k in range(3)])
+        assert h.workers.prefillers[0].batches == [["i0"], ["i1"], ["i2"], ["b0"], ["b1"], ["b2"]]
+
+
+async def test_a_flooding_tenant_gets_no_more_than_its_share(url, prefix):
+    """Two equal-weight tenants, one with 10x the other's requests, both backlogged: while both
+    wait, each is served half of the tokens."""
+    async with harness(url, prefix, max_batch_size=2) as h:
+        heavy = [f"h{k}" for k in range(100)]
+        light = [f"l{k}" for k in range(10)]
+        for rid in heavy:
+            await h.submit(spec(rid, tenant="heavy", prompt=8, max_tokens=8))
+        for rid in light:
+            await h.submit(spec(rid, tenant="light", prompt=8, max_tokens=8))
+        await h.start_workers(slots=2, step_s=0.001)
+        await ended(h, light)
+        records = {rid: await h.store.record(rid) for rid in heavy + light}
+        last_light = max(int(records[r]["dispatched_ms"]) for r in light)
+        served = [r for r in heavy if records[r].get("dispatched_ms") and int(records[r]["dispatched_ms"]) < last_light]
+        # light's 10 requests (160 tokens) against what heavy got meanwhile: at most a batch apart
+        assert 8 <= len(served) <= 12, len(served)
+
+
+# -- cancellation and deadlines -------------------------------------------------------------------
+
+async def test_cancel_of_a_queued_request_ends_it_at_once(url, prefix):
+    async with harness(url, prefix) as h:
+        await h.submit(spec("r"))
+        resp = await h.stub.Cancel(pb.InternalCancelRequest(request_id="r", tenant="acme", reason="client"))
+        assert resp.state == "CANCELLED" and await h.state("r") == "CANCELLED"
+        assert (await h.store.load()).get("n", 0) == 0
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # another tenant cannot see it
+            await h.stub.Cancel(pb.InternalCancelRequest(request_id="r", tenant="globex"))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_cancel_of_a_decoding_request_frees_its_decode_slot(url, prefix):
+    async with harness(url, prefix, workers=dict(slots=1)) as h:
+        await h.submit(spec("long", max_tokens=100_000))
+        await wait_for(lambda: _in_state(h, "long", "DECODING"))
+        decode = next(iter(h.workers.decoders.values()))
+        assert decode.holds == {"long"}
+        await h.stub.Cancel(pb.InternalCancelRequest(request_id="long"))
+        await wait_for(lambda: _true(not decode.holds and not decode.running))
+        await h.submit(spec("next"))  # the slot is free for the next request
+        await ended(h, ["next"])
+
+
+async def test_a_queued_request_past_its_deadline_times_out(url, prefix):
+    async with harness(url, prefix) as h:
+        await h.submit(spec("r", deadline_ms=now_ms() + 100))
+        await ended(h, ["r"], ("TIMED_OUT",))
+        rec = await h.store.record("r")
+        assert rec["finish_reason"] == "timeout" and int(rec["finished_ms"]) >= int(rec["deadline_ms"])
+        assert (await h.store.load()).get("n", 0) == 0
+
+
+# -- dead workers and leases ------------------------------------------------------------------------
+
+async def test_a_dead_decode_workers_requests_finish_on_another_with_every_token_once(url, prefix):
+    async with harness(url, prefix, workers=dict(decode=2, slots=2, step_s=0.01)) as h:
+        rids = ["a", "b", "c"]
+        for rid in rids:
+            await h.submit(spec(rid, max_tokens=60))
+        await wait_for(lambda: _all_in_state(h, rids, "DECODING"))
+        victim = max(h.workers.decoders.values(), key=lambda d: len(d.running))
+        moved = list(victim.running)
+        await victim.kill()
+        await ended(h, rids)
+        for rid in rids:
+            assert await token_indices(h, rid) == list(range(60))
+        for rid in moved:
+            rec = await h.store.record(rid)
+            assert rec["attempts"] == "2" and rec["decode_worker"] != victim.address
+
+
+async def test_when_attempts_are_spent_the_request_fails_with_a_reason(url, prefix):
+    async with harness(url, prefix, workers=dict(decode=1, slots=1, step_s=0.01), max_attempts=1) as h:
+        await h.submit(spec("r", max_tokens=100_000))
+        await wait_for(lambda: _in_state(h, "r", "DECODING"))
+        await next(iter(h.workers.decoders.values())).kill()
+        await ended(h, ["r"], ("FAILED",))
+        assert "stopped heartbeating" in (await h.store.record("r"))["error"]
+
+
+async def test_a_dead_prefill_worker_costs_a_request_at_most_one_attempt(url, prefix):
+    async with harness(url, prefix, worker_timeout_s=5) as h:  # reaped late: the dispatcher must notice by itself
+        workers = await h.start_workers(prefill=2)
+        await workers.prefillers[0].kill()
+        rids = [f"r{k}" for k in range(6)]
+        for rid in rids:
+            await h.submit(spec(rid))
+        await ended(h, rids)
+        assert all([int((await h.store.record(r))["attempts"]) <= 2 for r in rids])
+        assert workers.prefillers[1].batches
+
+
+async def test_a_request_claimed_by_a_scheduler_that_died_comes_back_when_its_lease_expires(url, prefix):
+    async with harness(url, prefix) as h:
+        await h.submit(spec("r"))
+        await h.store.claim([("r", "decode-0")], "prefill-0", lease_ms=200)  # as if by a scheduler that died
+        assert await h.state("r") == "PREFILLING"
+        await h.start_workers()
+        await ended(h, ["r"])
+        assert (await h.store.record("r"))["attempts"] == "2"
+
+
+async def _in_state(h, rid, state):
+    return await h.state(rid) == state
+
+
+async def _all_in_state(h, rids, state):
+    return all([await h.state(r) == state for r in rids])
+
+
+async def _true(value):
+    return value
+

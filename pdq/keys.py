@@ -10,12 +10,16 @@ Layout (prefix `p`, default "pdq"):
   p:vtc:{tier}            hash   tenant -> virtual token counter (tokens served / weight), cluster-wide
   p:vtc:{tier}:floor      string the counter of the last tenant that left an emptied backlog
   p:load                  hash   queued work: n, tokens, n:{tenant}, tokens:{tenant}
-                                 (tokens of a request = prompt + max_tokens)
+                                 (tokens of a request = prompt + max_tokens); running (claimed, not ended)
+  p:depth:{tier}          hash   queued work of the tier: n:{tenant}, tokens:{tenant}
+  p:live:{tenant}         set    ids of the tenant's requests that have not ended
+  p:paused                set    "tier:{name}" / "tenant:{name}": not dispatched (their requests stay queued)
   p:deadlines             zset   non-terminal request ids with a deadline, score = deadline (ms)
   p:leases                zset   ids in PREFILLING/TRANSFERRING, score = prefill lease expiry (ms)
   p:held:{worker}         set    ids of the current attempts a worker takes part in (prefill or decode)
   p:seq                   int    arrival sequence counter
   p:tenant:{name}         hash   tenant policy: weight, tier (best allowed), max_queued, max_queued_tokens
+  p:tenants               set    tenants with a policy
   p:workers:{role}        zset   worker id -> last heartbeat (ms)
   p:worker:{id}           hash   worker facts: role, address, free_slots, ...
   p:cancel                pubsub channel: ids of requests that just ended, for workers to drop
@@ -88,6 +92,20 @@ class Keys:
     def tenant(self, name: str) -> str:
         return f"{self.prefix}:tenant:{name}"
 
+    @property
+    def tenants(self) -> str:
+        return f"{self.prefix}:tenants"
+
+    def depth(self, tier: str) -> str:
+        return f"{self.prefix}:depth:{tier}"
+
+    def live(self, tenant: str) -> str:
+        return f"{self.prefix}:live:{tenant}"
+
+    @property
+    def paused(self) -> str:
+        return f"{self.prefix}:paused"
+
     def workers(self, role: str) -> str:
         return f"{self.prefix}:workers:{role}"
 
@@ -114,22 +132,27 @@ local function vtc_add(tier, tenant, delta)
   redis.call('ZADD', key('backlog', tier), 'XX', c, tenant)
 end
 
-local function load_add(tenant, n, tokens)
+local function tenant_add(hash, tenant, n, tokens)
+  if redis.call('HINCRBY', hash, 'n:' .. tenant, n) <= 0 then
+    redis.call('HDEL', hash, 'n:' .. tenant, 'tokens:' .. tenant)
+  else
+    redis.call('HINCRBY', hash, 'tokens:' .. tenant, tokens)
+  end
+end
+
+local function load_add(tier, tenant, n, tokens)
   local load = key('load')
   redis.call('HINCRBY', load, 'n', n)
   redis.call('HINCRBY', load, 'tokens', tokens)
-  if redis.call('HINCRBY', load, 'n:' .. tenant, n) <= 0 then
-    redis.call('HDEL', load, 'n:' .. tenant, 'tokens:' .. tenant)
-  else
-    redis.call('HINCRBY', load, 'tokens:' .. tenant, tokens)
-  end
+  tenant_add(load, tenant, n, tokens)
+  tenant_add(key('depth', tier), tenant, n, tokens)
 end
 
 -- Puts a recorded request in its tenant's queue. A tenant that joins the backlog is lifted to
 -- the lowest backlogged counter (or the floor), so it cannot bank credit while idle.
 local function enqueue(id, tier, tenant, score, cost)
   if redis.call('ZADD', key('q', tier, tenant), score, id) == 0 then return end
-  load_add(tenant, 1, cost)
+  load_add(tier, tenant, 1, cost)
   local backlog = key('backlog', tier)
   if redis.call('ZSCORE', backlog, tenant) then return end
   local vtc = key('vtc', tier)
@@ -145,7 +168,7 @@ end
 local function unqueue(id, tier, tenant, cost)
   local q = key('q', tier, tenant)
   if redis.call('ZREM', q, id) == 0 then return end
-  load_add(tenant, -1, -num(cost, 0))
+  load_add(tier, tenant, -1, -num(cost, 0))
   if redis.call('EXISTS', q) == 1 then return end
   local backlog = key('backlog', tier)
   redis.call('ZREM', backlog, tenant)
@@ -175,7 +198,10 @@ end
 -- Ends the current attempt's leases: no worker holds the request any more.
 local function release(id, rk)
   local h = redis.call('HMGET', rk, 'lease_prefill', 'lease_decode')
-  if h[1] then redis.call('SREM', key('held', h[1]), id) end
+  if h[1] then
+    redis.call('SREM', key('held', h[1]), id)
+    redis.call('HINCRBY', key('load'), 'running', -1)
+  end
   if h[2] then redis.call('SREM', key('held', h[2]), id) end
   redis.call('HDEL', rk, 'lease_prefill', 'lease_decode')
   redis.call('ZREM', key('leases'), id)
@@ -193,6 +219,7 @@ local function finish(id, state, reason, err, now, ttl)
   local ok = key('req', id, 'out')
   redis.call('XADD', ok, '*', 'done', state, 'r', reason, 'e', err)
   redis.call('ZREM', key('deadlines'), id)
+  redis.call('SREM', key('live', h[3]), id)
   redis.call('EXPIRE', rk, ttl)
   redis.call('EXPIRE', ok, ttl)
   redis.call('PUBLISH', key('cancel'), id)
@@ -249,6 +276,7 @@ redis.call('HSET', rk, 'id', id, 'spec', ARGV[3], 'tenant', tenant, 'tier', tier
   'epoch', 0, 'seq', seq, 'score', score, 'created_ms', ARGV[6], 'deadline_ms', ARGV[7],
   'prompt_tokens', ARGV[8], 'max_tokens', ARGV[9], 'cost', cost, 'n_out', 0, 'attempts', 0)
 enqueue(id, tier, tenant, score, cost)
+redis.call('SADD', key('live', tenant), id)
 if tonumber(ARGV[7]) > 0 then redis.call('ZADD', key('deadlines'), ARGV[7], id) end
 if idem ~= '' then redis.call('SET', key('idem', tenant, idem), id, 'EX', ARGV[13]) end
 return {1, id}
@@ -274,6 +302,7 @@ for i = 7, #ARGV, 2 do
     unqueue(id, h[2], h[3], h[4])
     redis.call('SADD', key('held', ARGV[3]), id)
     redis.call('SADD', key('held', decode), id)
+    redis.call('HINCRBY', key('load'), 'running', 1)
     redis.call('ZADD', key('leases'), ARGV[5], id)
     out[#out + 1] = {ep, redis.call('HGET', rk, 'spec')}
   else
@@ -408,32 +437,74 @@ return {requeued, failed}
 
 # ARGV: prefix, max tenants per tier, max requests per tenant, tier1, tier2, ...
 # A bounded, read-only view of the queue: per tier, the backlogged tenants with the lowest
-# counters, each with its weight ('' = default) and the head of its queue.
+# counters, each with its weight ('' = default) and the head of its queue. Paused tiers and
+# tenants are left out.
 # -> per tier {{tenant, counter, weight, {id, prompt_tokens, max_tokens, created_ms, deadline_ms, ...}}, ...}
 SNAPSHOT = _LIB + """
+local max_tenants, max_heads = tonumber(ARGV[2]), tonumber(ARGV[3])
+local paused = key('paused')
+
+local function heads_of(tier, tenant)
+  local heads = {}
+  for _, id in ipairs(redis.call('ZRANGE', key('q', tier, tenant), 0, max_heads - 1)) do
+    local h = redis.call('HMGET', key('req', id), 'prompt_tokens', 'max_tokens', 'created_ms', 'deadline_ms')
+    if h[1] then
+      heads[#heads + 1] = id
+      for j = 1, 4 do heads[#heads + 1] = h[j] end
+    end
+  end
+  return heads
+end
+
 local out = {}
 for t = 4, #ARGV do
   local tier = ARGV[t]
-  local rows = redis.call('ZRANGE', key('backlog', tier), 0, tonumber(ARGV[2]) - 1, 'WITHSCORES')
   local tenants = {}
-  for i = 1, #rows, 2 do
-    local tenant = rows[i]
-    local heads = {}
-    for _, id in ipairs(redis.call('ZRANGE', key('q', tier, tenant), 0, tonumber(ARGV[3]) - 1)) do
-      local h = redis.call('HMGET', key('req', id), 'prompt_tokens', 'max_tokens', 'created_ms', 'deadline_ms')
-      if h[1] then
-        heads[#heads + 1] = id
-        for j = 1, 4 do heads[#heads + 1] = h[j] end
+  if redis.call('SISMEMBER', paused, 'tier:' .. tier) == 0 then
+    local rows = redis.call('ZRANGE', key('backlog', tier), 0, max_tenants + redis.call('SCARD', paused) - 1, 'WITHSCORES')
+    for i = 1, #rows, 2 do
+      local tenant = rows[i]
+      if #tenants < max_tenants and redis.call('SISMEMBER', paused, 'tenant:' .. tenant) == 0 then
+        local weight = redis.call('HGET', key('tenant', tenant), 'weight') or ''
+        tenants[#tenants + 1] = {tenant, rows[i + 1], weight, heads_of(tier, tenant)}
       end
     end
-    local weight = redis.call('HGET', key('tenant', tenant), 'weight') or ''
-    tenants[#tenants + 1] = {tenant, rows[i + 1], weight, heads}
   end
   out[#out + 1] = tenants
 end
 return out
 """
 
+# ARGV: prefix, tenant, reason, now, ttl
+# Cancels every live request of a tenant, in any state. -> how many
+CANCEL_TENANT = _LIB + """
+local n = 0
+for _, id in ipairs(redis.call('SMEMBERS', key('live', ARGV[2]))) do
+  local state = redis.call('HGET', key('req', id), 'state')
+  if state and not TERMINAL[state] then
+    finish(id, 'CANCELLED', 'cancelled', ARGV[3], ARGV[4], ARGV[5])
+    n = n + 1
+  else
+    redis.call('SREM', key('live', ARGV[2]), id)
+  end
+end
+return n
+"""
+
+# ARGV: prefix, id, deadline_ms (absolute)
+# Moves a live request's deadline (the scheduler enforces it; its order score is kept).
+# -> the request's state; false when it does not exist
+SET_DEADLINE = _LIB + """
+local rk = key('req', ARGV[2])
+local state = redis.call('HGET', rk, 'state')
+if not state then return false end
+if TERMINAL[state] then return state end
+redis.call('HSET', rk, 'deadline_ms', ARGV[3])
+redis.call('ZADD', key('deadlines'), ARGV[3], ARGV[2])
+return state
+"""
+
 SCRIPTS = {"submit": SUBMIT, "claim": CLAIM, "requeue": REQUEUE, "transition": TRANSITION,
            "step": STEP, "finish": FINISH, "expire_deadlines": EXPIRE_DEADLINES,
-           "reap_worker": REAP_WORKER, "expire_leases": EXPIRE_LEASES, "snapshot": SNAPSHOT}
+           "reap_worker": REAP_WORKER, "expire_leases": EXPIRE_LEASES, "snapshot": SNAPSHOT,
+           "cancel_tenant": CANCEL_TENANT, "set_deadline": SET_DEADLINE}

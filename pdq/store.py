@@ -204,7 +204,8 @@ class RequestStore:
         return _then(self._run("expire_leases", args), lambda r: (int(r[0]), int(r[1])))
 
     def load(self) -> Any:
-        """Queued work: {"n": requests, "tokens": tokens, "n:{tenant}": ..., "tokens:{tenant}": ...}."""
+        """Queued work: {"n": requests, "tokens": tokens, "n:{tenant}": ..., "tokens:{tenant}": ...},
+        and "running": requests claimed and not ended."""
         return _then(self.client.hgetall(self.keys.load), lambda raw: {_str(k): int(v) for k, v in raw.items()})
 
     def tenant_policy(self, tenant: str) -> Any:
@@ -220,7 +221,52 @@ class RequestStore:
                 pipe.hdel(key, f.name)
             else:
                 pipe.hset(key, f.name, value)
+        if any(getattr(policy, f.name) is not None for f in fields(policy)):
+            pipe.sadd(self.keys.tenants, tenant)
+        else:
+            pipe.srem(self.keys.tenants, tenant)
         return pipe.execute()
+
+    def tenants(self) -> Any:
+        """Names of the tenants with a policy, sorted."""
+        return _then(self.client.smembers(self.keys.tenants), lambda r: sorted(_str(t) for t in r))
+
+    def depth(self, tiers: list[str]) -> Any:
+        """Queued work per tier and tenant: [(tier, tenant, requests, tokens)]."""
+        pipe = self.client.pipeline(transaction=False)
+        for tier in tiers:
+            pipe.hgetall(self.keys.depth(tier))
+
+        def parse(raw: list) -> list[tuple[str, str, int, int]]:
+            out = []
+            for tier, h in zip(tiers, raw):
+                h = {_str(k): int(v) for k, v in h.items()}
+                out += [(tier, f[2:], n, h.get("tokens:" + f[2:], 0)) for f, n in sorted(h.items()) if f.startswith("n:")]
+            return out
+        return _then(pipe.execute(), parse)
+
+    def pause(self, tier: str = "", tenant: str = "", paused: bool = True) -> Any:
+        """Stops (or with paused=False resumes) dispatching a tier's or a tenant's queued requests."""
+        members = ([f"tier:{tier}"] if tier else []) + ([f"tenant:{tenant}"] if tenant else [])
+        if not members:
+            raise ValueError("pause needs a tier or a tenant")
+        return (self.client.sadd if paused else self.client.srem)(self.keys.paused, *members)
+
+    def paused(self) -> Any:
+        """-> (paused tiers, paused tenants), sorted."""
+        def parse(raw: set) -> tuple[list[str], list[str]]:
+            names = sorted(_str(m) for m in raw)
+            return ([n[5:] for n in names if n.startswith("tier:")], [n[7:] for n in names if n.startswith("tenant:")])
+        return _then(self.client.smembers(self.keys.paused), parse)
+
+    def cancel_tenant(self, tenant: str, reason: str = "cancelled by operator") -> Any:
+        """Cancels every live request of a tenant, in any state. -> how many"""
+        return _then(self._run("cancel_tenant", [tenant, reason, now_ms(), self.result_ttl_s]), int)
+
+    def set_deadline(self, rid: str, deadline_ms: int) -> Any:
+        """Moves a live request's absolute deadline (enforced by the scheduler's janitor; a worker
+        already running the request keeps the deadline it was given). -> state, None if unknown"""
+        return _then(self._run("set_deadline", [rid, deadline_ms]), lambda r: State(_str(r)) if r else None)
 
     # -- a request's life: the workers' and the gateway's calls ----------------------------
 

@@ -127,6 +127,9 @@ class Dispatcher:
 
     async def dispatch_once(self) -> bool:
         """Sends at most one batch. -> True when a batch went out (call again)."""
+        batch = await self.next_batch()  # first: an idle scheduler costs one Redis call per period
+        if not batch:
+            return False
         prefill = await self._workers("prefill")
         decode = await self._workers("decode")
         if not prefill or not decode:
@@ -134,9 +137,6 @@ class Dispatcher:
         target_info = min(prefill, key=lambda w: (self._peers[w.worker_id].inflight, w.worker_id))
         target = self._peers[target_info.worker_id]
         if target.inflight >= INFLIGHT_BATCHES_PER_PREFILL_WORKER * self.config.max_batched_tokens:
-            return False
-        batch = await self.next_batch()
-        if not batch:
             return False
         slots = [DecodeSlots(w.worker_id, w.address, w.free_slots) for w in decode]
         placed: list[tuple[Candidate, DecodeSlots]] = []
@@ -215,10 +215,12 @@ class Dispatcher:
                                                   "pdq.tier": spec.tier, "pdq.attempt": item.epoch}))
 
     async def observe_queue(self) -> None:
-        """Refreshes the queue depth gauges (per tier and tenant), at most once a second."""
+        """Refreshes the queue depth (per tier and tenant) and live worker gauges, at most once a second."""
         if time.monotonic() - self._depth_at < 1.0:
             return
         self._depth_at = time.monotonic()
+        for role in ("prefill", "decode"):  # refreshes the live worker gauges
+            await self._workers(role)
         client, keys = self.store.client, self.store.keys
         labels = []
         for tier in self.tiers:

@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdq.bench import report
 from pdq.bench.metrics import Slo, summarize
@@ -20,6 +21,8 @@ from pdq.bench.options import BenchOptions
 from pdq.bench.record import RequestRecord, RunRecord
 from pdq.bench.workload import Workload, build, vocabulary
 
+if TYPE_CHECKING:
+    from pdq.bench.procstat import CpuProbe
 
 START_ATTEMPTS = 3
 
@@ -51,6 +54,8 @@ class Progress:
 
 
 class Bench:
+    """One invocation: runs systems, keeps every run's summary (`runs`), tagged with its repeat."""
+
     def __init__(self, opts: BenchOptions, workload: Workload):
         self.opts = opts
         self.workload = workload
@@ -80,7 +85,8 @@ class Bench:
         for error in entry["errors_sample"]:
             say(f"    error: {error}")
 
-    def service(self, target: str, strategy: str, keys: dict[str, str | None], cpu_probe=None) -> None:
+    def service(self, target: str, strategy: str, keys: dict[str, str | None],
+                cpu_probe: "CpuProbe | None" = None) -> None:
         """Every offered load against the cluster at `target`; keys: tenant -> API key (None:
         the client's default, $PDQ_API_KEY or a local `pdq up`'s dev key)."""
         from pdq.bench.service import run_service, warm_up
@@ -184,10 +190,17 @@ def run(args: argparse.Namespace) -> int:
             "workload has; shares are measured from the client side")
     bench = Bench(opts, workload)
     systems = bench.systems(model_dir)
-    for repeat in range(opts.repeat):
-        bench.repeat = repeat
-        for go in systems if repeat % 2 == 0 else systems[::-1]:
-            go()
+    failed = False
+    try:
+        for repeat in range(opts.repeat):
+            bench.repeat = repeat
+            for go in systems if repeat % 2 == 0 else systems[::-1]:
+                go()
+    except (RuntimeError, TimeoutError, OSError) as exc:  # a cluster that will not start, a dead target
+        say(f"pdq bench: stopped: {exc}; reporting the runs done so far")
+        failed = True
+    if not bench.runs:
+        return 1
 
     runs = report.median_repeats(bench.runs)
     print(report.table(runs))
@@ -212,4 +225,4 @@ def run(args: argparse.Namespace) -> int:
 
         plot(runs, opts.plot, title=f"pdq bench: {workload.name}, {len(workload.requests)} requests, {opts.model}")
         say(f"pdq bench: wrote {opts.plot}")
-    return 0 if all(r["errors"] == 0 for r in bench.runs) else 1
+    return 0 if not failed and all(r["errors"] == 0 for r in bench.runs) else 1

@@ -163,7 +163,7 @@ class FakeWorkers:
 
     async def start(self) -> "FakeWorkers":
         self.client = aioredis.Redis.from_url(self.redis_url)
-        self.store = RequestStore(self.client, self.prefix, 60)
+        self.store = RequestStore(self.client, self.prefix, 600)
         for i in range(self.decode):
             d = FakeDecode(self.store, f"decode-{i}", self.slots, self.step_s)
             self.decoders[d.address] = d

@@ -56,7 +56,7 @@ def clean(store, rid):
     """Nothing of the request is left in any queue, counter of queued work, lease or deadline."""
     k = store.keys
     assert not store.client.exists(k.queue(T, "acme"))
-    assert store.load() == {"n": 0, "tokens": 0}
+    assert not any(store.load().values())  # nothing queued, nothing running
     assert not store.client.zscore(k.leases, rid) and not store.client.zscore(k.deadlines, rid)
     assert not store.client.sismember(k.held("p1"), rid) and not store.client.sismember(k.held("d1"), rid)
 
@@ -179,9 +179,10 @@ def test_queued_work_is_counted_out_as_requests_leave_the_queue(store):
         store.submit(spec(f"r{k}"))
     claim(store, "r0")
     store.finish("r1", State.CANCELLED, "cancelled")
-    assert store.load() == {"n": 1, "tokens": 7, "n:acme": 1, "tokens:acme": 7}
+    assert store.load() == {"n": 1, "tokens": 7, "n:acme": 1, "tokens:acme": 7, "running": 1}
+    assert store.depth([T, "batch"]) == [(T, "acme", 1, 7)]
     store.requeue("r0", 1, "worker died", 3)
-    assert store.load()["n"] == 2
+    assert store.load()["n"] == 2 and store.load()["running"] == 0
 
 
 # -- cancellation and deadlines, in every state ---------------------------------------------------
@@ -272,3 +273,47 @@ def test_an_expired_prefill_lease_requeues_the_request(store):
     assert store.expire_leases(max_attempts=3) == (1, 0)
     assert store.record("r")["state"] == "QUEUED" and store.record("fresh")["state"] == "PREFILLING"
     assert store.record("r")["error"] == "prefill lease expired"
+
+
+# -- operator controls ------------------------------------------------------------------------------
+
+def test_a_paused_tier_or_tenant_is_left_out_of_the_snapshot_and_stays_queued(store):
+    store.submit(spec("a1", "a"))
+    store.submit(spec("b1", "b"))
+    store.submit(spec("x1", "a", tier="batch"))
+    store.pause(tenant="a")
+    store.pause(tier="batch")
+    assert store.paused() == (["batch"], ["a"])
+    snap = store.snapshot([T, "batch"], 1, 10)
+    assert [t.tenant for t in snap[T]] == ["b"] and snap["batch"] == []
+    store.pause(tenant="a", paused=False)
+    assert [t.tenant for t in store.snapshot([T], 10, 10)[T]] == ["a", "b"]
+    assert store.record("a1")["state"] == "QUEUED"
+
+
+def test_cancel_tenant_ends_its_live_requests_in_every_state(store):
+    for state in LIVE:
+        to_state(store, f"r-{state.value}", state)
+    store.submit(spec("other", "globex"))
+    assert store.cancel_tenant("acme", "cancelled by operator") == 4
+    assert {store.record(f"r-{s.value}")["state"] for s in LIVE} == {"CANCELLED"}
+    assert store.record("other")["state"] == "QUEUED"
+    assert store.cancel_tenant("acme") == 0
+    assert store.load()["running"] == 0
+
+
+def test_set_deadline_moves_a_live_requests_deadline(store):
+    store.submit(spec("r", deadline_ms=now_ms() + 60_000))
+    assert store.set_deadline("r", 1) == State.QUEUED
+    assert store.expire_deadlines() == 1 and store.record("r")["state"] == "TIMED_OUT"
+    assert store.set_deadline("r", now_ms() + 1000) == State.TIMED_OUT  # ended: unchanged
+    assert store.set_deadline("nope", 1) is None
+
+
+def test_tenant_policies_are_listed(store):
+    store.set_tenant_policy("b", TenantPolicy(weight=2.0))
+    store.set_tenant_policy("a", TenantPolicy(tier="batch"))
+    assert store.tenants() == ["a", "b"]
+    assert store.tenant_policy("a") == TenantPolicy(tier="batch")
+    store.set_tenant_policy("a", TenantPolicy())
+    assert store.tenants() == ["b"]

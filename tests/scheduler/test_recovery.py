@@ -19,11 +19,11 @@ from tests.scheduler.fakes import FakeWorkers, wait_for
 from tests.scheduler.harness import spec
 
 
-def start_scheduler(redis_url: str, prefix: str, port: int) -> subprocess.Popen:
+def start_scheduler(redis_url: str, prefix: str, port: int, log) -> subprocess.Popen:
     env = dict(os.environ, PDQ_REDIS_URL=redis_url, PDQ_KEY_PREFIX=prefix, PDQ_DISPATCH_INTERVAL_MS="5",
                PDQ_WORKER_TIMEOUT_S="3", PDQ_PREFILL_LEASE_S="2", PDQ_METRICS_PORT="-1")
     return subprocess.Popen([sys.executable, "-m", "scheduler", "--host", "127.0.0.1", "--port", str(port)], env=env,
-                            preexec_fn=die_with_parent, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            preexec_fn=die_with_parent, stdout=log, stderr=log)
 
 
 async def wait_serving(port: int, proc: subprocess.Popen) -> None:
@@ -40,11 +40,12 @@ async def wait_serving(port: int, proc: subprocess.Popen) -> None:
 
 
 @pytest.mark.asyncio(loop_scope="session")
-async def test_a_scheduler_killed_mid_load_and_restarted_loses_nothing(redis_server, prefix):
+async def test_a_scheduler_killed_mid_load_and_restarted_loses_nothing(redis_server, prefix, tmp_path):
     workers = await FakeWorkers(redis_server.url, prefix, decode=2, slots=3, step_s=0.01).start()
     store = workers.store
     port = free_port()
-    proc = start_scheduler(redis_server.url, prefix, port)
+    log = open(tmp_path / "scheduler.log", "w")
+    proc = start_scheduler(redis_server.url, prefix, port, log)
     try:
         await wait_serving(port, proc)
         rids = [f"r{k}" for k in range(30)]
@@ -54,7 +55,7 @@ async def test_a_scheduler_killed_mid_load_and_restarted_loses_nothing(redis_ser
                 await stub.Submit(pb.SubmitRequest(spec=spec(rid, max_tokens=20)), timeout=5)
 
         async def states():
-            return [(await store.record(r))["state"] for r in rids]
+            return [(await store.record(r)).get("state", "?") for r in rids]
 
         async def some_done():
             return (await states()).count("COMPLETED") >= 5
@@ -63,11 +64,17 @@ async def test_a_scheduler_killed_mid_load_and_restarted_loses_nothing(redis_ser
         proc.wait()
         before = await states()
         assert "QUEUED" in before and "COMPLETED" in before  # killed mid-load
-        proc = start_scheduler(redis_server.url, prefix, port)
+        proc = start_scheduler(redis_server.url, prefix, port, log)
+        await wait_serving(port, proc)
 
         async def all_done():
             return all(s == "COMPLETED" for s in await states())
-        await wait_for(all_done, timeout_s=60)
+        try:
+            await wait_for(all_done, timeout_s=60)
+        except AssertionError:
+            log.flush()
+            raise AssertionError(f"states {await states()}; scheduler log:\n"
+                                 f"{(tmp_path / 'scheduler.log').read_text()[-4000:]}") from None
         for rid in rids:
             entries = await store.client.xrange(store.keys.output(rid))
             assert [int(f[b"i"]) for _, f in entries if b"i" in f] == list(range(20)), rid
@@ -75,6 +82,7 @@ async def test_a_scheduler_killed_mid_load_and_restarted_loses_nothing(redis_ser
     finally:
         proc.kill()
         proc.wait()
+        log.close()
         await workers.stop()
 
 

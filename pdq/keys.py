@@ -30,10 +30,10 @@ dispatched_ms (first dispatch), first_token_ms, finished_ms, finish_reason, erro
 prefill_worker / decode_worker (addresses, for people), lease_prefill / lease_decode (worker ids
 holding the current attempt), charge / charge_w (VTC charge of the request and the weight used).
 
-Every change is one Lua script, so it is atomic. A write carrying a lease epoch other than the
-record's current one is rejected (a stale worker cannot write). The scripts derive the keys of a
-request's tenant queue, counters and leases from the prefix (ARGV[1]) and the record, so pdq
-needs one Redis (standalone or Sentinel), not Redis Cluster.
+Every multi-key change is one Lua script, so it is atomic. A write carrying a lease epoch other
+than the record's current one is rejected (a stale worker cannot write). The scripts derive the
+keys of a request's tenant queue, counters and leases from the prefix (ARGV[1]) and the record,
+so pdq needs one Redis (standalone or Sentinel), not Redis Cluster.
 
 Fair-share accounting (VTC): a request is charged (prompt + max_tokens) / weight when it is first
 claimed, and the unused part (max_tokens - tokens produced) is given back when it ends, so its net

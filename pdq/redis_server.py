@@ -5,6 +5,7 @@ a free port, keeps its files in its own directory, and dies with the process tha
 """
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -33,7 +34,18 @@ def find_redis_server() -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port free now, for a child process to bind soon. Chosen below the kernel's ephemeral
+    range (32768+), so outgoing connections of other processes cannot take it in between."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # crowded: let the kernel pick
         s.bind((host, 0))
         return s.getsockname()[1]
 

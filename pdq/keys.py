@@ -23,6 +23,7 @@ Layout (prefix `p`, default "pdq"):
   p:workers:{role}        zset   worker id -> last heartbeat (ms)
   p:worker:{id}           hash   worker facts: role, address, free_slots, ...
   p:cancel                pubsub channel: ids of requests that just ended, for workers to drop
+  p:heartbeats            pubsub channel: ids of workers that just heartbeat (e.g. a KV slot freed)
 
 Record fields: id, spec (RequestSpec protobuf bytes), tenant, tier, state, epoch, seq, score,
 created_ms, deadline_ms, prompt_tokens, max_tokens, cost (prompt + max_tokens), n_out,
@@ -115,6 +116,10 @@ class Keys:
     @property
     def cancel_channel(self) -> str:
         return f"{self.prefix}:cancel"
+
+    @property
+    def heartbeat_channel(self) -> str:
+        return f"{self.prefix}:heartbeats"
 
 
 # The shared part of every script: key names (mirroring Keys), the queue, fair-share counters,

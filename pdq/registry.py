@@ -26,7 +26,9 @@ class WorkerInfo:
 
 
 def heartbeat(client: Any, keys: Keys, info: WorkerInfo, ttl_s: float) -> Any:
-    """Registers or refreshes a worker (sync or async client). Entries expire after ttl_s."""
+    """Registers or refreshes a worker (sync or async client) and tells the scheduler on the
+    heartbeat channel (a heartbeat on change is how it learns that a slot is free). Entries
+    expire after ttl_s."""
     pipe = client.pipeline(transaction=True)
     key = keys.worker(info.worker_id)
     pipe.hset(key, mapping={"role": info.role, "address": info.address, "free_slots": info.free_slots,
@@ -34,6 +36,7 @@ def heartbeat(client: Any, keys: Keys, info: WorkerInfo, ttl_s: float) -> Any:
                             "draining": int(info.draining), "heartbeat_ms": now_ms()})
     pipe.pexpire(key, int(ttl_s * 1000))
     pipe.zadd(keys.workers(info.role), {info.worker_id: now_ms()})
+    pipe.publish(keys.heartbeat_channel, info.worker_id)
     return pipe.execute()
 
 

@@ -68,6 +68,7 @@ class Dispatcher:
         self.fair_policy = fair_policy(config.fair_policy)
         self._peers: dict[str, _Peer] = {}
         self._task: asyncio.Task | None = None
+        self._listener: asyncio.Task | None = None
         self._stopping = False
         self._requeued_ms: dict[str, int] = {}  # requests this dispatcher requeued -> when (their queue wait starts)
         self._depth_at = 0.0  # last refresh of the queue depth gauges
@@ -75,12 +76,15 @@ class Dispatcher:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="dispatch")
+        self._listener = asyncio.create_task(self._listen(), name="dispatch-heartbeats")
 
     async def stop(self) -> None:
         self._stopping = True
         self.wake.set()
         if self._task:
             await self._task
+        if self._listener:
+            await self._listener
         tasks = [t for p in self._peers.values() for t in p.tasks]
         if tasks:
             await asyncio.wait(tasks, timeout=self.config.grace_s)
@@ -113,6 +117,22 @@ class Dispatcher:
             except Exception:  # keep dispatching; Redis or a worker may come back
                 log.exception("dispatch failed")
                 await asyncio.sleep(interval)
+
+    async def _listen(self) -> None:
+        """Wakes the loop on every worker heartbeat: a worker heartbeats when its free slots
+        change, so a freed KV slot is used at once, not at the next poll."""
+        while not self._stopping:
+            pubsub = self.store.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.store.keys.heartbeat_channel)
+                while not self._stopping:
+                    if await pubsub.get_message(timeout=0.5):
+                        self.wake.set()
+            except Exception as exc:  # Redis went away: poll meanwhile, then subscribe again
+                log.warning("heartbeat channel: %s", exc)
+                await asyncio.sleep(1.0)
+            finally:
+                await pubsub.aclose()
 
     async def _workers(self, role: str) -> list[WorkerInfo]:
         infos = await live_workers(self.store.client, self.store.keys, role, self.config.worker_timeout_s)

@@ -2,8 +2,9 @@
 
 Starts a cluster (private Redis, 1 prefill + 1 decode worker, two client tenants "heavy" and
 "light" of equal weight), then measures:
-  fairness   heavy queues 10x light's requests at once; while both are backlogged, each tenant's
-             share of the tokens dispatched (prompt + output) and of the output tokens streamed;
+  fairness   heavy queues 10x light's requests (queued while dispatch is paused, then resumed); while
+             both are backlogged, each tenant's share of the tokens dispatched (prompt + output) and
+             of the output tokens streamed;
   ttft       light's p99 TTFT (one request at a time) alone, then while heavy floods the cluster;
   cancel     Cancel RPC -> terminal for a queued request; Cancel RPC -> KV slot free (the decode
              worker's registry entry) for a decoding one;
@@ -69,20 +70,20 @@ class Bench:
 
     def fairness(self, n: int) -> dict:
         prompt, out = [7] * 32, 32
+        self.r.sadd("pdq:paused", "tier:interactive")  # queue everything first: both backlogged from the start
         heavy = [self.heavy.submit(prompt, max_tokens=out, ignore_eos=True) for _ in range(10 * n)]
         light = [self.light.submit(prompt, max_tokens=out, ignore_eos=True) for _ in range(n)]
+        start = int(self.r.time()[0] * 1000 + self.r.time()[1] // 1000)
+        self.r.srem("pdq:paused", "tier:interactive")
         wait(lambda: all(self.state(x) == "COMPLETED" for x in light), 600)
-        # both backlogged: from light's first arrival to its last dispatch
-        start = min(self.field(x, "created_ms") for x in light)
-        end = max(self.field(x, "dispatched_ms") for x in light)
+        end = max(self.field(x, "dispatched_ms") for x in light)  # light backlogged until then
         tokens = {"heavy": 0, "light": 0}
         for tenant, rids in (("heavy", heavy), ("light", light)):
             for x in rids:
                 if start <= self.field(x, "dispatched_ms") <= end:
                     tokens[tenant] += len(prompt) + out
-        # output tokens streamed from light's first token to its last
-        out_start = min(min(self.token_times(x)) for x in light)
-        out_end = max(max(self.token_times(x)) for x in light)
+        # output tokens streamed from the start to light's last token
+        out_start, out_end = start, max(max(self.token_times(x)) for x in light)
         streamed = {t: sum(sum(1 for ts in self.token_times(x) if out_start <= ts <= out_end) for x in rids)
                     for t, rids in (("heavy", heavy), ("light", light))}
         for x in heavy:
@@ -161,7 +162,7 @@ class Bench:
         stop = threading.Event()
         threads = self.flood(stop)
         wait(lambda: int(self.r.hget("pdq:load", "n") or 0) > 0)
-        rids = [self.light.submit([5] * 16, max_tokens=8, timeout_ms=200 + 10 * i) for i in range(n)]
+        rids = [self.light.submit([5] * 16, max_tokens=8, timeout_ms=20 + 5 * i) for i in range(n)]
         for rid in rids:
             wait(lambda: self.state(rid) in ("TIMED_OUT", "COMPLETED"))
             if self.state(rid) == "TIMED_OUT" and not self.field(rid, "dispatched_ms"):

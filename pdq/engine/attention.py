@@ -15,8 +15,8 @@ import torch.nn.functional as F
 class PrefillChunk:
     """One sequence's chunk: rows [row, row + length) are its positions [start, start + length).
 
-    `mask` is None when start == 0 (plain causal), else bool [length, start + length],
-    True where the query may attend to the key.
+    `mask` is None when start == 0 (plain causal), else an additive mask [length,
+    start + length] (see `additive_mask`).
     """
 
     slot: int
@@ -30,15 +30,17 @@ class PrefillChunk:
 class AttnMetadata:
     """Per-step attention plan shared by all layers.
 
-    slots, positions: long [T], pool slot and position of every row (where its K/V is written).
+    positions: long [T], position of every row (for rotary).
+    kv_rows: long [T * kv_heads], row of each (token, kv head) in the layer's pool viewed as
+        [num_slots * kv_heads * max_seq_len, head_dim]: where this step's K/V is written.
     decode_span: decode attention runs batched over pool slots [0, decode_span), a view.
     decode_len: keys [0, decode_len) are read for decode, the longest decoding context.
-    decode_mask: bool [decode_span, 1, 1, decode_len], True where a slot's query may attend.
+    decode_mask: additive [decode_span, 1, 1, decode_len], or None when all keys are visible.
     decode_slots: long [B] slot of each decode row; None when they are exactly 0..span-1.
     """
 
-    slots: torch.Tensor
     positions: torch.Tensor
+    kv_rows: torch.Tensor
     chunks: list[PrefillChunk]
     num_prefill_tokens: int
     num_decode: int
@@ -46,6 +48,12 @@ class AttnMetadata:
     decode_len: int = 0
     decode_mask: torch.Tensor | None = None
     decode_slots: torch.Tensor | None = None
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where `allowed`, -inf elsewhere: built once per step, so SDPA does not convert a
+    bool mask in every layer. Every query row must allow at least one key."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 def attend(
@@ -59,11 +67,12 @@ def attend(
     """Write this step's K/V into the pool, then attend. Returns [T, q_heads, head_dim].
 
     q: [T, q_heads, head_dim]; k, v: [T, kv_heads, head_dim] (rotary already applied).
-    k_cache, v_cache: this layer's pool tensors [num_slots, kv_heads, max_seq_len, head_dim];
-    written in place at (meta.slots, :, meta.positions).
+    k_cache, v_cache: this layer's contiguous pool tensors [num_slots, kv_heads, max_seq_len,
+    head_dim]; written in place at meta.kv_rows.
     """
-    k_cache[meta.slots, :, meta.positions] = k
-    v_cache[meta.slots, :, meta.positions] = v
+    head_dim = k.shape[-1]
+    k_cache.view(-1, head_dim).index_copy_(0, meta.kv_rows, k.reshape(-1, head_dim))
+    v_cache.view(-1, head_dim).index_copy_(0, meta.kv_rows, v.reshape(-1, head_dim))
     gqa = q.shape[1] != k.shape[1]
     outs = []
     for c in meta.chunks:
@@ -76,25 +85,27 @@ def attend(
         )
         outs.append(o[0].transpose(0, 1))
     if meta.num_decode:
-        outs.append(_decode(q[meta.num_prefill_tokens :], k_cache, v_cache, meta, gqa))
+        outs.append(_decode(q[meta.num_prefill_tokens :], k_cache, v_cache, meta))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _decode(q, k_cache, v_cache, meta: AttnMetadata, gqa: bool) -> torch.Tensor:
-    """One query per decoding sequence, batched over the contiguous slot range [0, span)."""
+def _decode(q, k_cache, v_cache, meta: AttnMetadata) -> torch.Tensor:
+    """One query per decoding sequence, batched over the contiguous slot range [0, span).
+
+    The query heads sharing a kv head are folded into the query-length dim,
+    [B, kv_heads, group, head_dim]: each K/V block is read once per group, not repeated.
+    """
     span, length = meta.decode_span, meta.decode_len
-    q = q.unsqueeze(2)  # [B, q_heads, 1, head_dim]
+    num_kv_heads = k_cache.shape[1]
+    b, num_heads, head_dim = q.shape
+    q = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
     if meta.decode_slots is not None:  # scatter into the slot range; other rows are ignored
         full = q.new_zeros(span, *q.shape[1:])
         full[meta.decode_slots] = q
         q = full
     o = F.scaled_dot_product_attention(
-        q,
-        k_cache[:span, :, :length],
-        v_cache[:span, :, :length],
-        attn_mask=meta.decode_mask,
-        enable_gqa=gqa,
+        q, k_cache[:span, :, :length], v_cache[:span, :, :length], attn_mask=meta.decode_mask
     )
     if meta.decode_slots is not None:
         o = o[meta.decode_slots]
-    return o.squeeze(2)
+    return o.reshape(b, num_heads, head_dim)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdq.engine.attention import AttnMetadata, PrefillChunk
+from pdq.engine.attention import AttnMetadata, PrefillChunk, additive_mask
 from pdq.engine.kv_pool import KVPool, KVUsage
 from pdq.engine.llama import LlamaModel, LlamaSpec
 
@@ -163,6 +163,8 @@ class ModelRunner:
         return self.model(input_ids, meta, self.pool.kv, logit_rows)
 
     def _prepare(self, prefill, decode) -> tuple[torch.Tensor, AttnMetadata, torch.Tensor | slice]:
+        """Validate the items, flatten them into token rows (prefill chunks, then decode
+        tokens), build the attention plan, and advance each sequence's KV length."""
         pool, dev = self.pool, self.device
         tokens: list[int] = []
         slots: list[int] = []
@@ -178,7 +180,7 @@ class ModelRunner:
             mask = None
             if start:
                 q_pos = torch.arange(start, start + n, device=dev)
-                mask = torch.arange(start + n, device=dev)[None, :] <= q_pos[:, None]
+                mask = additive_mask(torch.arange(start + n, device=dev)[None, :] <= q_pos[:, None], self.dtype)
             chunks.append(PrefillChunk(slot, start, n, len(tokens), mask))
             tokens.extend(item.token_ids)
             slots.extend([slot] * n)
@@ -191,10 +193,15 @@ class ModelRunner:
             tokens.append(token)
             positions.append(pos)
         slots.extend(dec_slots)
+        if min(tokens) < 0 or max(tokens) >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
         logit_rows.extend(range(num_prefill, len(tokens)))
+        slots_t, positions_t = torch.tensor(slots, device=dev), torch.tensor(positions, device=dev)
+        heads = torch.arange(self.num_kv_heads, device=dev)
+        kv_rows = ((slots_t[:, None] * self.num_kv_heads + heads) * self.max_seq_len + positions_t[:, None]).view(-1)
         meta = AttnMetadata(
-            slots=torch.tensor(slots, device=dev),
-            positions=torch.tensor(positions, device=dev),
+            positions=positions_t,
+            kv_rows=kv_rows,
             chunks=chunks,
             num_prefill_tokens=num_prefill,
             num_decode=len(decode),
@@ -235,7 +242,7 @@ class ModelRunner:
             pos_of_slot[s] = p
         last = torch.tensor(pos_of_slot, device=self.device)
         keys = torch.arange(length, device=self.device)
-        meta.decode_mask = (keys[None, :] <= last[:, None]).view(span, 1, 1, length)
+        meta.decode_mask = additive_mask((keys[None, :] <= last[:, None]).view(span, 1, 1, length), self.dtype)
 
     # -- KV hand-off -------------------------------------------------------------------------
 

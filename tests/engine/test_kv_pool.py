@@ -41,7 +41,10 @@ def test_budget_full_and_free():
 
 def test_budget_smaller_than_one_sequence():
     with pytest.raises(ValueError, match="holds no sequence"):
-        KVPool(num_layers=1, num_kv_heads=1, head_dim=2, kv_budget_tokens=7, max_seq_len=8, dtype=torch.float32, device="cpu")
+        KVPool(
+            num_layers=1, num_kv_heads=1, head_dim=2, kv_budget_tokens=7, max_seq_len=8,
+            dtype=torch.float32, device="cpu",
+        )
 
 
 def test_free_compacts_without_losing_kv():

@@ -71,10 +71,9 @@ def test_from_pretrained_checkpoint_dir(tmp_path, make_llama):
 def test_unsupported_configs_are_named():
     with pytest.raises(UnsupportedModelError, match="model_type='gpt2'"):
         LlamaSpec.from_hf_config(GPT2Config())
+    dynamic_rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
     with pytest.raises(UnsupportedModelError, match="hidden_act='gelu'.*rope type 'dynamic'"):
-        LlamaSpec.from_hf_config(
-            LlamaConfig(**{**TINY, "hidden_act": "gelu", "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}})
-        )
+        LlamaSpec.from_hf_config(LlamaConfig(**{**TINY, "hidden_act": "gelu", "rope_parameters": dynamic_rope}))
 
 
 def test_max_seq_len_beyond_model_positions(make_runner, tiny_llama):

@@ -62,7 +62,14 @@ class KeyRing:
             if role not in ROLES:
                 raise ValueError(f"{path}: keys[{i}].role must be client or admin, got {role!r}")
             keys[_digest(key)] = Principal(tenant, role)
-        return cls(keys, dict(data.get("tenants", {}) or {}))
+        tenants = dict(data.get("tenants", {}) or {})
+        allowed = {"weight", "tier", "max_queued", "max_queued_tokens"}
+        for name, policy in tenants.items():
+            unknown = set(policy or {}) - allowed
+            if unknown:
+                raise ValueError(f"{path}: tenants.{name}: unknown field(s) {sorted(unknown)}; "
+                                 f"use {sorted(allowed)}")
+        return cls(keys, tenants)
 
     def authenticate(self, context: grpc.aio.ServicerContext) -> Principal:
         """-> the caller; StatusError(UNAUTHENTICATED) for a missing or unknown key."""

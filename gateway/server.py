@@ -20,7 +20,7 @@ from pdq.config import GatewayConfig
 from pdq.model.tokenizer import load_tokenizer
 from pdq.request import FINISH_REASONS, STATUS_OF_STATE, State
 from pdq.serving import GRPC_OPTIONS, Server, StatusError, abort
-from pdq.store import RequestStore
+from pdq.store import RequestStore, TenantPolicy
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import generation_pb2_grpc as gen_grpc
 from pdq.v1 import internal_pb2 as pb
@@ -303,6 +303,8 @@ def build_server(config: GatewayConfig) -> Server:
 
     async def start() -> None:
         await client.ping()
+        for tenant, policy in keys.tenants.items():  # the key file's tenant policies, for the scheduler
+            await store.set_tenant_policy(tenant, TenantPolicy(**policy))
 
     async def stop() -> None:
         await channel.close()

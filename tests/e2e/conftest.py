@@ -19,7 +19,7 @@ def auth_file(tmp_path_factory):
         {"key": KEYS["acme"], "tenant": "acme", "role": "client"},
         {"key": KEYS["globex"], "tenant": "globex", "role": "client"},
         {"key": KEYS["ops"], "tenant": "ops", "role": "admin"},
-    ]}))
+    ], "tenants": {"globex": {"weight": 2.0}}}))
     return path
 
 

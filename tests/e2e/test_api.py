@@ -70,3 +70,7 @@ def test_errors_carry_typed_details(client):
     info = error_details_pb2.ErrorInfo()
     assert status.details[0].Unpack(info)
     assert info.reason == "PROMPT_TOO_LONG" and info.metadata["field"] == "prompt_token_ids"
+
+
+def test_tenant_policies_of_the_key_file_reach_the_scheduler(store_client):
+    assert float(store_client.hget("pdq:tenant:globex", "weight")) == 2.0

@@ -144,9 +144,10 @@ def test_nothing_leaks_after_the_requests_end(cluster, store_client, client):
     client.generate("one more", max_tokens=4)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        queued = store_client.zcard("pdq:queue")
+        load = {k.decode(): int(v) for k, v in store_client.hgetall("pdq:load").items()}
+        queued, running = load.get("n", 0), load.get("running", 0)
         workers = [store_client.hgetall(f"pdq:worker:{w.decode()}") for w in store_client.zrange("pdq:workers:decode", 0, -1)]
-        if queued == 0 and workers and all(w[b"free_slots"] == w[b"capacity"] for w in workers):
+        if queued == 0 and running == 0 and workers and all(w[b"free_slots"] == w[b"capacity"] for w in workers):
             return
         time.sleep(0.05)
-    raise AssertionError(f"queue {queued}, decode workers {workers}")
+    raise AssertionError(f"queued {queued}, running {running}, decode workers {workers}")

@@ -15,20 +15,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from decode_worker.kv_receive import Arrived, Discard
 from decode_worker.strategy import Strategy
 from pdq import metrics, telemetry
 from pdq.convert import sampling_from_pb
 from pdq.engine.sampling import SamplingParams, sample
-from pdq.kv_transfer import ReceivedKV
 from pdq.output_text import TextOutput
 from pdq.request import State
 from pdq.store import RequestStore, StepItem, now_ms
 from pdq.worker import CancelListener
 
 log = logging.getLogger("pdq.decode")
-
-MAX_ATTEMPTS = 3
-
 
 @dataclass
 class Sequence:
@@ -62,7 +61,7 @@ class LoopStats:
 class DecodeLoop:
     def __init__(self, runner: Any, store: RequestStore, cancels: CancelListener, tokenizer: Any,
                  eos_ids: list[int], worker_address: str, on_leave: Callable[[str], None],
-                 strategy: Strategy = Strategy()):
+                 strategy: Strategy = Strategy(), threads: Callable[[], int] | None = None, max_attempts: int = 3):
         self.runner = runner
         self.store = store
         self.cancels = cancels
@@ -71,7 +70,9 @@ class DecodeLoop:
         self.address = worker_address
         self.on_leave = on_leave  # called from this thread when a sequence leaves (frees its hold)
         self.strategy = strategy
-        self.inbox: queue.Queue[ReceivedKV | None] = queue.Queue()
+        self.threads = threads  # torch threads for the next step (None: leave them as they are)
+        self.max_attempts = max_attempts  # a request given back more often than this FAILS
+        self.inbox: queue.Queue[Arrived | Discard | None] = queue.Queue()
         self.waiting: list[Sequence] = []  # KV in the pool, not yet admitted
         self.running: dict[str, Sequence] = {}
         self.stats = LoopStats()
@@ -82,8 +83,9 @@ class DecodeLoop:
     def start(self) -> None:
         self._thread.start()
 
-    def add(self, kv: ReceivedKV) -> None:
-        self.inbox.put(kv)
+    def add(self, item: Arrived | Discard) -> None:
+        """A received hand-off to decode, or the slot of a failed one to free (see kv_receive)."""
+        self.inbox.put(item)
 
     def stop(self) -> None:
         self.inbox.put(None)
@@ -120,25 +122,28 @@ class DecodeLoop:
         oldest = (time.monotonic() - self.waiting[0].arrived) * 1000
         return max(0.001, self.strategy.wait_hint_ms(oldest) / 1000)
 
-    def _arrive(self, kv: ReceivedKV) -> None:
+    def _arrive(self, kv: Arrived | Discard) -> None:
+        if isinstance(kv, Discard):
+            self.runner.free(kv.key)
+            if kv.done.set_running_or_notify_cancel():  # False: the waiter gave up (cancelled)
+                kv.done.set_result(None)
+            return
         h = kv.header
         rid = h.spec.request_id
         span = telemetry.start("pdq.decode", h.spec.traceparent,
                                attributes={**telemetry.request_attributes(h.spec), "pdq.attempt": h.epoch,
                                            "pdq.worker": self.address, "pdq.strategy": self.strategy.name,
                                            "pdq.resumed_tokens": len(h.generated_token_ids) - 1})
-        try:
-            self.runner.allocate(rid)
-            for layer, (k, v) in enumerate(kv.layers):
-                self.runner.import_kv(rid, layer, k, v)
+        try:  # anything wrong here frees the slot and the hold: no KV leaks on a bad hand-off
+            params = sampling_from_pb(h.spec.sampling)
+            self.runner.rename(kv.key, rid)  # the K/V was received into the slot (kv_receive)
         except Exception as exc:
             log.error("cannot take KV of %s: %s", rid, exc)
-            self.runner.free(rid)
+            self.runner.free(kv.key)
             self.store.finish(rid, State.FAILED, "error", f"decode worker could not load KV: {exc}", epoch=h.epoch)
             telemetry.end(span, "failed", f"could not load KV: {exc}")
             self.on_leave(rid)
             return
-        params = sampling_from_pb(h.spec.sampling)
         prompt = list(h.spec.prompt_token_ids)
         generated = list(h.generated_token_ids)
         seq = Sequence(rid, h.epoch, len(prompt), params, TextOutput(self.tokenizer, params.stop, prompt, generated),
@@ -197,6 +202,7 @@ class DecodeLoop:
         for seq in self.waiting + list(self.running.values()):
             if seq.done:
                 continue
+            seq.deadline_ms = self.cancels.deadline(seq.rid, seq.deadline_ms)
             if self.cancels.pop(seq.rid):
                 self._end_span(seq, "dropped", reason="request ended elsewhere (cancelled, timed out or failed)")
                 self._leave(seq)
@@ -212,6 +218,8 @@ class DecodeLoop:
 
     def _step(self) -> None:
         started = time.perf_counter()
+        if self.threads is not None and (n := self.threads()) != torch.get_num_threads():
+            torch.set_num_threads(n)
         seqs = [s for s in self.running.values() if s.position + 1 < self.runner.max_seq_len or not s.done]
         logits = self.runner.decode([(s.rid, s.generated[-1], s.position) for s in seqs])
         tokens = sample(logits, [s.params for s in seqs], [len(s.generated) for s in seqs])
@@ -265,7 +273,7 @@ class DecodeLoop:
         tokens (seeded per index) and Redis drops the indices already streamed."""
         for seq in self.waiting + list(self.running.values()):
             if not seq.done:
-                state = self.store.requeue(seq.rid, seq.epoch, why, MAX_ATTEMPTS)
+                state = self.store.requeue(seq.rid, seq.epoch, why, self.max_attempts)
                 metrics.REQUEUES.labels("decode", state or "stale").inc()
                 self._end_span(seq, "requeued", why, reason=f"{why}: {state or 'stale'}")
             self._leave(seq)

@@ -12,15 +12,21 @@ from pdq.keys import Keys
 from pdq.kv_transfer import Assembler, KVTransferError
 from pdq.model.loader import eos_token_ids, resolve_model
 from pdq.model.tokenizer import load_tokenizer
+from pdq.mtls import InternalTLS
 from pdq.registry import WorkerInfo
 from pdq.serving import Server
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
-from pdq.worker import CancelListener, Heartbeat, load_runner, sync_store
+from pdq.worker import CancelListener, Heartbeat, load_runner, reclaim_previous_life, sync_store
+from decode_worker.kv_receive import Discard, SlotSink
 from decode_worker.loop import DecodeLoop
 from decode_worker.strategy import Strategy
 
 log = logging.getLogger("pdq.decode")
+
+
+class NoReservation(Exception):
+    """A hand-off for a request that holds no reservation here (FAILED_PRECONDITION)."""
 
 
 class DecodeService(pb_grpc.DecodeWorkerServicer):
@@ -32,22 +38,30 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         self.loop: DecodeLoop | None = None
         self.capacity = 0
         self.holds: dict[str, float | None] = {}  # rid -> reservation expiry (monotonic), None once running
+        self.receiving: set[str] = set()  # rids whose hand-off is arriving: their reservation does not expire
         self.expect: dict = {}
         self.on_change = lambda: None
+
+    def threads(self) -> int:
+        """Torch threads for the next decode step (called from the model thread): all of
+        burst_threads while no reserved request is being prefilled, else the base threads."""
+        prefilling = any(expiry is not None for expiry in list(self.holds.values()))
+        return self.config.threads if prefilling or not self.config.burst_threads else self.config.burst_threads
 
     @property
     def free_slots(self) -> int:
         return max(0, self.capacity - len(self.holds))
 
-    def _expire(self) -> None:
+    def expire(self) -> None:
+        """Drops reservations that got no hand-off within reservation_timeout_s."""
         now = time.monotonic()
         for rid, expiry in list(self.holds.items()):
-            if expiry is not None and expiry < now:
+            if expiry is not None and expiry < now and rid not in self.receiving:
                 log.warning("reservation of %s expired unused", rid)
                 del self.holds[rid]
 
     async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
-        self._expire()
+        self.expire()
         rid = request.request_id
         granted = rid in self.holds or (self.loop is not None and self.free_slots > 0)
         if granted and rid not in self.holds:
@@ -61,30 +75,71 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             self.on_change()
         return pb.ReleaseResponse()
 
+    def _admit(self, header: pb.KVHeader) -> None:
+        rid = header.spec.request_id
+        if self.loop is None:
+            raise NoReservation("decode worker is not started")
+        if self.holds.get(rid, None) is None:  # none, or its sequence is already running here
+            raise NoReservation(f"no KV reservation for {rid} (expired or released)")
+
     async def PushKV(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PushKVResponse:
-        asm = Assembler(self.expect)
+        """Receives the hand-off straight into a KV slot (`decode_worker.kv_receive`); on any
+        failure the slot is freed before the call fails, so a retry finds the pool as before."""
+        receiving = []
+
+        def start(header: pb.KVHeader) -> None:
+            """The header arrived: the reservation must exist, and now holds until the hand-off
+            ends (a slow transfer must not lose its room to another request midway)."""
+            self._admit(header)
+            receiving.append(header.spec.request_id)
+            self.receiving.add(header.spec.request_id)
+
+        sink = SlotSink(self.loop.runner if self.loop else None, start)
+        asm = Assembler(self.expect, sink)
         try:
-            async for chunk in request_iterator:
-                asm.add(chunk)
-            kv = asm.finish()
-        except KVTransferError as exc:
+            return await self._receive(request_iterator, context, sink, asm)
+        finally:
+            self.receiving.difference_update(receiving)
+
+    async def _receive(self, request_iterator, context: grpc.aio.ServicerContext, sink: SlotSink,
+                       asm: Assembler) -> pb.PushKVResponse:
+        try:
+            async for frame in request_iterator:  # serialized KVChunks (see add_service)
+                asm.add_frame(frame)
+            arrived = asm.finish()
+            self._admit(arrived.header)  # the reservation may have expired meanwhile
+        except (KVTransferError, NoReservation) as exc:
+            await self._discard(sink)
             rid = asm.header.spec.request_id if asm.header else "?"
+            if isinstance(exc, NoReservation):
+                telemetry.event("rejected", error=str(exc))
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             log.warning("rejected KV hand-off of %s: %s", rid, exc)
             telemetry.event("rejected", {"pdq.request_id": rid, "pdq.kv.bytes": asm.total}, error=str(exc))
             await context.abort(grpc.StatusCode.DATA_LOSS, f"KV hand-off rejected: {exc}")
-        rid = kv.header.spec.request_id
+        except BaseException:  # the stream broke or the call was cancelled
+            if sink.key is not None and self.loop is not None:
+                self.loop.add(Discard(sink.key))
+            raise
+        h = arrived.header
         span = telemetry.current()
         if span is not None:
-            span.set_attributes({"pdq.request_id": rid, "pdq.attempt": kv.header.epoch, "pdq.kv.bytes": asm.total,
-                                 "pdq.kv.tokens": kv.header.num_tokens})
-        if rid not in self.holds or self.holds[rid] is None:
-            telemetry.event("rejected", error="no KV reservation (expired or released)")
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"no KV reservation for {rid} (expired or released)")
-        self.holds[rid] = None
-        assert self.loop is not None
-        self.loop.add(kv)
+            span.set_attributes({"pdq.request_id": h.spec.request_id, "pdq.attempt": h.epoch,
+                                 "pdq.kv.bytes": asm.total, "pdq.kv.tokens": h.num_tokens})
+        self.holds[h.spec.request_id] = None
+        self.loop.add(arrived)
         return pb.PushKVResponse(accepted=True)
+
+    async def _discard(self, sink: SlotSink) -> None:
+        """Frees the slot a failed hand-off was written into (on the model thread) and waits for it."""
+        if sink.key is None or self.loop is None:
+            return
+        item = Discard(sink.key)
+        self.loop.add(item)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(item.done), timeout=10.0)
+        except asyncio.TimeoutError:
+            log.warning("KV slot of a failed hand-off not freed within 10 s (decode loop stopped?)")
 
     def left(self, rid: str) -> None:
         """A sequence left the batch (called on the event loop)."""
@@ -92,17 +147,42 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         self.on_change()
 
 
+def add_service(server: grpc.aio.Server, service: DecodeService) -> None:
+    """The generated registration, except that PushKV gets the serialized KVChunks: the hand-off
+    is read straight from the received bytes (`Assembler.add_frame`), not via protobuf objects."""
+
+    class Capture:
+        handlers: dict = {}
+
+        def add_generic_rpc_handlers(self, handlers: tuple) -> None:
+            pass
+
+        def add_registered_method_handlers(self, name: str, handlers: dict) -> None:
+            Capture.handlers = dict(handlers)
+
+    pb_grpc.add_DecodeWorkerServicer_to_server(service, Capture())
+    handlers = Capture.handlers
+    handlers["PushKV"] = grpc.stream_unary_rpc_method_handler(
+        service.PushKV, request_deserializer=None, response_serializer=pb.PushKVResponse.SerializeToString)
+    name = pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
+
+
 def build_server(config: DecodeConfig) -> Server:
     """Builds the decode worker; the model loads in `start` (health turns SERVING after)."""
-    server = Server(config.host, config.port, [pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name])
+    server = Server(config.host, config.port, [pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name],
+                    mtls=InternalTLS.from_config(config))
     service = DecodeService(config)
-    pb_grpc.add_DecodeWorkerServicer_to_server(service, server.grpc)
+    server.service = service  # for tests that look at the worker's pool
+    add_service(server.grpc, service)
     keys = Keys(config.key_prefix)
     worker_id = config.name("decode")
     address = config.advertise_address or f"{config.host}:{server.port}"
     state: dict = {}
 
     def info() -> WorkerInfo:
+        service.expire()  # every heartbeat: an orphaned hold frees its slot even if no Reserve comes
         running = len(service.loop.running) + len(service.loop.waiting) if service.loop else 0
         return WorkerInfo(worker_id, "decode", address, free_slots=service.free_slots,
                           capacity=service.capacity, running=running)
@@ -111,16 +191,23 @@ def build_server(config: DecodeConfig) -> Server:
         path = await asyncio.to_thread(resolve_model, config.model)
         runner = await asyncio.to_thread(load_runner, config, config.kv_budget_tokens)
         aio_loop = asyncio.get_running_loop()
-        service.capacity = min(runner.capacity, config.max_batch_size)
+        strategy = Strategy(config.strategy, config.strategy_batch_size, config.dynamic_window_ms,
+                            config.static_flush_ms)
+        # A request-level batch holds every seat until its last sequence ends, and the next batch
+        # is only taken (reserved, then prefilled) after that, as naive servers run: the wait
+        # shows up in TTFT, where their users see it.
+        service.capacity = min(runner.capacity, config.max_batch_size,
+                               strategy.batch_size if strategy.run_to_completion else runner.capacity)
         service.expect = {"num_layers": runner.num_layers, "num_kv_heads": runner.num_kv_heads,
                           "head_dim": runner.head_dim, "dtype": str(runner.dtype).removeprefix("torch.")}
         state["cancels"] = CancelListener(config.redis_url, keys)
         service.loop = DecodeLoop(runner, sync_store(config), state["cancels"], load_tokenizer(path),
                                   eos_token_ids(path), address,
-                                  lambda rid: aio_loop.call_soon_threadsafe(service.left, rid),
-                                  Strategy(config.strategy, config.strategy_batch_size, config.dynamic_window_ms,
-                                           config.static_flush_ms))
+                                  lambda rid: aio_loop.call_soon_threadsafe(service.left, rid), strategy,
+                                  service.threads if config.burst_threads and config.threads else None,
+                                  config.max_attempts)
         service.loop.start()
+        await reclaim_previous_life(service.loop.store, worker_id, config.max_attempts)
         state["heartbeat"] = hb = Heartbeat(config, keys, info)
         service.on_change = hb.poke
         await hb.start()

@@ -24,6 +24,11 @@ class Event:
         self.error = f.get("e", "")
 
 
+# One blocking XREAD waits at most this long: well under the Redis client's socket timeout
+# (redis-py's default is 5 s), which would otherwise end a long GetResult wait with an error.
+MAX_BLOCK_MS = 1000
+
+
 async def follow(store: RequestStore, rid: str, wait_ms: int | None = None) -> AsyncIterator[Event]:
     """Yields the stream's entries from the start until the end entry; with wait_ms, stops
     early (without an end) once that long has passed."""
@@ -31,9 +36,9 @@ async def follow(store: RequestStore, rid: str, wait_ms: int | None = None) -> A
     last = "0-0"
     deadline = None if wait_ms is None else time.monotonic() + wait_ms / 1000
     while True:
-        block = 1000
+        block = MAX_BLOCK_MS
         if deadline is not None:
-            block = int((deadline - time.monotonic()) * 1000)
+            block = min(MAX_BLOCK_MS, int((deadline - time.monotonic()) * 1000))
             if block <= 0:
                 block = None  # one last non-blocking read
         reply = await store.client.xread({key: last}, block=block, count=512)

@@ -1,5 +1,6 @@
-"""The gateway process: `pdq.v1.Generation` for clients. It authenticates, validates, forwards
-to the scheduler, and follows the request's output stream in Redis; it holds no queue state."""
+"""The gateway process: `pdq.v1.Generation` for clients, and `pdq.v1.Operator` for admins
+(gateway.operator). It authenticates, validates, forwards to the scheduler, and follows the
+request's output stream in Redis; it holds no queue state."""
 
 import asyncio
 import json
@@ -15,7 +16,7 @@ import redis.asyncio as aioredis
 from gateway.auth import KeyRing, Principal
 from gateway.results import Collected, follow, response, usage_and_timings
 from gateway.validation import REQUEST_ID, Limits, build_spec, check_request, shown
-from pdq import metrics, telemetry
+from pdq import metrics, mtls, telemetry
 from pdq.config import GatewayConfig
 from pdq.model.tokenizer import load_tokenizer
 from pdq.request import FINISH_REASONS, STATUS_OF_STATE, State
@@ -25,6 +26,8 @@ from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import generation_pb2_grpc as gen_grpc
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
+from pdq.v1 import operator_pb2 as op_pb
+from pdq.v1 import operator_pb2_grpc as op_grpc
 
 log = logging.getLogger("pdq.gateway")
 
@@ -250,12 +253,17 @@ class GenerationService(gen_grpc.GenerationServicer):
     @rpc
     async def Cancel(self, request: gen_pb.CancelRequest, context: grpc.aio.ServicerContext) -> gen_pb.CancelResponse:
         rid = await self.resolve(self.keys.authenticate(context), request.request_id)
+        return gen_pb.CancelResponse(state=await self.cancel(rid, "client"))
+
+    async def cancel(self, rid: str, reason: str) -> str:
+        """Cancels a request through the scheduler (idempotent; workers drop it at their next
+        step and free its KV). -> its state after the call."""
         try:
-            resp = await self.scheduler.Cancel(pb.InternalCancelRequest(request_id=rid, reason="client"), timeout=10.0)
+            resp = await self.scheduler.Cancel(pb.InternalCancelRequest(request_id=rid, reason=reason), timeout=10.0)
         except grpc.aio.AioRpcError as exc:
             code = exc.code() if exc.code() == grpc.StatusCode.NOT_FOUND else grpc.StatusCode.UNAVAILABLE
             raise StatusError(code, exc.details()) from None
-        return gen_pb.CancelResponse(state=resp.state)
+        return resp.state
 
 
 def raise_for_end(end) -> None:
@@ -279,11 +287,12 @@ def model_limits(config: GatewayConfig, model_dir: Path, tokenizer) -> Limits:
     cfg = json.loads((model_dir / "config.json").read_text())
     max_len = min(config.max_model_len, int(cfg.get("max_position_embeddings", config.max_model_len)))
     return Limits(max_model_len=max_len, vocab_size=int(cfg.get("vocab_size", tokenizer.get_vocab_size())),
-                  default_max_tokens=config.default_max_tokens)
+                  default_max_tokens=config.default_max_tokens, tiers=tuple(config.tier_names))
 
 
 def build_server(config: GatewayConfig) -> Server:
     """Builds the gateway: public API on config.port, a channel to the scheduler, Redis for results."""
+    from gateway.operator import OperatorService
     from pdq.model.loader import resolve_model
 
     model_dir = resolve_model(config.model)
@@ -294,12 +303,14 @@ def build_server(config: GatewayConfig) -> Server:
         log.warning("no --auth-file: running open, every caller is tenant 'default' with the admin role")
     client = aioredis.Redis.from_url(config.redis_url, decode_responses=False)
     store = RequestStore(client, config.key_prefix)
-    channel = grpc.aio.insecure_channel(config.scheduler_address, options=GRPC_OPTIONS,
-                                        interceptors=telemetry.client_interceptors())
+    channel = mtls.aio_channel(config.scheduler_address, mtls.InternalTLS.from_config(config), GRPC_OPTIONS,
+                               interceptors=telemetry.client_interceptors())
     service = GenerationService(config, store, pb_grpc.SchedulerStub(channel), tokenizer, limits, keys)
-    server = Server(config.host, config.port, [gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name],
+    server = Server(config.host, config.port, [gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name,
+                                               op_pb.DESCRIPTOR.services_by_name["Operator"].full_name],
                     tls=(config.tls_cert, config.tls_key) if config.tls_cert else None)
     gen_grpc.add_GenerationServicer_to_server(service, server.grpc)
+    op_grpc.add_OperatorServicer_to_server(OperatorService(config, store, service, keys), server.grpc)
 
     async def start() -> None:
         await client.ping()

@@ -25,6 +25,7 @@ class Limits:
     max_model_len: int
     vocab_size: int
     default_max_tokens: int
+    tiers: tuple[str, ...] = TIERS  # best first; a request without one gets the first
 
 
 def shown(value: str, limit: int = 40) -> str:
@@ -82,8 +83,8 @@ def check_request(req: gen_pb.GenerateRequest, limits: Limits) -> None:
             raise invalid(f"prompt_token_ids[{i}]", f"{tok} is not below the vocabulary size {limits.vocab_size}")
     if req.request_id and not REQUEST_ID.match(req.request_id):
         raise invalid("request_id", "must be 1..128 characters of A-Z a-z 0-9 . _ : -")
-    if req.tier and req.tier not in TIERS:
-        raise invalid("tier", f"must be one of {', '.join(TIERS)}, got {shown(req.tier)}")
+    if req.tier and req.tier not in limits.tiers:
+        raise invalid("tier", f"must be one of {', '.join(limits.tiers)}, got {shown(req.tier)}")
     if req.timeout_ms > MAX_TIMEOUT_MS:
         raise invalid("timeout_ms", f"must be at most {MAX_TIMEOUT_MS} (24 h), got {req.timeout_ms}")
 
@@ -93,6 +94,6 @@ def build_spec(req: gen_pb.GenerateRequest, prompt_ids: list[int], tenant: str, 
     if not prompt_ids:
         raise invalid("prompt", "is empty after tokenization")
     sampling = resolve_sampling(req.sampling, len(prompt_ids), limits)
-    return pb.RequestSpec(request_id=request_id, tenant=tenant, tier=req.tier or TIERS[0],
+    return pb.RequestSpec(request_id=request_id, tenant=tenant, tier=req.tier or limits.tiers[0],
                           prompt_token_ids=prompt_ids, sampling=sampling, arrival_ms=now_ms,
                           deadline_ms=deadline_ms)

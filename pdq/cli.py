@@ -18,7 +18,7 @@ def _up(args: argparse.Namespace) -> int:
     from pdq.up import Cluster, run
 
     return run(Cluster(prefill=args.prefill, decode=args.decode, model=args.model, redis_url=args.redis_url,
-                       port=args.port, durable=args.durable))
+                       port=args.port, durable=args.durable, mtls=args.mtls))
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="use this Redis instead of starting a private one")
     up.add_argument("--port", type=int, default=50051, help="gateway port (default 50051; 0 = any free)")
     up.add_argument("--durable", action="store_true", help="private Redis with AOF, appendfsync always")
+    up.add_argument("--mtls", action="store_true",
+                    help="mutual TLS between the cluster's roles, with a throwaway CA made for this run (openssl)")
     up.set_defaults(func=_up)
 
     gen = sub.add_parser("generate", help="generate text from a prompt")
@@ -125,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
                                        "and to baselines; report tokens/s, TTFT/ITL/e2e percentiles and goodput.")
     add_bench_arguments(bench)
     bench.set_defaults(func=_bench)
+
+    from pdq.cli_operator import add_parsers as add_operator_parsers
+
+    add_operator_parsers(sub)
 
     for name, module in (("gateway", "gateway"), ("scheduler", "scheduler"),
                          ("prefill", "prefill_worker"), ("decode", "decode_worker")):

@@ -15,6 +15,7 @@ import grpc
 
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import generation_pb2_grpc as gen_grpc
+from pdq.v1 import operator_pb2 as op_pb
 
 FINISH_NAMES = {v: k for k, v in gen_pb.FinishReason.items()}
 
@@ -45,23 +46,27 @@ def _timings(t: gen_pb.Timings) -> dict:
     return {"queue_ms": round(t.queue_ms, 1), "ttft_ms": round(t.ttft_ms, 1), "e2e_ms": round(t.e2e_ms, 1)}
 
 
-class Client:
-    def __init__(self, target: str = "127.0.0.1:50051", api_key: str | None = None, tls_ca: str | None = None):
-        """api_key: else $PDQ_API_KEY, else the dev key of a local `pdq up` on that port.
-        tls_ca: PEM file of the CA to trust for a TLS gateway (else $PDQ_TLS_CA; unset = plaintext)."""
-        from pdq.devkeys import find_dev_key
+def connect(target: str, api_key: str | None, tls_ca: str | None, admin: bool = False) -> tuple[grpc.Channel, list]:
+    """A channel to the gateway and the call metadata carrying the API key: `api_key`, else
+    $PDQ_API_KEY, else the dev key (the admin one if `admin`) of a local `pdq up` on that port."""
+    from pdq.devkeys import find_dev_key
 
-        api_key = api_key or os.environ.get("PDQ_API_KEY") or find_dev_key(target)
-        tls_ca = tls_ca or os.environ.get("PDQ_TLS_CA")
-        if tls_ca:
-            with open(tls_ca, "rb") as f:
-                self.channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(f.read()))
-        else:
-            self.channel = grpc.insecure_channel(target)
-        self.stub = gen_grpc.GenerationStub(self.channel)
-        self.metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
+    api_key = api_key or os.environ.get("PDQ_API_KEY") or find_dev_key(target, admin=admin)
+    tls_ca = tls_ca or os.environ.get("PDQ_TLS_CA")
+    if tls_ca:
+        with open(tls_ca, "rb") as f:
+            channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(f.read()))
+    else:
+        channel = grpc.insecure_channel(target)
+    return channel, [("authorization", f"Bearer {api_key}")] if api_key else []
 
-    def __enter__(self) -> "Client":
+
+class _Connection:
+    """A channel to the gateway, closed on leaving a `with` block."""
+
+    channel: grpc.Channel
+
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -69,6 +74,14 @@ class Client:
 
     def close(self) -> None:
         self.channel.close()
+
+
+class Client(_Connection):
+    def __init__(self, target: str = "127.0.0.1:50051", api_key: str | None = None, tls_ca: str | None = None):
+        """api_key: else $PDQ_API_KEY, else the dev key of a local `pdq up` on that port.
+        tls_ca: PEM file of the CA to trust for a TLS gateway (else $PDQ_TLS_CA; unset = plaintext)."""
+        self.channel, self.metadata = connect(target, api_key, tls_ca)
+        self.stub = gen_grpc.GenerationStub(self.channel)
 
     @staticmethod
     def request(prompt: str | list[int], *, max_tokens: int = 0, temperature: float = 0.0, top_k: int = 0,
@@ -120,3 +133,82 @@ class Client:
             yield from call
         finally:
             call.cancel()
+
+
+class OperatorClient(_Connection):
+    """The Operator API (admin keys only); methods return the response messages of
+    `pdq.v1.operator_pb2` and raise grpc.RpcError with the server's status.
+
+        with OperatorClient("127.0.0.1:50051") as op:
+            for r in op.list_requests(state="QUEUED").requests:
+                op.cancel(r.request_id)
+    """
+
+    def __init__(self, target: str = "127.0.0.1:50051", api_key: str | None = None, tls_ca: str | None = None):
+        """api_key: else $PDQ_API_KEY, else the admin dev key of a local `pdq up` on that port."""
+        from pdq.v1 import operator_pb2_grpc as op_grpc
+
+        self.channel, self.metadata = connect(target, api_key, tls_ca, admin=True)
+        self.stub = op_grpc.OperatorStub(self.channel)
+
+    def _call(self, method: str, message):
+        return getattr(self.stub, method)(message, metadata=self.metadata, timeout=30.0)
+
+    def cancel(self, request_id: str) -> str:
+        """Cancels any tenant's request. -> its state after the call."""
+        return self._call("CancelRequest", op_pb.OperatorCancelRequest(request_id=request_id)).state
+
+    def cancel_tenant(self, tenant: str) -> int:
+        """Cancels every live request of a tenant. -> how many."""
+        return self._call("CancelTenant", op_pb.CancelTenantRequest(tenant=tenant)).cancelled
+
+    def set_deadline(self, request_id: str, timeout_ms: int) -> "op_pb.RequestInfo":
+        """Moves a live request's deadline to `timeout_ms` from now."""
+        return self._call("SetDeadline", op_pb.SetDeadlineRequest(request_id=request_id, timeout_ms=timeout_ms))
+
+    def get_request(self, request_id: str) -> "op_pb.RequestInfo":
+        return self._call("GetRequest", op_pb.GetRequestRequest(request_id=request_id))
+
+    def list_requests(self, tenant: str = "", state: str = "", tier: str = "", page_size: int = 0,
+                      page_token: str = "") -> "op_pb.ListRequestsResponse":
+        """One page, newest first; pass `next_page_token` back for the next one."""
+        return self._call("ListRequests", op_pb.ListRequestsRequest(tenant=tenant, state=state, tier=tier,
+                                                                    page_size=page_size, page_token=page_token))
+
+    def iter_requests(self, limit: int = 0, **filters) -> Iterator["op_pb.RequestInfo"]:
+        """Every matching request, newest first, page after page (at most `limit`; 0 = all)."""
+        token, n = "", 0
+        while True:
+            page = self.list_requests(page_token=token, page_size=min(limit or 1000, 1000), **filters)
+            for info in page.requests:
+                yield info
+                n += 1
+                if limit and n >= limit:
+                    return
+            token = page.next_page_token
+            if not token:
+                return
+
+    def list_workers(self) -> list:
+        return list(self._call("ListWorkers", op_pb.ListWorkersRequest()).workers)
+
+    def drain(self, worker_id: str, undo: bool = False) -> "op_pb.WorkerInfo":
+        """Drains a worker (no new work; it finishes what it runs), or with undo=True ends the drain."""
+        return self._call("UndrainWorker" if undo else "DrainWorker", op_pb.DrainWorkerRequest(worker_id=worker_id))
+
+    def pause(self, tier: str = "", tenant: str = "", resume: bool = False) -> "op_pb.PauseQueueResponse":
+        """Pauses (or with resume=True resumes) dispatching a tier's or a tenant's queued requests."""
+        return self._call("ResumeQueue" if resume else "PauseQueue", op_pb.PauseQueueRequest(tier=tier, tenant=tenant))
+
+    def set_tenant_policy(self, tenant: str, weight: float = 0.0, tier: str = "", max_queued: int = 0,
+                          max_queued_tokens: int = 0) -> "op_pb.TenantPolicy":
+        """Sets a tenant's whole policy (0 / "" = the scheduler's default for that field)."""
+        return self._call("SetTenantPolicy", op_pb.TenantPolicy(tenant=tenant, weight=weight, tier=tier,
+                                                                max_queued=max_queued,
+                                                                max_queued_tokens=max_queued_tokens))
+
+    def list_tenants(self) -> list:
+        return list(self._call("ListTenants", op_pb.ListTenantsRequest()).tenants)
+
+    def stats(self) -> "op_pb.Stats":
+        return self._call("GetStats", op_pb.GetStatsRequest())

@@ -78,16 +78,39 @@ class StoreConfig:
 
     redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={"help": "Redis URL"})
     key_prefix: str = field(default="pdq", metadata={"help": "prefix of every Redis key"})
+    tiers: str = field(default=",".join(TIERS), metadata={"help": "priority tiers, best first, comma-separated (the same on every role)"})
+    max_attempts: int = field(default=3, metadata={"help": "attempts (worker failures, lost leases) before a request FAILS"})
     metrics_port: int = field(default=0, metadata={"help": "port of the Prometheus /metrics endpoint, on the process's "
                                                            "host (0 = any free port, logged; -1 = off)"})
+    worker_timeout_s: float = field(default=10.0, metadata={
+        "help": "a worker silent this long is gone: the scheduler requeues its requests, the operator API stops "
+                "listing it, workers heartbeat well within it (the same on every role)"})
+    internal_ca: str = field(default="", metadata={"help": "CA (PEM) of mutual TLS between pdq's roles (with "
+                                                          "--internal-cert/--internal-key, the same on every role)"})
+    internal_cert: str = field(default="", metadata={"help": "this role's certificate (PEM), signed by --internal-ca"})
+    internal_key: str = field(default="", metadata={"help": "private key (PEM) of --internal-cert"})
+    internal_tls_name: str = field(default="pdq-internal", metadata={
+        "help": "name internal certificates carry (subjectAltName), checked instead of the dialled address"})
 
     def __post_init__(self) -> None:
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        _positive("max_attempts", self.max_attempts)
+        _positive("worker_timeout_s", self.worker_timeout_s)
+        names = self.tier_names
+        if not names or len(set(names)) != len(names) or any(not n or any(c in n for c in " :{}") for n in names):
+            raise ValueError(f"tiers must be distinct non-empty names without spaces, colons or braces, got {self.tiers!r}")
         if not self.key_prefix or any(c in self.key_prefix for c in " {}"):
             raise ValueError(f"key_prefix must be non-empty without spaces or braces, got {self.key_prefix!r}")
+        if len({bool(self.internal_ca), bool(self.internal_cert), bool(self.internal_key)}) > 1:
+            raise ValueError("internal_ca, internal_cert and internal_key go together (mutual TLS between roles)")
         if not -1 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be -1 (off), 0 (any free port) or a port, got {self.metrics_port}")
+
+    @property
+    def tier_names(self) -> list[str]:
+        """The tiers, best first."""
+        return [t.strip() for t in self.tiers.split(",")]
 
 
 @dataclass(frozen=True)
@@ -117,22 +140,21 @@ class SchedulerConfig(StoreConfig):
     port: int = field(default=50052, metadata={"help": "port of the internal Scheduler service"})
     max_batch_size: int = field(default=32, metadata={"help": "requests per prefill batch"})
     max_batched_tokens: int = field(default=4096, metadata={"help": "prompt tokens per prefill batch"})
-    tiers: str = field(default=",".join(TIERS), metadata={"help": "priority tiers, best first, comma-separated"})
     tier_policy: str = field(default="aging", metadata={"help": "between tiers: aging (a waiting request climbs one tier per aging_ms) or strict"})
     aging_ms: int = field(default=10000, metadata={"help": "wait that lifts a request one tier (tier_policy aging)"})
     fair_policy: str = field(default="vtc", metadata={"help": "between tenants of a tier: vtc (token-fair virtual counters) or fifo"})
     order_policy: str = field(default="fcfs", metadata={"help": "inside a tenant: fcfs, sjf (shortest prompt+max_tokens) or edf (earliest deadline)"})
     default_weight: float = field(default=1.0, metadata={"help": "fair-share weight of a tenant without one in its policy"})
+    reserve_slots: int = field(default=1, metadata={"help": "decode slots kept free for tenants below their fair share while others are active (0 = off)"})
+    share_window_s: float = field(default=10.0, metadata={"help": "a tenant served this recently still counts as active for reserve_slots"})
     max_queued: int = field(default=10000, metadata={"help": "queued requests over all tenants"})
     max_queued_tokens: int = field(default=20_000_000, metadata={"help": "queued tokens (prompt + max_tokens) over all tenants"})
     tenant_max_queued: int = field(default=10000, metadata={"help": "queued requests per tenant (default of the tenant policy)"})
     tenant_max_queued_tokens: int = field(default=20_000_000, metadata={"help": "queued tokens per tenant (default of the tenant policy)"})
     retry_after_min_ms: int = field(default=100, metadata={"help": "shortest retry hint given with RESOURCE_EXHAUSTED"})
     retry_after_max_ms: int = field(default=30000, metadata={"help": "longest retry hint given with RESOURCE_EXHAUSTED"})
-    max_attempts: int = field(default=3, metadata={"help": "attempts (worker failures, lost leases) before a request FAILS"})
     prefill_lease_s: float = field(default=60.0, metadata={"help": "a claimed request not handed to its decode worker by then is requeued"})
     dispatch_interval_ms: int = field(default=20, metadata={"help": "idle poll period of the dispatcher and of deadline expiry"})
-    worker_timeout_s: float = field(default=10.0, metadata={"help": "a worker silent this long is gone: its requests are requeued"})
     result_ttl_s: int = field(default=3600, metadata={"help": "how long finished requests stay in Redis"})
     grace_s: float = field(default=5.0, metadata={"help": "seconds to finish calls on shutdown"})
 
@@ -140,22 +162,17 @@ class SchedulerConfig(StoreConfig):
         super().__post_init__()
         for name in ("max_batch_size", "max_batched_tokens", "aging_ms", "default_weight", "max_queued",
                      "max_queued_tokens", "tenant_max_queued", "tenant_max_queued_tokens", "retry_after_min_ms",
-                     "max_attempts", "prefill_lease_s", "dispatch_interval_ms", "worker_timeout_s", "result_ttl_s"):
+                     "prefill_lease_s", "dispatch_interval_ms", "result_ttl_s",
+                     "share_window_s"):
             _positive(name, getattr(self, name))
+        if self.reserve_slots < 0:
+            raise ValueError(f"reserve_slots must be >= 0, got {self.reserve_slots}")
         if self.retry_after_max_ms < self.retry_after_min_ms:
             raise ValueError(f"retry_after_max_ms ({self.retry_after_max_ms}) must be >= retry_after_min_ms ({self.retry_after_min_ms})")
-        names = self.tier_names
-        if not names or len(set(names)) != len(names) or any(not n or any(c in n for c in " :{}") for n in names):
-            raise ValueError(f"tiers must be distinct non-empty names without spaces, colons or braces, got {self.tiers!r}")
         for name, allowed in (("tier_policy", TIER_POLICIES), ("fair_policy", FAIR_POLICIES),
                               ("order_policy", ORDER_POLICIES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-
-    @property
-    def tier_names(self) -> list[str]:
-        """The tiers, best first."""
-        return [t.strip() for t in self.tiers.split(",")]
 
 
 @dataclass(frozen=True)
@@ -179,6 +196,9 @@ class WorkerConfig(StoreConfig):
         super().__post_init__()
         _positive("max_seq_len", self.max_seq_len)
         _positive("heartbeat_s", self.heartbeat_s)
+        if self.heartbeat_s * 2 > self.worker_timeout_s:
+            raise ValueError(f"heartbeat_s ({self.heartbeat_s}) must be at most half of worker_timeout_s "
+                             f"({self.worker_timeout_s}), or a live worker would be taken for dead")
         if self.dtype not in ("", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
 
@@ -206,6 +226,7 @@ class DecodeConfig(WorkerConfig):
     kv_budget_tokens: int = field(default=65536, metadata={"help": "KV pool size in tokens"})
     max_batch_size: int = field(default=64, metadata={"help": "running sequences per step"})
     reservation_timeout_s: float = field(default=30.0, metadata={"help": "unused KV reservations expire after this"})
+    burst_threads: int = field(default=0, metadata={"help": "torch CPU threads while none of its reserved requests is being prefilled (0 = threads); for a decode worker sharing cores with a prefill worker"})
     strategy: str = field(default="continuous", metadata={"help": "batching: continuous, dynamic or static"})
     strategy_batch_size: int = field(default=8, metadata={"help": "batch size of the static and dynamic strategies"})
     dynamic_window_ms: float = field(default=50.0, metadata={"help": "dynamic strategy: longest wait for a fuller batch"})

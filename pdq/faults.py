@@ -12,8 +12,6 @@ import os
 import threading
 from collections.abc import Iterator
 
-from pdq.v1 import internal_pb2 as pb
-
 
 class Faults:
     def __init__(self, spec: str = ""):
@@ -44,17 +42,16 @@ class Faults:
                 return True
             return False
 
-    def kv_chunks(self, chunks: Iterator[pb.KVChunk]) -> Iterator[pb.KVChunk]:
-        """Passes a hand-off's messages through, corrupting or dropping one data chunk if due."""
+    def kv_frames(self, frames: Iterator[bytes]) -> Iterator[bytes]:
+        """Passes a hand-off's serialized chunks (`kv_transfer.encode_frames`) through, corrupting
+        or dropping one data chunk if due; a data chunk's last byte is its payload's."""
         corrupt, drop = self.take("kv_corrupt"), self.take("kv_drop")
         done = False
-        for chunk in chunks:
-            if not done and chunk.WhichOneof("part") == "data":
+        for frame in frames:
+            if not done and frame[:1] == b"\x12":
                 done = True
                 if drop:
                     continue
                 if corrupt:
-                    data = bytearray(chunk.data.data)
-                    data[len(data) // 2] ^= 0x5A
-                    chunk.data.data = bytes(data)
-            yield chunk
+                    frame = frame[:-1] + bytes([frame[-1] ^ 0x5A])
+            yield frame

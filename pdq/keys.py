@@ -10,7 +10,8 @@ Layout (prefix `p`, default "pdq"):
   p:vtc:{tier}            hash   tenant -> virtual token counter (tokens served / weight), cluster-wide
   p:vtc:{tier}:floor      string the counter of the last tenant that left an emptied backlog
   p:load                  hash   queued work: n, tokens, n:{tenant}, tokens:{tenant}
-                                 (tokens of a request = prompt + max_tokens); running (claimed, not ended)
+                                 (tokens of a request = prompt + max_tokens); running, running:{tenant}
+                                 (claimed, not ended)
   p:depth:{tier}          hash   queued work of the tier: n:{tenant}, tokens:{tenant}
   p:live:{tenant}         set    ids of the tenant's requests that have not ended
   p:paused                set    "tier:{name}" / "tenant:{name}": not dispatched (their requests stay queued)
@@ -20,10 +21,17 @@ Layout (prefix `p`, default "pdq"):
   p:seq                   int    arrival sequence counter
   p:tenant:{name}         hash   tenant policy: weight, tier (best allowed), max_queued, max_queued_tokens
   p:tenants               set    tenants with a policy
+  p:index                 zset   every request id by arrival seq (ListRequests, newest first); an
+                                 ended request leaves it result_ttl_s after it ends, with its record
+  p:index:{tenant}        zset   the same for one tenant
+  p:ended                 zset   ended requests as "{id}<newline>{tenant}", score = finished_ms (prunes the index)
   p:workers:{role}        zset   worker id -> last heartbeat (ms)
   p:worker:{id}           hash   worker facts: role, address, free_slots, ...
+  p:drained               set    worker ids an operator drained: no new work until undrained (the
+                                 worker's own heartbeat never clears it; reaping the worker does)
   p:cancel                pubsub channel: ids of requests that just ended, for workers to drop
   p:heartbeats            pubsub channel: ids of workers that just heartbeat (e.g. a KV slot freed)
+  p:deadline              pubsub channel: "{id} {deadline_ms}" when an operator moved a deadline
 
 Record fields: id, spec (RequestSpec protobuf bytes), tenant, tier, state, epoch, seq, score,
 created_ms, deadline_ms, prompt_tokens, max_tokens, cost (prompt + max_tokens), n_out,
@@ -121,6 +129,21 @@ class Keys:
     def heartbeat_channel(self) -> str:
         return f"{self.prefix}:heartbeats"
 
+    @property
+    def deadline_channel(self) -> str:
+        return f"{self.prefix}:deadline"
+
+    def index(self, tenant: str = "") -> str:
+        return f"{self.prefix}:index:{tenant}" if tenant else f"{self.prefix}:index"
+
+    @property
+    def ended(self) -> str:
+        return f"{self.prefix}:ended"
+
+    @property
+    def drained(self) -> str:
+        return f"{self.prefix}:drained"
+
 
 # The shared part of every script: key names (mirroring Keys), the queue, fair-share counters,
 # leases and the one way a request ends. ARGV[1] is always the prefix.
@@ -206,10 +229,26 @@ local function release(id, rk)
   if h[1] then
     redis.call('SREM', key('held', h[1]), id)
     redis.call('HINCRBY', key('load'), 'running', -1)
+    local per = 'running:' .. (redis.call('HGET', rk, 'tenant') or '')
+    if redis.call('HINCRBY', key('load'), per, -1) <= 0 then redis.call('HDEL', key('load'), per) end
   end
   if h[2] then redis.call('SREM', key('held', h[2]), id) end
   redis.call('HDEL', rk, 'lease_prefill', 'lease_decode')
   redis.call('ZREM', key('leases'), id)
+end
+
+-- Keeps an ended request listed (p:index) as long as its record lives, and unlists requests
+-- whose records have expired (ended more than ttl seconds ago), a few per call.
+local function unlist_later(id, tenant, now, ttl)
+  local ended = key('ended')
+  redis.call('ZADD', ended, now, id .. '\\n' .. tenant)
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', ended, '-inf', tonumber(now) - tonumber(ttl) * 1000, 'LIMIT', 0, 16)) do
+    local nl = string.find(m, '\\n', 1, true)
+    local old = string.sub(m, 1, nl - 1)
+    redis.call('ZREM', key('index'), old)
+    redis.call('ZREM', key('index', string.sub(m, nl + 1)), old)
+    redis.call('ZREM', ended, m)
+  end
 end
 
 -- Records the one terminal state of a live request, closes its output stream, frees its queue
@@ -225,6 +264,7 @@ local function finish(id, state, reason, err, now, ttl)
   redis.call('XADD', ok, '*', 'done', state, 'r', reason, 'e', err)
   redis.call('ZREM', key('deadlines'), id)
   redis.call('SREM', key('live', h[3]), id)
+  unlist_later(id, h[3], now, ttl)
   redis.call('EXPIRE', rk, ttl)
   redis.call('EXPIRE', ok, ttl)
   redis.call('PUBLISH', key('cancel'), id)
@@ -282,6 +322,8 @@ redis.call('HSET', rk, 'id', id, 'spec', ARGV[3], 'tenant', tenant, 'tier', tier
   'prompt_tokens', ARGV[8], 'max_tokens', ARGV[9], 'cost', cost, 'n_out', 0, 'attempts', 0)
 enqueue(id, tier, tenant, score, cost)
 redis.call('SADD', key('live', tenant), id)
+redis.call('ZADD', key('index'), seq, id)
+redis.call('ZADD', key('index', tenant), seq, id)
 if tonumber(ARGV[7]) > 0 then redis.call('ZADD', key('deadlines'), ARGV[7], id) end
 if idem ~= '' then redis.call('SET', key('idem', tenant, idem), id, 'EX', ARGV[13]) end
 return {1, id}
@@ -308,6 +350,7 @@ for i = 7, #ARGV, 2 do
     redis.call('SADD', key('held', ARGV[3]), id)
     redis.call('SADD', key('held', decode), id)
     redis.call('HINCRBY', key('load'), 'running', 1)
+    redis.call('HINCRBY', key('load'), 'running:' .. h[3], 1)
     redis.call('ZADD', key('leases'), ARGV[5], id)
     out[#out + 1] = {ep, redis.call('HGET', rk, 'spec')}
   else
@@ -497,7 +540,8 @@ return n
 """
 
 # ARGV: prefix, id, deadline_ms (absolute)
-# Moves a live request's deadline (the scheduler enforces it; its order score is kept).
+# Moves a live request's deadline (its order score is kept): the scheduler's janitor enforces it,
+# and workers running the request are told on the deadline channel.
 # -> the request's state; false when it does not exist
 SET_DEADLINE = _LIB + """
 local rk = key('req', ARGV[2])
@@ -506,10 +550,45 @@ if not state then return false end
 if TERMINAL[state] then return state end
 redis.call('HSET', rk, 'deadline_ms', ARGV[3])
 redis.call('ZADD', key('deadlines'), ARGV[3], ARGV[2])
+redis.call('PUBLISH', key('deadline'), ARGV[2] .. ' ' .. ARGV[3])
 return state
+"""
+
+# ARGV: prefix, tenant ('' = all), state ('' = any), tier ('' = any), limit,
+#       cursor (list below this arrival seq; '' = from the newest), most index entries to look at
+# Requests newest first, filtered. Looks at a bounded number of entries, so a page may be short;
+# the cursor goes on from the last entry looked at. Entries whose record expired are dropped.
+# -> {ids, next cursor ('' = no more)}
+LIST_REQUESTS = _LIB + """
+local idx = key('index')
+if ARGV[2] ~= '' then idx = key('index', ARGV[2]) end
+local limit, budget = tonumber(ARGV[5]), tonumber(ARGV[7])
+local top = '+inf'
+if ARGV[6] ~= '' then top = '(' .. ARGV[6] end
+local out, last = {}, nil
+while #out < limit and budget > 0 do
+  local rows = redis.call('ZREVRANGEBYSCORE', idx, top, '-inf', 'WITHSCORES', 'LIMIT', 0, math.min(budget, 256))
+  if #rows == 0 then return {out, ''} end
+  for i = 1, #rows, 2 do
+    local id = rows[i]
+    last = rows[i + 1]
+    budget = budget - 1
+    local h = redis.call('HMGET', key('req', id), 'state', 'tier')
+    if not h[1] then
+      redis.call('ZREM', idx, id)
+    elseif (ARGV[3] == '' or h[1] == ARGV[3]) and (ARGV[4] == '' or h[2] == ARGV[4]) then
+      out[#out + 1] = id
+      if #out == limit then break end
+    end
+  end
+  top = '(' .. last
+end
+if #redis.call('ZREVRANGEBYSCORE', idx, top, '-inf', 'LIMIT', 0, 1) == 0 then return {out, ''} end
+return {out, last}
 """
 
 SCRIPTS = {"submit": SUBMIT, "claim": CLAIM, "requeue": REQUEUE, "transition": TRANSITION,
            "step": STEP, "finish": FINISH, "expire_deadlines": EXPIRE_DEADLINES,
            "reap_worker": REAP_WORKER, "expire_leases": EXPIRE_LEASES, "snapshot": SNAPSHOT,
-           "cancel_tenant": CANCEL_TENANT, "set_deadline": SET_DEADLINE}
+           "cancel_tenant": CANCEL_TENANT, "set_deadline": SET_DEADLINE,
+           "list_requests": LIST_REQUESTS}

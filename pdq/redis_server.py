@@ -7,7 +7,6 @@ a free port, keeps its files in its own directory, and dies with the process tha
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -15,6 +14,8 @@ import time
 from pathlib import Path
 
 import redis
+
+from pdq.child import spawn, stop
 
 
 def find_redis_server() -> str:
@@ -33,18 +34,25 @@ def find_redis_server() -> str:
                             "or pass --redis-url of a running Redis")
 
 
+_handed_out: set[int] = set()  # ports this process already gave a child that may not have bound yet
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free now, for a child process to bind soon. Chosen below the kernel's ephemeral
-    range (32768+), so outgoing connections of other processes cannot take it in between."""
+    range (32768+), so outgoing connections of other processes cannot take it in between, and
+    never one this process handed out before (a child given it may not have bound it yet)."""
     rng = random.SystemRandom()
     for _ in range(200):
         port = rng.randrange(20000, 32768)
+        if port in _handed_out:
+            continue
         with socket.socket() as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
-            return port
+        _handed_out.add(port)
+        return port
     with socket.socket() as s:  # crowded: let the kernel pick
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -53,8 +61,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 class RedisServer:
     """A redis-server child process. `durable=True` turns on AOF with appendfsync always."""
 
-    def __init__(self, directory: str | None = None, port: int = 0, durable: bool = False):
+    def __init__(self, directory: str | None = None, port: int = 0, durable: bool = False, host: str = "127.0.0.1"):
         self._own_dir = directory is None
+        self.host = host  # also listens here (and its url says so), e.g. an address other hosts reach
         self.directory = directory or tempfile.mkdtemp(prefix="pdq-redis-")
         self.port = port or free_port()
         self.durable = durable
@@ -62,15 +71,16 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> "RedisServer":
-        args = [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
+        args = [find_redis_server(), "--port", str(self.port), "--bind", *dict.fromkeys(["127.0.0.1", self.host]),
                 "--dir", self.directory, "--save", "", "--daemonize", "no",
                 "--logfile", os.path.join(self.directory, "redis.log")]
         args += ["--appendonly", "yes", "--appendfsync", "always"] if self.durable else ["--appendonly", "no"]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                        preexec_fn=die_with_parent, start_new_session=True)
+        if self.host != "127.0.0.1":  # asked to listen on a non-loopback address: let clients there in
+            args += ["--protected-mode", "no"]
+        self.process = spawn(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout_s
         while True:
@@ -86,13 +96,8 @@ class RedisServer:
                 client.close()
 
     def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process:
+            stop(self.process, 5)
         if self._own_dir:
             shutil.rmtree(self.directory, ignore_errors=True)
 
@@ -101,14 +106,3 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def die_with_parent() -> None:
-    """preexec_fn: the child gets SIGTERM when its parent dies (Linux), so nothing is left behind."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass

@@ -1,7 +1,8 @@
 """Worker registry in Redis: workers heartbeat their facts; the scheduler reads who is alive.
 
 A worker is alive while its last heartbeat (its score in `p:workers:{role}`) is younger than the
-scheduler's worker timeout. A worker that leaves (`deregister`) is marked draining and stays
+scheduler's worker timeout. An operator drain (`set_drained`) is kept apart from the worker's own
+facts, so its heartbeats cannot undo it. A worker that leaves (`deregister`) is marked draining and stays
 listed until that timeout passes, so it can finish its running requests; then the scheduler
 reaps it: whatever it still holds goes back to the queue (`RequestStore.reap_worker`).
 """
@@ -55,11 +56,18 @@ def dead_workers(client: Any, keys: Keys, role: str, timeout_s: float) -> Any:
 
 
 def forget(client: Any, keys: Keys, worker_id: str, role: str) -> Any:
-    """Removes a reaped worker from the registry."""
+    """Removes a reaped worker from the registry (and ends an operator drain of it)."""
     pipe = client.pipeline(transaction=True)
     pipe.zrem(keys.workers(role), worker_id)
     pipe.delete(keys.worker(worker_id))
+    pipe.srem(keys.drained, worker_id)
     return pipe.execute()
+
+
+def set_drained(client: Any, keys: Keys, worker_id: str, drained: bool) -> Any:
+    """An operator drains (or undrains) a worker: while drained it gets no new work and
+    finishes what it runs. Kept until undrained or the worker is reaped."""
+    return (client.sadd if drained else client.srem)(keys.drained, worker_id)
 
 
 def live_workers(client: Any, keys: Keys, role: str, timeout_s: float) -> Any:
@@ -70,16 +78,19 @@ def live_workers(client: Any, keys: Keys, role: str, timeout_s: float) -> Any:
         if not ids:
             return []
         pipe = client.pipeline(transaction=False)
+        pipe.smembers(keys.drained)
         for wid in ids:
             pipe.hgetall(keys.worker(wid))
+        drained, *raws = await pipe.execute()
+        drained = {_str(d) for d in drained}
         out = []
-        for wid, raw in zip(ids, await pipe.execute()):
+        for wid, raw in zip(ids, raws):
             h = {_str(k): _str(v) for k, v in raw.items()}
             if "address" not in h:
                 continue
             out.append(WorkerInfo(worker_id=wid, role=role, address=h["address"],
                                   free_slots=int(h.get("free_slots", 0)), capacity=int(h.get("capacity", 0)),
-                                  running=int(h.get("running", 0)), draining=h.get("draining") == "1",
+                                  running=int(h.get("running", 0)), draining=h.get("draining") == "1" or wid in drained,
                                   heartbeat_ms=int(h.get("heartbeat_ms", 0))))
         return out
     return run()

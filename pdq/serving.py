@@ -10,6 +10,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdq.mtls import InternalTLS
+
 log = logging.getLogger("pdq")
 
 GRPC_OPTIONS = [
@@ -28,8 +30,10 @@ SERVER_OPTIONS = GRPC_OPTIONS + [
 class Server:
     """A grpc.aio server with health and reflection; `port` is the bound port after `start()`."""
 
-    def __init__(self, host: str, port: int, service_names: Iterable[str], tls: tuple[str, str] | None = None):
-        """tls: (certificate chain PEM path, private key PEM path) to serve TLS instead of plaintext."""
+    def __init__(self, host: str, port: int, service_names: Iterable[str], tls: tuple[str, str] | None = None,
+                 mtls: "InternalTLS | None" = None):
+        """tls: (certificate chain PEM path, private key PEM path) to serve TLS instead of plaintext;
+        mtls: serve mutual TLS (an internal role's port, `pdq.mtls`)."""
         from pdq import telemetry
 
         self.grpc = grpc.aio.server(options=SERVER_OPTIONS, interceptors=telemetry.server_interceptors())
@@ -43,6 +47,8 @@ class Server:
             with open(tls[0], "rb") as cert, open(tls[1], "rb") as key:
                 creds = grpc.ssl_server_credentials([(key.read(), cert.read())])
             self.port = self.grpc.add_secure_port(f"{host}:{port}", creds)
+        elif mtls:
+            self.port = self.grpc.add_secure_port(f"{host}:{port}", mtls.server_credentials())
         else:
             self.port = self.grpc.add_insecure_port(f"{host}:{port}")
         if self.port == 0:

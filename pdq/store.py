@@ -33,6 +33,11 @@ def _str(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _record(raw: dict) -> dict:
+    """A request hash as {field: str}, with `spec` (protobuf bytes) left as bytes."""
+    return {_str(f): (v if _str(f) == "spec" else _str(v)) for f, v in raw.items()}
+
+
 @dataclass(frozen=True)
 class StepItem:
     """One sequence's part of a worker step: maybe a token, maybe its end."""
@@ -205,7 +210,7 @@ class RequestStore:
 
     def load(self) -> Any:
         """Queued work: {"n": requests, "tokens": tokens, "n:{tenant}": ..., "tokens:{tenant}": ...},
-        and "running": requests claimed and not ended."""
+        and "running", "running:{tenant}": requests claimed and not ended."""
         return _then(self.client.hgetall(self.keys.load), lambda raw: {_str(k): int(v) for k, v in raw.items()})
 
     def tenant_policy(self, tenant: str) -> Any:
@@ -264,9 +269,25 @@ class RequestStore:
         return _then(self._run("cancel_tenant", [tenant, reason, now_ms(), self.result_ttl_s]), int)
 
     def set_deadline(self, rid: str, deadline_ms: int) -> Any:
-        """Moves a live request's absolute deadline (enforced by the scheduler's janitor; a worker
-        already running the request keeps the deadline it was given). -> state, None if unknown"""
+        """Moves a live request's absolute deadline: the scheduler's janitor enforces it, workers
+        running the request hear of it on the deadline channel. -> state, None if unknown"""
         return _then(self._run("set_deadline", [rid, deadline_ms]), lambda r: State(_str(r)) if r else None)
+
+    def list_requests(self, tenant: str = "", state: str = "", tier: str = "", limit: int = 100,
+                      cursor: str = "", max_scan: int = 5000) -> Any:
+        """Request ids newest first (by arrival), filtered by tenant, state and tier, looking at
+        no more than `max_scan` index entries (so a page may be short). `cursor` is a previous
+        call's next cursor. -> (ids, next cursor; "" when there is no more)"""
+        args = [tenant, state, tier, limit, cursor, max_scan]
+        return _then(self._run("list_requests", args), lambda r: ([_str(i) for i in r[0]], _str(r[1])))
+
+    def records(self, rids: list[str]) -> Any:
+        """The records of several requests (see `record`), in order; {} for unknown ids."""
+        pipe = self.client.pipeline(transaction=False)
+        for rid in rids:
+            pipe.hgetall(self.keys.request(rid))
+
+        return _then(pipe.execute(), lambda raws: [_record(raw) for raw in raws])
 
     # -- a request's life: the workers' and the gateway's calls ----------------------------
 
@@ -297,9 +318,7 @@ class RequestStore:
 
     def record(self, rid: str) -> Any:
         """The request record as {field: str}, with `spec` left as bytes; {} when unknown."""
-        def decode(raw: dict) -> dict:
-            return {_str(f): (v if _str(f) == "spec" else _str(v)) for f, v in raw.items()}
-        return _then(self.client.hgetall(self.keys.request(rid)), decode)
+        return _then(self.client.hgetall(self.keys.request(rid)), _record)
 
     def streamed_tokens(self, rid: str) -> Any:
         """Token ids already written to the output stream, in index order."""

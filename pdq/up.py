@@ -7,17 +7,44 @@ process, so nothing is left behind).
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdq.devkeys import remove_dev_keys, write_dev_keys
-from pdq.redis_server import RedisServer, die_with_parent, free_port
+from pdq.child import spawn
+from pdq.mtls import InternalTLS, dev_certificates, sync_channel
+from pdq.redis_server import RedisServer, free_port
+
+
+def cpu_share_env(workers: int, env: dict) -> dict:
+    """What lets local workers share this machine's cores instead of fighting for them.
+
+    Each worker gets cores // workers torch threads (at least 1) unless PDQ_THREADS is set (and a
+    decode worker all of them while nothing is being prefilled for it: PDQ_BURST_THREADS), and
+    idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE) unless the policy is set. With more
+    threads than cores, the spinning threads of one process take the core the other one needs:
+    on a loaded 2-core machine a `small` decode step at batch 32 took 10x longer with 2 spinning
+    threads than with 1 thread. (`Cluster` gives prefill workers cores // prefill workers: they
+    go first, decode workers run nicer.)
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    out = {}
+    if "PDQ_THREADS" not in env:
+        out["PDQ_THREADS"] = str(max(1, cores // max(1, workers)))
+        if "PDQ_BURST_THREADS" not in env:  # a decode worker takes every core while nothing is prefilled for it
+            out["PDQ_BURST_THREADS"] = str(cores)
+    if "OMP_WAIT_POLICY" not in env:
+        out["OMP_WAIT_POLICY"] = "PASSIVE"
+    return out
 
 
 def say(*parts: object) -> None:
@@ -45,7 +72,11 @@ class Cluster:
     host: str = "127.0.0.1"
     durable: bool = False
     auth: bool = True  # write dev API keys (pdq.devkeys) and start the gateway with them
+    mtls: bool = False  # mutual TLS between the roles, with a throwaway CA (pdq.mtls.dev_certificates)
     extra_env: dict = field(default_factory=dict)
+    # Decode workers run this much nicer than the rest: when the machine's cores are all busy,
+    # the scheduler, gateway and prefill (the time to first token) go first, decode steps wait.
+    decode_nice: int = field(default_factory=lambda: int(os.environ.get("PDQ_UP_DECODE_NICE") or 5))
     # /metrics ports: 0 = a free port per process; N = gateway N, scheduler N+1, prefill-i N+10+i,
     # decode-i N+20+i (what deploy/prometheus.yml scrapes); -1 = no metrics endpoints
     metrics_port: int = field(default_factory=lambda: int(os.environ.get("PDQ_UP_METRICS_PORT") or 0))
@@ -53,6 +84,10 @@ class Cluster:
     admin_key: str = ""
     children: list[Child] = field(default_factory=list)
     redis: RedisServer | None = None
+    _env: dict = field(default_factory=dict, repr=False)  # the children's environment
+    _tls: InternalTLS | None = field(default=None, repr=False)  # set with mtls: how to reach internal ports
+    _certs: str = field(default="", repr=False)  # the throwaway CA's directory, removed at stop
+    _prefill_threads: str = field(default="", repr=False)  # PDQ_THREADS of prefill workers ("" = as the rest)
 
     @property
     def target(self) -> str:
@@ -70,7 +105,14 @@ class Cluster:
                 say(f"pdq: private Redis at {self.redis_url}")
             if self.port == 0:
                 self.port = free_port(self.host)
-            env = dict(os.environ, PDQ_REDIS_URL=self.redis_url, PDQ_MODEL=model_dir, **self.extra_env)
+            env = self._env = dict(os.environ, PDQ_REDIS_URL=self.redis_url, PDQ_MODEL=model_dir, **self.extra_env)
+            self._prefill_threads = cpu_share_env(self.prefill, env).get("PDQ_THREADS", "")
+            env.update(cpu_share_env(self.prefill + self.decode, env))
+            if self.mtls:
+                self._certs = tempfile.mkdtemp(prefix="pdq-mtls-")
+                ca, cert, key = dev_certificates(Path(self._certs))
+                env.update(PDQ_INTERNAL_CA=str(ca), PDQ_INTERNAL_CERT=str(cert), PDQ_INTERNAL_KEY=str(key))
+                self._tls = InternalTLS(ca.read_bytes(), cert.read_bytes(), key.read_bytes())
             if self.auth:
                 auth_file, self.client_key, self.admin_key = write_dev_keys(self.port)
                 env["PDQ_AUTH_FILE"] = str(auth_file)
@@ -95,25 +137,44 @@ class Cluster:
                         else self.metrics_port + metrics_offset)
         args = [sys.executable, "-m", module, "--host", self.host, "--port", str(port),
                 "--metrics-port", str(metrics_port), *extra]
-        proc = subprocess.Popen(args, env=env, preexec_fn=die_with_parent)
+        if module == "prefill_worker" and self._prefill_threads:
+            env = dict(env, PDQ_THREADS=self._prefill_threads)
+        proc = spawn(args, nice=self.decode_nice if module == "decode_worker" else 0, env=env)
         self.children.append(Child(name, port, proc, metrics_port))
+
+    def add_worker(self, role: str, *extra_args: str, timeout_s: float = 300.0) -> Child:
+        """Starts one more `prefill` or `decode` worker on the running cluster, the way a worker
+        started by hand on another host joins (it registers itself; nothing else restarts), and
+        waits until it is SERVING. `extra_args` are its own flags, e.g. "--max-batch-size", "4"."""
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, got {role!r}")
+        i = sum(c.name.startswith(role + "-") for c in self.children)
+        self._spawn(f"{role}-{i}", f"{role}_worker", free_port(self.host), self._env,
+                    ["--worker-id", f"{role}-{i}-{os.getpid()}", *extra_args], metrics_offset=(10 if role == "prefill" else 20) + i)
+        child = self.children[-1]
+        self._wait_child(child, time.monotonic() + timeout_s, timeout_s)
+        return child
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         for child in self.children:
-            with grpc.insecure_channel(f"{self.host}:{child.port}") as channel:
-                stub = health_pb2_grpc.HealthStub(channel)
-                while True:
-                    if child.process.poll() is not None:
-                        raise RuntimeError(f"{child.name} exited with code {child.process.returncode} during start-up")
-                    try:
-                        if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
-                            break
-                    except grpc.RpcError:
-                        pass
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"{child.name} not healthy after {timeout_s:.0f}s")
-                    time.sleep(0.1)
+            self._wait_child(child, deadline, timeout_s)
+
+    def _wait_child(self, child: Child, deadline: float, timeout_s: float) -> None:
+        tls = None if child.name == "gateway" else self._tls  # the gateway's port is the public one
+        with sync_channel(f"{self.host}:{child.port}", tls) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                if child.process.poll() is not None:
+                    raise RuntimeError(f"{child.name} exited with code {child.process.returncode} during start-up")
+                try:
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{child.name} not healthy after {timeout_s:.0f}s")
+                time.sleep(0.1)
 
     def dead_child(self) -> Child | None:
         return next((c for c in self.children if c.process.poll() is not None), None)
@@ -137,6 +198,9 @@ class Cluster:
         if self.redis:
             self.redis.stop()
             self.redis = None
+        if self._certs:
+            shutil.rmtree(self._certs, ignore_errors=True)
+            self._certs = ""
 
     def __enter__(self) -> "Cluster":
         return self.start()

@@ -31,24 +31,38 @@ def load_runner(config: WorkerConfig, kv_budget_tokens: int) -> Any:
 
 
 class CancelListener:
-    """Follows the cancel channel in a thread: `ended` holds ids of requests that just ended
-    (cancelled, timed out, finished elsewhere), so a model loop can drop them at its next step."""
+    """Follows the cancel and deadline channels in a thread: `ended` holds ids of requests that
+    just ended (cancelled, timed out, finished elsewhere), so a model loop can drop them at its
+    next step; `deadlines` holds deadlines an operator moved, for `deadline()`."""
 
     def __init__(self, redis_url: str, keys: Keys):
         self.client = redis.Redis.from_url(redis_url)
         self.channel = keys.cancel_channel
         self.ended: set[str] = set()
+        self.deadlines: dict[str, int] = {}  # rid -> deadline (Unix ms) set by an operator
         self._lock = threading.Lock()
         self._pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        self._pubsub.subscribe(**{self.channel: self._on_message})
+        self._pubsub.subscribe(**{self.channel: self._on_message, keys.deadline_channel: self._on_deadline})
         self._thread = self._pubsub.run_in_thread(sleep_time=0.05, daemon=True)
 
     def _on_message(self, message: dict) -> None:
         rid = message["data"].decode()
         with self._lock:
             self.ended.add(rid)
+            self.deadlines.pop(rid, None)
             if len(self.ended) > 100_000:  # ids of requests we never held; bound the memory
                 self.ended.clear()
+
+    def _on_deadline(self, message: dict) -> None:
+        rid, _, deadline = message["data"].decode().partition(" ")
+        with self._lock:
+            if len(self.deadlines) > 100_000:
+                self.deadlines.clear()
+            self.deadlines[rid] = int(deadline)
+
+    def deadline(self, rid: str, given_ms: int) -> int:
+        """The request's deadline (Unix ms, 0 = none): the latest an operator set, else `given_ms`."""
+        return self.deadlines.get(rid, given_ms)
 
     def pop(self, rid: str) -> bool:
         """True (once) when rid has ended since it was last asked about."""
@@ -75,6 +89,7 @@ class Heartbeat:
         self.client = aioredis.Redis.from_url(config.redis_url)
         self._poke = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._stopping = False
 
     async def start(self) -> None:
         await self._beat()
@@ -87,25 +102,47 @@ class Heartbeat:
         await heartbeat(self.client, self.keys, self.info(), ttl_s=max(3 * self.config.heartbeat_s, 5.0))
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 await asyncio.wait_for(self._poke.wait(), self.config.heartbeat_s)
             except asyncio.TimeoutError:
                 pass
             self._poke.clear()
+            if self._stopping:
+                return
             try:
                 await self._beat()
             except (redis.RedisError, OSError) as exc:
                 log.warning("heartbeat failed: %s", exc)
 
     async def stop(self) -> None:
+        """Stops beating (a beat in flight finishes first, so none lands after the
+        deregistration), then leaves the registry."""
+        self._stopping = True
+        self._poke.set()
         if self._task:
-            self._task.cancel()
+            try:
+                await asyncio.wait_for(self._task, timeout=5.0)  # cancels it if a beat hangs
+            except (asyncio.TimeoutError, asyncio.CancelledError, redis.RedisError, OSError):
+                pass
         info = self.info()
         try:
             await deregister(self.client, self.keys, info.worker_id, info.role)
         finally:
             await self.client.aclose()
+
+
+async def reclaim_previous_life(store: RequestStore, worker_id: str, max_attempts: int) -> None:
+    """Run at start, before the first heartbeat. A worker id can outlive its process: a fixed
+    --worker-id, or a container restarted with the same hostname and pid 1, heartbeats again
+    before the scheduler's worker_timeout_s has noticed the old process died, so the scheduler
+    would never reap it. A fresh process holds nothing, so whatever this id still holds is an
+    orphan of its previous life: it goes back to the queue (or FAILS after max_attempts) as
+    when a worker dies. (So two live workers must never share an id.)"""
+    requeued, failed = await asyncio.to_thread(store.reap_worker, worker_id, max_attempts)
+    if requeued or failed:
+        log.warning("worker id %s held %d request(s) from a previous run: %d requeued, %d failed",
+                    worker_id, requeued + failed, requeued, failed)
 
 
 def sync_store(config: WorkerConfig) -> RequestStore:

@@ -53,6 +53,16 @@ class Job:
         return self.item.spec.request_id
 
 
+def most_urgent(jobs: list[Job]) -> list[Job]:
+    """The jobs a forward pass may take: those of the lowest `PrefillItem.priority` pending (the
+    scheduler's tier, then below/at fair share). The rest wait, keeping any chunks already in
+    the pool, so a pass never makes an under-share tenant's prompt wait behind a flood's."""
+    if not jobs:
+        return jobs
+    best = min(j.item.priority for j in jobs)
+    return [j for j in jobs if j.item.priority == best]
+
+
 class PrefillLoop:
     def __init__(self, runner: Any, store: RequestStore, cancels: CancelListener, tokenizer: Any,
                  eos_ids: list[int], max_batched_tokens: int, prefill_chunk: int):
@@ -129,12 +139,25 @@ class PrefillLoop:
             job.span = None
         job.done(outcome)
 
+    def _admit(self, jobs: list[Job]) -> list[Job]:
+        """Those of `jobs` holding a KV slot here, taking one for each that fits."""
+        admitted = []
+        for job in jobs:
+            if not job.admitted:
+                try:
+                    self.runner.allocate(job.rid)
+                    job.admitted = True
+                except KVPoolFull:
+                    continue
+            admitted.append(job)
+        return admitted
+
     def _pass(self, pending: list[Job]) -> list[Job]:
         """One forward pass over chunks of pending jobs. -> jobs still pending."""
         live = []
         now = now_ms()
         for job in pending:
-            deadline = job.item.spec.deadline_ms
+            deadline = self.cancels.deadline(job.rid, job.item.spec.deadline_ms)
             if not job.started and not self._start(job):
                 continue
             if self.cancels.pop(job.rid):
@@ -147,15 +170,7 @@ class PrefillLoop:
                 self._end(job, Outcome("dropped", error="deadline exceeded"))
             else:
                 live.append(job)
-        admitted = []
-        for job in live:
-            if not job.admitted:
-                try:
-                    self.runner.allocate(job.rid)
-                    job.admitted = True
-                except KVPoolFull:
-                    continue
-            admitted.append(job)
+        admitted = self._admit(most_urgent(live)) or self._admit(live)  # no room for the urgent: go on
         if not admitted:
             return live
         plan = plan_chunks([len(j.prompt) - j.filled for j in admitted], self.max_batched_tokens, self.prefill_chunk)

@@ -2,12 +2,11 @@
 
 import asyncio
 import logging
-import math
 import time
 
 import grpc
 
-from pdq import kv_transfer, metrics, telemetry
+from pdq import kv_transfer, metrics, mtls, telemetry
 from pdq.config import PrefillConfig
 from pdq.faults import Faults
 from pdq.keys import Keys
@@ -17,10 +16,12 @@ from pdq.registry import WorkerInfo
 from pdq.serving import GRPC_OPTIONS, Server
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
-from pdq.worker import CancelListener, Heartbeat, load_runner, sync_store
+from pdq.worker import CancelListener, Heartbeat, load_runner, reclaim_previous_life, sync_store
 from prefill_worker.loop import Job, Outcome, PrefillLoop
 
 log = logging.getLogger("pdq.prefill")
+
+PUSH_KV = "/pdq.v1.DecodeWorker/PushKV"
 
 
 class PrefillService(pb_grpc.PrefillWorkerServicer):
@@ -29,12 +30,19 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         self.loop: PrefillLoop | None = None
         self.faults = Faults.from_env()
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._tls = mtls.InternalTLS.from_config(config)
 
     def _decode_stub(self, address: str) -> pb_grpc.DecodeWorkerStub:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS,
-                                                                 interceptors=telemetry.client_interceptors())
+            self._channels[address] = mtls.aio_channel(address, self._tls, GRPC_OPTIONS,
+                                                        interceptors=telemetry.client_interceptors())
         return pb_grpc.DecodeWorkerStub(self._channels[address])
+
+    def _push_kv(self, address: str):
+        """PushKV taking serialized KVChunk frames (`kv_transfer.encode_frames`): same wire bytes."""
+        self._decode_stub(address)
+        return self._channels[address].stream_unary(PUSH_KV, request_serializer=None,
+                                                    response_deserializer=pb.PushKVResponse.FromString)
 
     async def Prefill(self, request: pb.PrefillBatch, context: grpc.aio.ServicerContext) -> pb.PrefillBatchResult:
         assert self.loop is not None
@@ -71,9 +79,9 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                 await self._release(item)
             return pb.PrefillItemResult(request_id=rid, ok=True)
         header = pb.KVHeader(spec=item.spec, epoch=item.epoch, generated_token_ids=outcome.generated)
-        chunks = kv_transfer.encode(header, outcome.layers, self.config.kv_chunk_bytes)
-        sizes = [t.numel() * t.element_size() for pair in outcome.layers for t in pair]
-        n_bytes, n_chunks = sum(sizes), 2 + sum(math.ceil(n / self.config.kv_chunk_bytes) for n in sizes)
+        chunks = kv_transfer.encode_frames(header, outcome.layers, self.config.kv_chunk_bytes)
+        n_bytes = sum(t.numel() * t.element_size() for pair in outcome.layers for t in pair)
+        n_chunks = kv_transfer.num_messages(outcome.layers, self.config.kv_chunk_bytes)
         span = telemetry.start("pdq.kv_transfer", item.spec.traceparent, kind=telemetry.SpanKind.CLIENT,
                                attributes={"pdq.request_id": rid, "pdq.attempt": item.epoch,
                                            "pdq.kv.bytes": n_bytes, "pdq.kv.chunks": n_chunks,
@@ -82,13 +90,13 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                                            "server.address": item.decode_address})
         started = time.perf_counter()
         if self.faults:
-            chunks = self.faults.kv_chunks(chunks)
+            chunks = self.faults.kv_frames(chunks)
             if self.faults.get("kv_delay_ms"):
                 await asyncio.sleep(self.faults.get("kv_delay_ms") / 1000)
         error = None
         try:
             with telemetry.use(span):  # PushKV carries this span's context
-                resp = await self._decode_stub(item.decode_address).PushKV(chunks, timeout=30.0)
+                resp = await self._push_kv(item.decode_address)(chunks, timeout=30.0)
             if not resp.accepted:
                 error = "decode worker refused the KV hand-off"
         except grpc.aio.AioRpcError as exc:
@@ -115,7 +123,8 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
 
 def build_server(config: PrefillConfig) -> Server:
     """Builds the prefill worker; the model loads in `start` (health turns SERVING after)."""
-    server = Server(config.host, config.port, [pb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name])
+    server = Server(config.host, config.port, [pb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name],
+                    mtls=mtls.InternalTLS.from_config(config))
     service = PrefillService(config)
     pb_grpc.add_PrefillWorkerServicer_to_server(service, server.grpc)
     keys = Keys(config.key_prefix)
@@ -137,6 +146,7 @@ def build_server(config: PrefillConfig) -> Server:
         service.loop = PrefillLoop(runner, sync_store(config), state["cancels"], load_tokenizer(path),
                                    eos_token_ids(path), config.max_batched_tokens, config.prefill_chunk)
         service.loop.start()
+        await reclaim_previous_life(service.loop.store, worker_id, config.max_attempts)
         state["heartbeat"] = Heartbeat(config, keys, info)
         await state["heartbeat"].start()
         log.info("prefill worker %s at %s (KV slots %d)", worker_id, address, runner.capacity)

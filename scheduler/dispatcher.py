@@ -16,15 +16,16 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdq import metrics, telemetry
+from pdq import metrics, mtls, telemetry
 from pdq.config import SchedulerConfig
 from pdq.registry import WorkerInfo, live_workers
 from pdq.serving import GRPC_OPTIONS
 from pdq.store import RequestStore, TenantBacklog, now_ms, spec_from_bytes
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
-from scheduler.policies import (Candidate, DecodeSlots, DrainRate, TenantQueue, TierQueue, choose_decode_worker,
-                                fair_policy, form_batch, schedule, tier_policy)
+from scheduler.policies import (Candidate, DecodeSlots, DrainRate, Headroom, TenantQueue, TierQueue, below_share,
+                                choose_decode_worker, fair_policy, form_batch, prefill_priority, schedule,
+                                tier_policy)
 
 log = logging.getLogger("pdq.scheduler")
 
@@ -70,6 +71,10 @@ class Dispatcher:
         self._task: asyncio.Task | None = None
         self._listener: asyncio.Task | None = None
         self._stopping = False
+        self.headroom = Headroom(config.reserve_slots)
+        self._tls = mtls.InternalTLS.from_config(config)
+        self._weights: dict[str, float] = {}  # tenant -> weight, from the latest queue snapshot
+        self._served: dict[str, float] = {}  # tenant -> monotonic time of its latest dispatch
         self._requeued_ms: dict[str, int] = {}  # requests this dispatcher requeued -> when (their queue wait starts)
         self._depth_at = 0.0  # last refresh of the queue depth gauges
         self._depth_labels: set[tuple[str, str]] = set()
@@ -94,8 +99,8 @@ class Dispatcher:
     def _peer(self, info: WorkerInfo) -> _Peer:
         peer = self._peers.get(info.worker_id)
         if peer is None or peer.address != info.address:
-            channel = grpc.aio.insecure_channel(info.address, options=GRPC_OPTIONS,
-                                                interceptors=telemetry.client_interceptors())
+            channel = mtls.aio_channel(info.address, self._tls, GRPC_OPTIONS,
+                                       interceptors=telemetry.client_interceptors())
             stub = (pb_grpc.PrefillWorkerStub if info.role == "prefill" else pb_grpc.DecodeWorkerStub)(channel)
             peer = self._peers[info.worker_id] = _Peer(info.address, channel, stub)
         return peer
@@ -159,27 +164,44 @@ class Dispatcher:
         if target.inflight >= INFLIGHT_BATCHES_PER_PREFILL_WORKER * self.config.max_batched_tokens:
             return False
         slots = [DecodeSlots(w.worker_id, w.address, w.free_slots) for w in decode]
-        placed: list[tuple[Candidate, DecodeSlots]] = []
+        capacity = sum(w.capacity for w in decode)
+        tenants = {c.tenant for c in batch}
+        if (sum(s.free_slots for s in slots) - len(batch) >= self.headroom.reserve and len(tenants) == 1
+                and tenants >= set(self._served)):
+            running, active = {}, set()  # room past the reserve, one tenant, no other lately: no Redis read
+        else:
+            running, active = await self._competition()
+        weights = {t: self._weights.get(t, self.config.default_weight) for t in active | {c.tenant for c in batch}}
+        placed: list[tuple[Candidate, DecodeSlots, int]] = []
         for cand in batch:
-            choice = choose_decode_worker(slots)
-            if choice is None:
+            free = sum(s.free_slots for s in slots)
+            if free <= 0:
                 break
+            if not self.headroom.allows(cand.tenant, free, capacity, running, weights, active):
+                continue  # the last free slots wait for a tenant below its share
+            choice = choose_decode_worker(slots)
             if not await self._reserve(choice, cand):
                 choice.free_slots = 0
                 continue
             choice.free_slots -= 1
-            placed.append((cand, choice))
+            priority = prefill_priority(self._tier_rank(cand.tier),
+                                        below_share(cand.tenant, capacity, running, weights, active))
+            running[cand.tenant] = running.get(cand.tenant, 0) + 1
+            self._served[cand.tenant] = time.monotonic()
+            placed.append((cand, choice, priority))
         if not placed:
             return False
-        claimed = await self.store.claim([(c.request_id, dw.worker_id) for c, dw in placed], target_info.worker_id,
+        claimed = await self.store.claim([(c.request_id, dw.worker_id) for c, dw, _ in placed], target_info.worker_id,
                                          target.address, int(self.config.prefill_lease_s * 1000),
                                          self.config.default_weight)
         items, reserved = [], []
-        for (cand, dw), got in zip(placed, claimed):
+        for (cand, dw, priority), got in zip(placed, claimed):
             if got.epoch == 0 or got.spec is None:  # cancelled or ended meanwhile
                 await self._release(dw, cand.request_id)
                 continue
-            items.append(pb.PrefillItem(spec=spec_from_bytes(got.spec), epoch=got.epoch, decode_address=dw.address))
+            spec = spec_from_bytes(got.spec)
+            spec.deadline_ms = cand.deadline_ms  # the record's: an operator may have moved it
+            items.append(pb.PrefillItem(spec=spec, epoch=got.epoch, decode_address=dw.address, priority=priority))
             reserved.append(dw)
             self.drain.add(time.monotonic(), cand.kv_tokens)
             self._waited(items[-1])
@@ -200,9 +222,23 @@ class Dispatcher:
         """The next batch in the order of choice, from a bounded snapshot of the queue."""
         size = self.config.max_batch_size
         snapshot = await self.store.snapshot(self.tiers, size, size)
+        self._weights = {b.tenant: b.weight for backlogs in snapshot.values() for b in backlogs if b.weight}
         order = schedule(to_tier_queues(snapshot, self.tiers, self.config.default_weight), now_ms(),
                          self.tier_policy, self.fair_policy)
         return form_batch(order, size, self.config.max_batched_tokens)
+
+    def _tier_rank(self, tier: str) -> int:
+        return self.tiers.index(tier) if tier in self.tiers else len(self.tiers)
+
+    async def _competition(self) -> tuple[dict[str, int], set[str]]:
+        """-> decode slots each tenant holds, and the tenants competing for them now: those
+        running or queued, and those served within share_window_s."""
+        load = await self.store.load()
+        running = {k.removeprefix("running:"): v for k, v in load.items() if k.startswith("running:") and v > 0}
+        queued = {k.removeprefix("n:") for k, v in load.items() if k.startswith("n:") and v > 0}
+        cutoff = time.monotonic() - self.config.share_window_s
+        self._served = {t: at for t, at in self._served.items() if at >= cutoff}
+        return running, set(running) | queued | set(self._served)
 
     async def _reserve(self, slots: DecodeSlots, cand: Candidate) -> bool:
         peer = self._peers[slots.worker_id]

@@ -13,6 +13,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from pdq import metrics, telemetry
 from pdq.config import SchedulerConfig
+from pdq.mtls import InternalTLS
 from pdq.request import State
 from pdq.serving import Server
 from pdq.store import QueueLimits, RequestStore, TenantPolicy, spec_from_bytes
@@ -114,7 +115,8 @@ def build_server(config: SchedulerConfig) -> Server:
     store = RequestStore(client, config.key_prefix, config.result_ttl_s)
     dispatcher = Dispatcher(config, store)
     janitor = Janitor(config, store, dispatcher.wake.set)
-    server = Server(config.host, config.port, [pb.DESCRIPTOR.services_by_name["Scheduler"].full_name])
+    server = Server(config.host, config.port, [pb.DESCRIPTOR.services_by_name["Scheduler"].full_name],
+                    mtls=InternalTLS.from_config(config))
     pb_grpc.add_SchedulerServicer_to_server(SchedulerService(config, store, dispatcher), server.grpc)
 
     async def start() -> None:

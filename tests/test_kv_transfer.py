@@ -45,3 +45,81 @@ def test_a_different_model_is_rejected():
     chunks = list(kv_transfer.encode(pb.KVHeader(), layers(), chunk_bytes=256))
     with pytest.raises(kv_transfer.KVTransferError, match="num_layers"):
         kv_transfer.decode(chunks, expect={"num_layers": 4})
+
+
+def assemble_frames(frames, expect=None):
+    asm = kv_transfer.Assembler(expect)
+    for frame in frames:
+        asm.add_frame(frame)
+    return asm.finish()
+
+
+@pytest.mark.parametrize("chunk_bytes", [100, 1 << 20])
+def test_frames_are_the_protobuf_encoding_and_round_trip(chunk_bytes):
+    src = layers(n_layers=2, tokens=300)  # 2 layers of 19 KB: offsets past one varint byte
+    frames = list(kv_transfer.encode_frames(pb.KVHeader(epoch=7), src, chunk_bytes=chunk_bytes))
+    assert frames == [c.SerializeToString() for c in kv_transfer.encode(pb.KVHeader(epoch=7), src, chunk_bytes)]
+    got = assemble_frames(frames, expect={"num_layers": 2})
+    assert got.header.epoch == 7
+    for (k, v), (k2, v2) in zip(src, got.layers):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+
+
+def test_frames_fail_closed_on_a_flipped_byte_and_on_truncation():
+    frames = list(kv_transfer.encode_frames(pb.KVHeader(), layers(), chunk_bytes=256))
+    flipped = frames[5][:-3] + bytes([frames[5][-3] ^ 0xFF]) + frames[5][-2:]
+    with pytest.raises(kv_transfer.KVTransferError, match="checksum"):
+        assemble_frames(frames[:5] + [flipped] + frames[6:])
+    with pytest.raises(kv_transfer.KVTransferError):
+        assemble_frames(frames[:5] + [frames[5][:-10]] + frames[6:])
+    with pytest.raises(kv_transfer.KVTransferError):
+        assemble_frames(frames[:4] + frames[5:])
+
+
+def test_layout_2_packs_several_layers_into_one_message():
+    src = layers(n_layers=3, tokens=37)  # 3 layers of 2 x 2.4 KB: one ~1 MiB message holds them all
+    frames = list(kv_transfer.encode_frames(pb.KVHeader(epoch=1), src))
+    assert len(frames) == 3 and kv_transfer.num_messages(src, 1 << 20) == 3  # header, data, trailer
+    got = assemble_frames(frames)
+    assert got.header.layout_version == kv_transfer.LAYOUT_VERSION == 2
+    for (k, v), (k2, v2) in zip(src, got.layers):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+    # a message cut inside a head, a K/V tensor and a layer still lands in the right place
+    cut = list(kv_transfer.encode_frames(pb.KVHeader(), src, chunk_bytes=1000))
+    assert len(cut) == kv_transfer.num_messages(src, 1000) > 10
+    for (k, v), (k2, v2) in zip(src, assemble_frames(cut).layers):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+
+
+def test_a_flipped_byte_in_a_multi_layer_message_is_rejected():
+    frames = list(kv_transfer.encode_frames(pb.KVHeader(), layers(n_layers=3)))
+    data = bytearray(frames[1])
+    data[len(data) // 2] ^= 0x01  # inside layer 1's payload, in the message that holds all 3
+    with pytest.raises(kv_transfer.KVTransferError, match="checksum"):
+        assemble_frames([frames[0], bytes(data), frames[2]])
+
+
+def test_old_layout_and_misaligned_chunks_are_rejected():
+    header = next(kv_transfer.encode(pb.KVHeader(), layers()))
+    old = pb.KVChunk()
+    old.CopyFrom(header)
+    old.header.layout_version = 1
+    with pytest.raises(kv_transfer.KVTransferError, match="layout version 1"):
+        kv_transfer.decode([old])
+    with pytest.raises(kv_transfer.KVTransferError, match="3 bytes at offset 0"):  # float32: whole elements only
+        kv_transfer.decode([header, pb.KVChunk(data=pb.KVData(offset=0, data=b"abc"))])
+    with pytest.raises(kv_transfer.KVTransferError, match="out of order"):  # a gap
+        kv_transfer.decode([header, pb.KVChunk(data=pb.KVData(offset=8, data=b"abcd"))])
+
+
+def test_scatter_writes_only_the_sent_positions_of_a_pool_slot():
+    src = layers(n_layers=2, heads=3, tokens=5, dim=4)
+    header = pb.KVHeader()
+    frames = list(kv_transfer.encode(header, src, chunk_bytes=24))  # 6 floats: cuts across heads
+    slot = torch.full((2, 2, 3, 16, 4), 7.0)  # a slot with room for 16 positions
+    for chunk in frames[1:-1]:
+        d = chunk.data
+        kv_transfer.scatter(header, d.offset // 4, kv_transfer.tensor_of(d.data, torch.float32), slot)
+    for layer, (k, v) in enumerate(src):
+        assert torch.equal(slot[layer, 0, :, :5], k) and torch.equal(slot[layer, 1, :, :5], v)
+    assert torch.all(slot[:, :, :, 5:] == 7.0)

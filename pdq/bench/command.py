@@ -174,6 +174,14 @@ def _command_line() -> list[str] | None:
 
 def run(args: argparse.Namespace) -> int:
     """Exit status: 0 when every request of every run completed, 1 otherwise, 2 on bad flags."""
+    if getattr(args, "scheduler", False):
+        from pdq.bench.scheduler import run as run_scheduler
+
+        return run_scheduler(args)
+    if getattr(args, "handoff", False):
+        from pdq.bench.handoff import run as run_handoff
+
+        return run_handoff(args)
     try:
         opts = BenchOptions.from_args(args)
         from pdq.model.loader import resolve_model

@@ -23,6 +23,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument("--baseline", action="append", default=[], choices=BASELINES,
                        help="also run the same requests in this process: hf (naive transformers generate() in "
                             "static batches of 8) or engine (pdq's LLMEngine, no RPC); repeatable")
+    where.add_argument("--handoff", action="store_true",
+                       help="measure P/D disaggregation instead: KV hand-off GB/s (median and long prompt), its "
+                            "TTFT overhead, and the split of the mixed workload over 2 decode workers "
+                            "(spawns its own cluster; --model, --requests, --seed, --env, --json apply)")
+    where.add_argument("--scheduler", action="store_true",
+                       help="measure the scheduler's goals instead: tenant shares, a light tenant's TTFT under a "
+                            "flood, cancel and deadline latencies (spawns its own cluster; --model, --requests, "
+                            "--env, --json apply)")
     where.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                        help="extra environment of every spawned process, e.g. PDQ_STRATEGY_BATCH_SIZE=8 (repeatable)")
     up = p.add_argument_group("the spawned cluster (as `pdq up`)")

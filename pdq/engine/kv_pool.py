@@ -9,9 +9,16 @@ The pool keeps the live slots compact: sequences always occupy slots [0, num_use
 slot moves the last live sequence's K/V into it, so batched decode attention can read the
 view `kv[layer, :, :num_used]`. Slot numbers are therefore internal and may change on `free`;
 callers address sequences by id only, and views into the pool are valid until the next `free`.
+
+Threads: `free` moves K/V between slots, so it must run on the thread that runs forward passes
+(never during one). `allocate`, `rename` and writes under `pinned` may come from another thread
+(a KV hand-off received in place): they never move a slot that a forward pass reads, and all
+bookkeeping changes and slot moves happen under the pool's lock.
 """
 
-from collections.abc import Hashable
+import threading
+from collections.abc import Hashable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +76,7 @@ class KVPool:
         self._slot: dict[Hashable, int] = {}
         self._owner: list[Hashable] = []  # _owner[slot] = seq_id, for slots [0, num_used)
         self._length: dict[Hashable, int] = {}
+        self._lock = threading.Lock()
 
     @property
     def num_used(self) -> int:
@@ -84,31 +92,53 @@ class KVPool:
 
     def allocate(self, seq_id: Hashable) -> int:
         """Give `seq_id` a slot (its length starts at 0); returns the slot. Raises KVPoolFull."""
-        if seq_id in self._slot:
-            raise ValueError(f"sequence {seq_id!r} already has a KV slot")
-        if not self.num_free:
-            raise KVPoolFull(f"KV pool full: {self.capacity} sequences of {self.max_seq_len} tokens")
-        slot = len(self._owner)
-        self._owner.append(seq_id)
-        self._slot[seq_id] = slot
-        self._length[seq_id] = 0
-        return slot
+        with self._lock:
+            if seq_id in self._slot:
+                raise ValueError(f"sequence {seq_id!r} already has a KV slot")
+            if not self.num_free:
+                raise KVPoolFull(f"KV pool full: {self.capacity} sequences of {self.max_seq_len} tokens")
+            slot = len(self._owner)
+            self._owner.append(seq_id)
+            self._slot[seq_id] = slot
+            self._length[seq_id] = 0
+            return slot
 
     def free(self, seq_id: Hashable) -> None:
-        """Release `seq_id`'s slot; unknown or already freed ids are ignored (idempotent)."""
-        slot = self._slot.pop(seq_id, None)
-        if slot is None:
-            return
-        del self._length[seq_id]
-        last = len(self._owner) - 1
-        if slot != last:  # keep live slots compact: move the last sequence into the hole
-            moved = self._owner[last]
-            n = self._length[moved]
-            if n:
-                self.kv[:, :, slot, :, :n] = self.kv[:, :, last, :, :n]
-            self._owner[slot] = moved
-            self._slot[moved] = slot
-        self._owner.pop()
+        """Release `seq_id`'s slot; unknown or already freed ids are ignored (idempotent).
+        Only on the forward-pass thread (it may move another sequence's K/V)."""
+        with self._lock:
+            slot = self._slot.pop(seq_id, None)
+            if slot is None:
+                return
+            del self._length[seq_id]
+            last = len(self._owner) - 1
+            if slot != last:  # keep live slots compact: move the last sequence into the hole
+                moved = self._owner[last]
+                n = self._length[moved]
+                if n:
+                    self.kv[:, :, slot, :, :n] = self.kv[:, :, last, :, :n]
+                self._owner[slot] = moved
+                self._slot[moved] = slot
+            self._owner.pop()
+
+    def rename(self, old: Hashable, new: Hashable) -> None:
+        """The slot of `old` (K/V and length kept) now belongs to `new`, which must have none."""
+        with self._lock:
+            if new in self._slot:
+                raise ValueError(f"sequence {new!r} already has a KV slot")
+            slot = self.slot(old)
+            del self._slot[old]
+            self._slot[new], self._owner[slot] = slot, new
+            self._length[new] = self._length.pop(old)
+
+    @contextmanager
+    def pinned(self, seq_id: Hashable) -> Iterator[torch.Tensor]:
+        """Yields `seq_id`'s storage, a view [num_layers, 2 (k, v), num_kv_heads, max_seq_len,
+        head_dim], with the pool locked: no allocate, free or slot move until the block ends.
+        For writing K/V from another thread into a slot that no forward pass uses yet (the
+        positions a move keeps are [0, length): set the length before writing)."""
+        with self._lock:
+            yield self.kv[:, :, self.slot(seq_id)]
 
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._slot
@@ -143,9 +173,10 @@ class KVPool:
         return self.kv[layer, 0, slot, :, :length], self.kv[layer, 1, slot, :, :length]
 
     def usage(self) -> KVUsage:
-        return KVUsage(
-            seqs=self.num_used,
-            capacity=self.capacity,
-            tokens_cached=sum(self._length.values()),
-            tokens_capacity=self.capacity * self.max_seq_len,
-        )
+        with self._lock:
+            return KVUsage(
+                seqs=self.num_used,
+                capacity=self.capacity,
+                tokens_cached=sum(self._length.values()),
+                tokens_capacity=self.capacity * self.max_seq_len,
+            )

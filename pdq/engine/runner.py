@@ -5,7 +5,8 @@ first prefill (raises KVPoolFull when there is no room), `free(seq_id)` when don
 tracks how many positions of each sequence hold K/V (`kv_length`).
 """
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -123,6 +124,10 @@ class ModelRunner:
         """Release `seq_id`'s KV slot. Idempotent."""
         with torch.inference_mode():
             self.pool.free(seq_id)
+
+    def rename(self, old: Hashable, new: Hashable) -> None:
+        """`old`'s slot (its K/V and length) now belongs to `new`. See `KVPool.rename`."""
+        self.pool.rename(old, new)
 
     def can_allocate(self, n: int = 1) -> bool:
         return self.pool.can_allocate(n)
@@ -264,6 +269,14 @@ class ModelRunner:
         receiving a hand-off in place (e.g. `view.copy_(torch.frombuffer(...).view(...))`).
         Valid until the next `free`. After filling every layer, call `set_kv_length`."""
         return self.pool.view(seq_id, layer, length)
+
+    @contextmanager
+    def kv_slot(self, seq_id: Hashable) -> Iterator[torch.Tensor]:
+        """`seq_id`'s K/V storage [num_layers, 2, num_kv_heads, max_seq_len, head_dim] with the
+        pool locked, for receiving a hand-off from another thread while forward passes run (on
+        sequences other than `seq_id`). See `KVPool.pinned` for the rules."""
+        with self.pool.pinned(seq_id) as kv:  # the pool needs no grad: plain copy_ into it
+            yield kv
 
     def set_kv_length(self, seq_id: Hashable, length: int) -> None:
         """Declare that positions [0, length) of `seq_id` hold K/V (after writing via kv_view)."""

@@ -60,14 +60,16 @@ class InternalCancelResponse(_message.Message):
     def __init__(self, state: _Optional[str] = ...) -> None: ...
 
 class PrefillItem(_message.Message):
-    __slots__ = ("spec", "epoch", "decode_address")
+    __slots__ = ("spec", "epoch", "decode_address", "priority")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     spec: RequestSpec
     epoch: int
     decode_address: str
-    def __init__(self, spec: _Optional[_Union[RequestSpec, _Mapping]] = ..., epoch: _Optional[int] = ..., decode_address: _Optional[str] = ...) -> None: ...
+    priority: int
+    def __init__(self, spec: _Optional[_Union[RequestSpec, _Mapping]] = ..., epoch: _Optional[int] = ..., decode_address: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class PrefillBatch(_message.Message):
     __slots__ = ("batch_id", "items")
@@ -146,24 +148,20 @@ class KVHeader(_message.Message):
     def __init__(self, spec: _Optional[_Union[RequestSpec, _Mapping]] = ..., epoch: _Optional[int] = ..., num_tokens: _Optional[int] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., layout_version: _Optional[int] = ...) -> None: ...
 
 class KVData(_message.Message):
-    __slots__ = ("layer", "kind", "offset", "data")
-    LAYER_FIELD_NUMBER: _ClassVar[int]
-    KIND_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("offset", "data")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
-    layer: int
-    kind: int
     offset: int
     data: bytes
-    def __init__(self, layer: _Optional[int] = ..., kind: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class KVTrailer(_message.Message):
-    __slots__ = ("crc32", "total_bytes")
-    CRC32_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("xxh3_64", "total_bytes")
+    XXH3_64_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
-    crc32: int
+    xxh3_64: int
     total_bytes: int
-    def __init__(self, crc32: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, xxh3_64: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("header", "data", "trailer")

@@ -276,9 +276,11 @@ class DecodeWorkerServicer:
 
     def PushKV(self, request_iterator, context):
         """Receives a request's KV cache: a KVHeader, then KVData chunks, then a
-        KVTrailer. The sequence joins the running batch only if the checksum
-        and sizes match (fail closed); otherwise the call fails with
-        DATA_LOSS / FAILED_PRECONDITION and nothing is decoded.
+        KVTrailer. The worker checks the header and its reservation, takes a KV
+        slot and writes each chunk straight into it; the sequence joins the
+        running batch only if the checksum and sizes match (fail closed).
+        Otherwise the slot is freed before the call fails with DATA_LOSS /
+        FAILED_PRECONDITION, and nothing is decoded.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

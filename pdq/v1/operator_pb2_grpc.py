@@ -105,7 +105,8 @@ class OperatorServicer:
     """Missing associated documentation comment in .proto file."""
 
     def CancelRequest(self, request, context):
-        """Cancels any tenant's request, in any state (idempotent).
+        """Cancels any tenant's request, in any state (idempotent): a queued one ends at once, a
+        running one is dropped by its workers at their next step and its KV freed.
         Errors: NOT_FOUND for an unknown request id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -120,7 +121,8 @@ class OperatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetDeadline(self, request, context):
-        """Moves a waiting or running request's deadline (extend or shorten).
+        """Moves a waiting or running request's deadline (extend or shorten). Past it, a queued
+        request ends TIMED_OUT and a running one is stopped by its worker (told of the new deadline).
         Errors: NOT_FOUND; FAILED_PRECONDITION when the request has ended.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -135,7 +137,9 @@ class OperatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListRequests(self, request, context):
-        """Requests filtered by tenant, state and tier, newest first, paginated.
+        """Requests filtered by tenant, state and tier, newest (by arrival) first, paginated. Ended
+        requests are listed as long as their results are kept. One call looks at a bounded number
+        of requests, so a filtered page may be short while next_page_token is set.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -149,7 +153,9 @@ class OperatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DrainWorker(self, request, context):
-        """Drains a worker: it finishes what it runs and gets no new work.
+        """Drains a worker: it finishes what it runs and gets no new work. The drain lasts until
+        UndrainWorker or until the worker is reaped; its own heartbeats do not end it.
+        Errors: NOT_FOUND for a worker that is not live.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -164,6 +170,7 @@ class OperatorServicer:
 
     def PauseQueue(self, request, context):
         """Stops dispatching a tier's or a tenant's queued requests (they stay queued).
+        Errors: INVALID_ARGUMENT when neither a tier nor a tenant is given.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -177,7 +184,8 @@ class OperatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetTenantPolicy(self, request, context):
-        """Sets a tenant's fair-share weight, default tier and queue quotas.
+        """Sets a tenant's whole policy: fair-share weight, default tier and queue quotas (a field
+        left 0 / empty takes the scheduler's default). Returns the policy as stored.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -39,3 +39,40 @@ def test_pdq_bench_spawn_with_baselines(tmp_path):
     ratios = {(x["a"], x["b"]): x for x in doc["ratios"] if x["metric"] == "output_tokens_per_s"}
     assert ratios["continuous", "hf"]["goal"] == 2.4 and ratios["continuous", "engine"]["goal"] == 0.9
     assert all(x["value"] > 0 for x in ratios.values())
+
+
+def test_pdq_bench_scheduler_reports_every_goal(tmp_path):
+    """`pdq bench --scheduler` on the tiny model: every measurement ran and every goal is printed."""
+    out_json = tmp_path / "sched.json"
+    cmd = [sys.executable, "-m", "pdq.cli", "bench", "--scheduler", "--model", "builtin:tiny", "--requests", "3",
+           "--json", str(out_json)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out_json.read_text())["scheduler"]
+    assert report["fairness"]["heavy_requests"] == 30 and report["fairness"]["light_requests"] == 3
+    assert 0 < report["fairness"]["dispatched_share_light"] < 1
+    assert report["ttft_light"]["alone_p99_ms"] > 0 and report["ttft_light"]["flooded_p99_ms"] > 0
+    samples = report["ttft_light"]["flooded_split"]["samples"]  # every light request, to look at the tail
+    assert len(samples["ttft_ms"]) == len(samples["queue_ms"]) == len(samples["prefill_ms"]) == 3
+    assert report["cancel"]["samples"] == 3 and report["cancel"]["decoding_cancel_to_kv_free_ms_p99"] > 0
+    assert len(report["deadline"]["samples"]) == 2
+    assert proc.stdout.count("goal ") == 6
+
+
+def test_pdq_bench_handoff_reports_pdq_against_bare_grpc(tmp_path):
+    """`pdq bench --handoff` on the tiny model: real hand-offs, the bare-gRPC ceiling of the same
+    bytes in the same run, the TTFT overhead and the decode split are all reported."""
+    out_json = tmp_path / "handoff.json"
+    cmd = [sys.executable, "-m", "pdq.cli", "bench", "--handoff", "--model", "builtin:tiny", "--requests", "4",
+           "--json", str(out_json)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out_json.read_text())
+    for name in ("median", "long"):
+        h = report["handoff"][name]
+        assert h["kv_bytes"] > 0 and h["push_gbps"] > 0
+        assert h["bare_grpc"]["gbps"] > 0 and h["bare_grpc"]["pdq_share"] > 0
+    assert report["handoff"]["median"]["concurrent"]["transfers"] == 4
+    assert report["ttft"]["prefill_alone_ms"] > 0
+    assert report["decode_split"]["requests"] == 4
+    assert "bare grpc.aio stream" in proc.stdout

@@ -161,10 +161,13 @@ class Ledger:
             time.sleep(0.2)
 
     def still_indexed(self) -> dict[str, list[str]]:
-        """Sorted sets (queues, deadlines, leases) that still hold accepted requests -> their ids."""
+        """Sorted sets (queues, deadlines, leases) that still hold accepted requests -> their ids.
+        (The request index of ListRequests keeps ended requests as long as their records.)"""
         ids = sorted(self.accepted)
         found = {}
         for key in self.redis.scan_iter("pdq:*", count=1000, _type="ZSET"):
+            if key == b"pdq:index" or key.startswith(b"pdq:index:"):
+                continue
             held = [rid for rid, score in zip(ids, self.redis.zmscore(key, ids)) if score is not None]
             if held:
                 found[key.decode()] = held

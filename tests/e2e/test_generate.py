@@ -1,6 +1,7 @@
 """One request through all five hops: gateway -> scheduler (Redis) -> prefill -> KV hand-off
 -> decode -> tokens streamed back. Greedy output must equal transformers' own generate()."""
 
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -151,3 +152,21 @@ def test_nothing_leaks_after_the_requests_end(cluster, store_client, client):
             return
         time.sleep(0.05)
     raise AssertionError(f"queued {queued}, running {running}, decode workers {workers}")
+
+
+def test_decode_workers_yield_the_cpu_to_the_rest(cluster):
+    """`pdq up` runs decode workers nicer: on a busy machine prefill and the control plane go
+    first. Prefill takes every core when it runs; decode its share, and every core in bursts."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    nice = {c.name: os.getpriority(os.PRIO_PROCESS, c.process.pid) for c in cluster.children}
+    assert {n: v - base for n, v in nice.items() if n.startswith("decode")} == {"decode-0": 5}
+    assert all(v == base for n, v in nice.items() if not n.startswith("decode"))
+
+    def env(name: str) -> dict:
+        pid = next(c.process.pid for c in cluster.children if c.name == name)
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return dict(kv.split("=", 1) for kv in f.read().decode().split("\0") if "=" in kv)
+
+    cores = len(os.sched_getaffinity(0))
+    assert env("prefill-0")["PDQ_THREADS"] == str(cores)  # the only prefill worker
+    assert (env("decode-0")["PDQ_THREADS"], env("decode-0")["PDQ_BURST_THREADS"]) == (str(max(1, cores // 2)), str(cores))

@@ -42,6 +42,24 @@ def test_corrupt_handoffs_never_produce_tokens_and_retries_are_bounded(faulty):
         assert ok.token_ids == c.generate("second", max_tokens=5, ignore_eos=True).token_ids
 
 
+def test_failed_handoffs_release_their_kv_reservations(faulty):
+    # runs after the corrupt hand-offs above: each failed attempt's reserved slot must be given
+    # back at once (a leak would only come back when the 30 s reservation timeout expires)
+    r = redis.Redis.from_url(faulty.redis_url, decode_responses=True)
+    try:
+        deadline = time.monotonic() + 5.0
+        while True:
+            workers = [r.hgetall(f"pdq:worker:{w}") for w in r.zrange("pdq:workers:decode", 0, -1)]
+            leaked = [(w["address"], w["free_slots"], w["capacity"]) for w in workers
+                      if w.get("free_slots") != w.get("capacity")]
+            if workers and not leaked:
+                break
+            assert time.monotonic() < deadline, f"KV reservations not released: {leaked}"
+            time.sleep(0.05)
+    finally:
+        r.close()
+
+
 def test_request_moves_to_another_decode_worker_when_its_worker_stops(faulty):
     with Client(faulty.target) as c:
         expected = c.generate("migrate me", max_tokens=200, ignore_eos=True).token_ids

@@ -65,3 +65,25 @@ def test_free_compacts_without_losing_kv():
     assert u.fraction == 0.5
     with pytest.raises(KeyError):
         pool.slot("a")
+
+
+def test_a_slot_written_under_pinned_keeps_its_kv_through_moves_and_rename():
+    pool = make_pool(slots=3)
+    pool.allocate("a")
+    fill(pool, "a", 1.0, length=2)
+    pool.allocate(("in", 1))  # a hand-off being received, under a key of its own
+    pool.set_length(("in", 1), 4)  # set first: a move keeps positions [0, length)
+    with pool.pinned(("in", 1)) as kv:
+        assert kv.shape == (2, 2, 2, 8, 4)
+        kv[:, :, :, :4] = 5.0
+    pool.free("a")  # moves the received slot into slot 0
+    assert pool.slot(("in", 1)) == 0
+    pool.rename(("in", 1), "r")
+    assert ("in", 1) not in pool and pool.length("r") == 4 and pool.slot("r") == 0
+    k, v = pool.view("r", 1, 4)
+    assert torch.all(k == 5.0) and torch.all(v == 5.0)
+    pool.allocate("b")
+    with pytest.raises(ValueError, match="already"):
+        pool.rename("b", "r")
+    with pytest.raises(KeyError):
+        pool.rename("gone", "c")

@@ -62,15 +62,26 @@ class _Worker:
 class FakeDecode(_Worker, pb_grpc.DecodeWorkerServicer):
     role = "decode"
 
-    def __init__(self, store: RequestStore, worker_id: str, slots: int = 4, step_s: float = 0.005):
+    def __init__(self, store: RequestStore, worker_id: str, slots: int = 4, step_s: float = 0.005,
+                 reservation_timeout_s: float = 2.0):
         super().__init__(store, worker_id)
         pb_grpc.add_DecodeWorkerServicer_to_server(self, self.server)
         self.slots = slots
         self.step_s = step_s
-        self.holds: set[str] = set()
+        self.reservation_timeout_s = reservation_timeout_s
+        self.holds: dict[str, float | None] = {}  # request -> expiry of an unused reservation (None: running)
         self.running: dict[str, Seq] = {}
 
+    def expire(self) -> None:
+        """As the real decode worker: a reservation no hand-off came for (e.g. its scheduler died
+        between Reserve and Prefill) frees its slot after reservation_timeout_s."""
+        now = asyncio.get_running_loop().time()
+        for rid, expiry in list(self.holds.items()):
+            if expiry is not None and expiry < now:
+                del self.holds[rid]
+
     def info(self) -> WorkerInfo:
+        self.expire()
         return WorkerInfo(self.worker_id, "decode", self.address, free_slots=self.slots - len(self.holds),
                           capacity=self.slots, running=len(self.running))
 
@@ -79,14 +90,15 @@ class FakeDecode(_Worker, pb_grpc.DecodeWorkerServicer):
         self.tasks.append(asyncio.create_task(self._loop()))
 
     async def Reserve(self, request, context):  # noqa: N802 (gRPC method names)
+        self.expire()
         granted = request.request_id in self.holds or len(self.holds) < self.slots
-        if granted:
-            self.holds.add(request.request_id)
+        if granted and request.request_id not in self.holds:
+            self.holds[request.request_id] = asyncio.get_running_loop().time() + self.reservation_timeout_s
         return pb.ReserveResponse(granted=granted, free_slots=self.slots - len(self.holds))
 
     async def Release(self, request, context):
         if request.request_id not in self.running:
-            self.holds.discard(request.request_id)
+            self.holds.pop(request.request_id, None)
         return pb.ReleaseResponse()
 
     async def join(self, item: pb.PrefillItem) -> bool:
@@ -95,8 +107,9 @@ class FakeDecode(_Worker, pb_grpc.DecodeWorkerServicer):
         if not self.alive or rid not in self.holds:
             return False
         if not await self.store.transition(rid, item.epoch, State.DECODING, decode_worker=self.address):
-            self.holds.discard(rid)
+            self.holds.pop(rid, None)
             return True  # ended in transit
+        self.holds[rid] = None
         n_out = int((await self.store.record(rid)).get("n_out", 0))
         self.running[rid] = Seq(rid, item.epoch, n_out, item.spec.sampling.max_tokens)
         return True
@@ -117,7 +130,7 @@ class FakeDecode(_Worker, pb_grpc.DecodeWorkerServicer):
             for s, item, ok in zip(seqs, items, kept):
                 if not ok or item.final_state:
                     del self.running[s.rid]
-                    self.holds.discard(s.rid)
+                    self.holds.pop(s.rid, None)
 
 
 class FakePrefill(_Worker, pb_grpc.PrefillWorkerServicer):
@@ -129,10 +142,17 @@ class FakePrefill(_Worker, pb_grpc.PrefillWorkerServicer):
         self.decoders = decoders  # address -> worker
         self.prefill_s = prefill_s
         self.batches: list[list[str]] = []
+        self.priorities: dict[str, int] = {}  # PrefillItem.priority of every request received
 
     async def Prefill(self, request, context):
         self.batches.append([it.spec.request_id for it in request.items])
+        self.priorities.update({it.spec.request_id: it.priority for it in request.items})
         await asyncio.sleep(self.prefill_s)
+        # The fake join sets DECODING before the sequence runs (a real decode worker sets it only
+        # once the whole hand-off is in), so it must not be cut off by a scheduler killed mid-call.
+        return await asyncio.shield(self._prefill(request))
+
+    async def _prefill(self, request) -> pb.PrefillBatchResult:
         results = []
         for it in request.items:
             rid = it.spec.request_id

@@ -4,7 +4,6 @@ the gateway, and crashes: a decode worker and the scheduler killed with SIGKILL.
 
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -15,7 +14,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from pdq.client import Client
-from pdq.redis_server import die_with_parent
+from pdq.child import spawn
 from pdq.up import Cluster
 
 SLOTS = 2  # sequences per decode worker (and requests per prefill batch)
@@ -59,8 +58,12 @@ def wait(predicate, timeout_s=30.0):
 
 
 def fill_decode_slots(client, r, n=2 * SLOTS):
-    """Starts n long requests and waits until they all decode. -> their ids."""
-    rids = [client.submit([65 + i] * 8, max_tokens=1900, ignore_eos=True) for i in range(n)]
+    """Starts n long requests, one after the other (the queue holds only 3 of a tenant's
+    requests), and waits until they all decode. -> their ids."""
+    rids = []
+    for i in range(n):
+        rids.append(client.submit([65 + i] * 8, max_tokens=1900, ignore_eos=True))
+        wait(lambda: state(r, rids[-1]) != "QUEUED")
     wait(lambda: all(state(r, x) == "DECODING" for x in rids))
     return rids
 
@@ -147,8 +150,8 @@ def test_a_killed_scheduler_restarts_and_loses_nothing(client, r, cluster):
     old = kill(cluster, "scheduler")
     env = dict(os.environ, PDQ_REDIS_URL=cluster.redis_url, PDQ_METRICS_PORT="-1",
                **{k: v for k, v in cluster.extra_env.items() if k != "PDQ_FAULTS"})
-    old.process = subprocess.Popen([sys.executable, "-m", "scheduler", "--host", cluster.host, "--port", str(old.port)],
-                                   env=env, preexec_fn=die_with_parent)
+    old.process = spawn([sys.executable, "-m", "scheduler", "--host", cluster.host, "--port", str(old.port)],
+                                   env=env)
     wait(lambda: all(state(r, x) == "COMPLETED" for x in rids), timeout_s=120)
     for x in rids:
         indices = [int(f["i"]) for _, f in r.xrange(f"pdq:req:{x}:out") if "i" in f]

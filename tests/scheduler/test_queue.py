@@ -179,7 +179,7 @@ def test_queued_work_is_counted_out_as_requests_leave_the_queue(store):
         store.submit(spec(f"r{k}"))
     claim(store, "r0")
     store.finish("r1", State.CANCELLED, "cancelled")
-    assert store.load() == {"n": 1, "tokens": 7, "n:acme": 1, "tokens:acme": 7, "running": 1}
+    assert store.load() == {"n": 1, "tokens": 7, "n:acme": 1, "tokens:acme": 7, "running": 1, "running:acme": 1}
     assert store.depth([T, "batch"]) == [(T, "acme", 1, 7)]
     store.requeue("r0", 1, "worker died", 3)
     assert store.load()["n"] == 2 and store.load()["running"] == 0

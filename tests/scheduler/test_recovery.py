@@ -11,7 +11,8 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdq.redis_server import RedisServer, die_with_parent, free_port
+from pdq.child import spawn
+from pdq.redis_server import RedisServer, free_port
 from pdq.store import RequestStore
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
@@ -22,8 +23,8 @@ from tests.scheduler.harness import spec
 def start_scheduler(redis_url: str, prefix: str, port: int, log) -> subprocess.Popen:
     env = dict(os.environ, PDQ_REDIS_URL=redis_url, PDQ_KEY_PREFIX=prefix, PDQ_DISPATCH_INTERVAL_MS="5",
                PDQ_WORKER_TIMEOUT_S="3", PDQ_PREFILL_LEASE_S="2", PDQ_METRICS_PORT="-1")
-    return subprocess.Popen([sys.executable, "-m", "scheduler", "--host", "127.0.0.1", "--port", str(port)], env=env,
-                            preexec_fn=die_with_parent, stdout=log, stderr=log)
+    return spawn([sys.executable, "-m", "scheduler", "--host", "127.0.0.1", "--port", str(port)], env=env,
+                 stdout=log, stderr=log)
 
 
 async def wait_serving(port: int, proc: subprocess.Popen) -> None:

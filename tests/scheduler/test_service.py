@@ -123,6 +123,31 @@ async def test_a_flooding_tenant_gets_no_more_than_its_share(url, prefix):
         assert 8 <= len(served) <= 12, len(served)
 
 
+async def test_prefill_priority_puts_a_tenant_below_its_share_first(url, prefix):
+    """Each PrefillItem says how urgent its prefill is: by tier, then below/at the tenant's fair
+    share of decode slots. A tenant alone is 0; once another tenant is active, a tenant holding
+    its share or more gets 1 and the other 0; the batch tier 2 or 3."""
+    async with harness(url, prefix, max_batch_size=1) as h:
+        heavy = [f"h{k}" for k in range(6)]
+        for rid in heavy:
+            await h.submit(spec(rid, tenant="heavy", prompt=8, max_tokens=150))
+        await h.start_workers(slots=8, step_s=0.01)  # heavy's sequences run ~1.5 s
+
+        async def heavy_all_dispatched() -> bool:
+            return len(h.workers.prefillers[0].priorities) == len(heavy)
+
+        await wait_for(heavy_all_dispatched)
+        await h.submit(spec("l0", tenant="light", prompt=8, max_tokens=4))
+        await h.submit(spec("h6", tenant="heavy", prompt=8, max_tokens=4))
+        await h.submit(spec("b0", tenant="light", tier="batch", prompt=8, max_tokens=4))
+        await ended(h, heavy + ["l0", "h6", "b0"])
+        got = h.workers.prefillers[0].priorities
+        assert [got[r] for r in heavy] == [0] * len(heavy)  # alone
+        assert got["l0"] == 0  # light holds nothing: below its share
+        assert got["h6"] == 1  # heavy holds 6 of 8 slots, its share is 4
+        assert got["b0"] in (2, 3)
+
+
 # -- cancellation and deadlines -------------------------------------------------------------------
 
 async def test_cancel_of_a_queued_request_ends_it_at_once(url, prefix):
@@ -141,7 +166,7 @@ async def test_cancel_of_a_decoding_request_frees_its_decode_slot(url, prefix):
         await h.submit(spec("long", max_tokens=100_000))
         await wait_for(lambda: _in_state(h, "long", "DECODING"))
         decode = next(iter(h.workers.decoders.values()))
-        assert decode.holds == {"long"}
+        assert set(decode.holds) == {"long"}
         await h.stub.Cancel(pb.InternalCancelRequest(request_id="long"))
         await wait_for(lambda: _true(not decode.holds and not decode.running))
         await h.submit(spec("next"))  # the slot is free for the next request

@@ -11,7 +11,9 @@ Starts a cluster (private Redis, 1 prefill + 1 decode worker, two client tenants
   deadline   how far past its deadline a request ends (record finished_ms - deadline_ms), for
              requests that time out queued and while decoding.
 
-    .venv/bin/python scripts/bench_scheduler.py [--model builtin:tiny] [--slots 8] [--n 20]
+    .venv/bin/pdq bench --scheduler [--model builtin:tiny] [--requests 20] [--env K=V] [--json FILE]
+
+(8 decode slots; --requests: light requests per measurement, heavy queues 10x that.)
 """
 
 import argparse
@@ -96,7 +98,7 @@ class Bench:
 
     def ttft_light(self, n: int) -> tuple[list[float], dict]:
         """-> client TTFTs (ms), and the median split of the server's part: queue, prefill."""
-        out, queue, prefill = [], [], []
+        out, queue, prefill, hops = [], [], [], []
         for i in range(n):
             t0 = time.perf_counter()
             stream = self.light.generate_stream([9, 10 + i % 50] * 16, max_tokens=8, ignore_eos=True)
@@ -109,9 +111,12 @@ class Bench:
             created, dispatched, first = (self.field(rid, f) for f in ("created_ms", "dispatched_ms", "first_token_ms"))
             queue.append(dispatched - created)
             prefill.append(first - dispatched)
+            hops.append(out[-1] - (first - created))  # client -> gateway -> Redis record, first token -> client
             time.sleep(0.05)
         return out, {"queue_ms_median": statistics.median(queue), "queue_ms_p99": p99(queue),
-                     "prefill_ms_median": statistics.median(prefill), "prefill_ms_p99": p99(prefill)}
+                     "prefill_ms_median": statistics.median(prefill), "prefill_ms_p99": p99(prefill),
+                     "client_hops_ms_median": round(statistics.median(hops), 1), "client_hops_ms_p99": round(p99(hops), 1),
+                     "samples": {"ttft_ms": [round(x, 1) for x in out], "queue_ms": queue, "prefill_ms": prefill}}
 
     def flood(self, stop: threading.Event) -> list[threading.Thread]:
         """Heavy keeps 3x the decode slots busy or queued until `stop` (outputs of 16..80 tokens)."""
@@ -181,24 +186,30 @@ class Bench:
                 "samples": [len(over_queued), len(over_running)]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="builtin:tiny")
-    parser.add_argument("--slots", type=int, default=8, help="decode slots (and prefill batch size)")
-    parser.add_argument("--n", type=int, default=20, help="light requests per measurement")
-    args = parser.parse_args()
+GOALS = (  # (name, value in the report, limit, what it measures): issue 4's goals
+    ("light tenant's share of tokens dispatched", ("fairness", "dispatched_share_light"), (0.4, 0.6)),
+    ("light p99 TTFT flooded / alone", ("ttft_light", "ratio"), (0, 2.0)),
+    ("cancel of a queued request, p99 ms", ("cancel", "queued_cancel_ms_p99"), (0, 150)),
+    ("cancel of a decoding request to KV free, p99 ms", ("cancel", "decoding_cancel_to_kv_free_ms_p99"), (0, 400)),
+    ("deadline overshoot queued, p99 ms", ("deadline", "queued_overshoot_ms_p99"), (0, 250)),
+    ("deadline overshoot decoding, p99 ms", ("deadline", "running_overshoot_ms_p99"), (0, 250)),
+)
+
+
+def measure(model: str, slots: int, n: int, extra_env: dict) -> dict:
+    """Runs every measurement on a cluster of its own. -> the report."""
     with tempfile.TemporaryDirectory() as tmp:
         auth = Path(tmp) / "keys.json"
         auth.write_text(json.dumps({"keys": [{"key": k, "tenant": t, "role": "client"} for t, k in KEYS.items()]}))
-        env = {"PDQ_AUTH_FILE": str(auth), "PDQ_MAX_BATCH_SIZE": str(args.slots)}
-        with Cluster(model=args.model, port=0, auth=False, metrics_port=-1, extra_env=env) as cluster:
-            bench = Bench(cluster, args.slots)
-            report = {"fairness": bench.fairness(args.n)}
-            alone, alone_split = bench.ttft_light(args.n)
+        env = {**extra_env, "PDQ_AUTH_FILE": str(auth), "PDQ_MAX_BATCH_SIZE": str(slots)}
+        with Cluster(model=model, port=0, auth=False, metrics_port=-1, extra_env=env) as cluster:
+            bench = Bench(cluster, slots)
+            report = {"fairness": bench.fairness(n)}
+            alone, alone_split = bench.ttft_light(n)
             stop = threading.Event()
             threads = bench.flood(stop)
             wait(lambda: int(bench.r.hget("pdq:load", "n") or 0) > 0)
-            flooded, flooded_split = bench.ttft_light(args.n)
+            flooded, flooded_split = bench.ttft_light(n)
             stop.set()
             for t in threads:
                 t.join()
@@ -206,10 +217,20 @@ def main() -> None:
             report["ttft_light"] = {"alone_p99_ms": round(p99(alone), 1), "flooded_p99_ms": round(p99(flooded), 1),
                                     "ratio": round(p99(flooded) / p99(alone), 2),
                                     "alone_split": alone_split, "flooded_split": flooded_split}
-            report["cancel"] = bench.cancels(args.n)
-            report["deadline"] = bench.deadlines(args.n)
-            print(json.dumps(report, indent=2))
+            report["cancel"] = bench.cancels(n)
+            report["deadline"] = bench.deadlines(n)
+    return report
 
 
-if __name__ == "__main__":
-    main()
+def run(args: argparse.Namespace) -> int:
+    """`pdq bench --scheduler`: prints the report and each goal, met or not; --json writes it."""
+    env = dict(kv.split("=", 1) for kv in args.env)
+    n = args.requests or 20
+    report = measure(args.model, 8, n, env)
+    print(json.dumps(report, indent=2))
+    for name, (part, key), (low, high) in GOALS:
+        value = report[part][key]
+        print(f"  {name}: {value}   goal {low}..{high}: {'met' if low <= value <= high else 'NOT met'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"scheduler": report}, indent=2))
+    return 0

@@ -1,0 +1,240 @@
+"""`pdq bench --handoff`: the P/D disaggregation goals, measured on a spawned cluster.
+
+1. Hand-off throughput: real KV caches of the model (a prompt of the mixed workload's median
+   length, and a long one) prefilled in this process, then sent with the prefill worker's own
+   code (`kv_transfer.encode_frames` over `PushKV`, gRPC streaming, ~1 MiB messages) to a real
+   decode worker process on loopback, which writes it into a KV pool slot and checks the checksum.
+   Timed from the first message to the decode worker's answer (the cache is in its pool);
+   GB/s = cache bytes / that time (median of repeats). The KV room is reserved before the
+   prefill, as the scheduler does. Also: CONCURRENT hand-offs of the median cache at once over
+   one channel (as one prefill worker finishing several requests), aggregate GB/s = their bytes
+   / the wall time from the first message to the last answer (median of rounds). Side by side:
+   the same bytes over a bare grpc.aio stream to a server that only counts them
+   (`pdq.bench.grpc_ceiling`): the most Python gRPC moves here, so the share of it pdq reaches.
+2. TTFT overhead: in the same run, the prefill of the median prompt alone (forward pass) against
+   prefill + the hand-off's own work (export from the pool, transfer). pdq streams the first token
+   from the prefill worker before the hand-off, so the client's TTFT does not wait for it; the
+   ratio is what the hand-off would add if the first token waited for the KV to land (the
+   second token does). The cluster's client-side TTFT at the median prompt is reported alongside.
+3. Load split: the mixed workload (all at once) on 2 decode workers; each request's record in
+   Redis names its decode worker.
+"""
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from collections import Counter
+
+REPEATS = 10
+LONG_PROMPT = 2000
+CONCURRENT = 4
+
+
+def say(*parts: object) -> None:
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def _median_ms(xs: list[float]) -> float:
+    return round(statistics.median(xs) * 1000, 3)
+
+
+async def _push(address: str, runner, prompt: list[int], tag: str, chunk_bytes: int, concurrent: int = 0,
+                ceiling: str = "") -> dict:
+    """Prefills `prompt` here, then hands its KV to the decode worker at `address` REPEATS times;
+    then, with `concurrent`, that many hand-offs of it at once, REPEATS times; then the same
+    bytes to the bare server at `ceiling`."""
+    import grpc
+    import torch
+
+    from pdq import kv_transfer
+    from pdq.bench import grpc_ceiling
+    from pdq.engine.runner import PrefillItem
+    from pdq.serving import GRPC_OPTIONS
+    from prefill_worker.server import PUSH_KV
+    from pdq.v1 import internal_pb2 as pb
+    from pdq.v1 import internal_pb2_grpc as pb_grpc
+
+    prefill_s, export_s, push_s = [], [], []
+    n_bytes = 0
+    async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+        stub = pb_grpc.DecodeWorkerStub(channel)
+        push = channel.stream_unary(PUSH_KV, request_serializer=None,  # as the prefill worker sends
+                                    response_deserializer=pb.PushKVResponse.FromString)
+        for i in range(REPEATS + 1):  # the first round warms up
+            rid = f"bench-handoff-{tag}-{i}-{time.monotonic_ns()}"
+            granted = await stub.Reserve(pb.ReserveRequest(request_id=rid, tokens=len(prompt) + 1), timeout=10)
+            if not granted.granted:
+                raise RuntimeError(f"decode worker {address} has no free KV slot")
+            runner.allocate(rid)
+            try:
+                t0 = time.perf_counter()
+                logits = runner.prefill([PrefillItem(rid, prompt, 0)])
+                first = int(torch.argmax(logits[0]))
+                t1 = time.perf_counter()
+                layers = [(k.cpu(), v.cpu()) for k, v in runner.export_kv(rid, len(prompt))]  # as prefill_worker
+                t2 = time.perf_counter()
+            finally:
+                runner.free(rid)
+            header = _header(rid, prompt, first)
+            t3 = time.perf_counter()
+            resp = await push(kv_transfer.encode_frames(header, layers, chunk_bytes), timeout=60)
+            t4 = time.perf_counter()
+            if not resp.accepted:
+                raise RuntimeError("the decode worker refused the hand-off")
+            if i:
+                prefill_s.append(t1 - t0)
+                export_s.append(t2 - t1)
+                push_s.append(t4 - t3)
+            n_bytes = sum(t.numel() * t.element_size() for pair in layers for t in pair)
+        out = {"prompt_tokens": len(prompt), "kv_bytes": n_bytes, "repeats": REPEATS,
+               "prefill_ms": _median_ms(prefill_s), "export_ms": _median_ms(export_s), "push_ms": _median_ms(push_s),
+               "push_gbps": round(n_bytes / statistics.median(push_s) / 1e9, 3)}
+        if concurrent:
+            walls = []
+            for i in range(REPEATS + 1):
+                rids = [f"bench-handoff-{tag}-x{i}-{j}-{time.monotonic_ns()}" for j in range(concurrent)]
+                for rid in rids:
+                    if not (await stub.Reserve(pb.ReserveRequest(request_id=rid, tokens=len(prompt) + 1),
+                                               timeout=10)).granted:
+                        raise RuntimeError(f"decode worker {address} has no free KV slot")
+                t0 = time.perf_counter()
+                answers = await asyncio.gather(*(push(kv_transfer.encode_frames(_header(rid, prompt, first), layers,
+                                                                                chunk_bytes), timeout=60)
+                                                 for rid in rids))
+                if i:
+                    walls.append(time.perf_counter() - t0)
+                if not all(a.accepted for a in answers):
+                    raise RuntimeError("the decode worker refused a hand-off")
+            wall = statistics.median(walls)
+            out["concurrent"] = {"transfers": concurrent, "wall_ms": round(wall * 1000, 3),
+                                 "aggregate_gbps": round(concurrent * n_bytes / wall / 1e9, 3)}
+    if ceiling:
+        frames = list(kv_transfer.encode_frames(_header("ceiling", prompt, first), layers, chunk_bytes))
+        bare = await grpc_ceiling.measure(ceiling, frames, REPEATS)
+        out["bare_grpc"] = {"ms": _median_ms(bare), "gbps": grpc_ceiling.median_gbps(n_bytes, bare),
+                            "pdq_share": round(statistics.median(bare) / statistics.median(push_s), 3)}
+    return out
+
+
+def _header(rid: str, prompt: list[int], first: int):
+    from pdq.v1 import generation_pb2 as gen_pb
+    from pdq.v1 import internal_pb2 as pb
+
+    spec = pb.RequestSpec(request_id=rid, prompt_token_ids=prompt, sampling=gen_pb.SamplingParams(max_tokens=2))
+    return pb.KVHeader(spec=spec, epoch=1, generated_token_ids=[first])
+
+
+def _client_ttft(target: str, prompt: list[int]) -> float:
+    from pdq.client import Client
+
+    ttfts = []
+    with Client(target) as c:
+        for _ in range(REPEATS + 1):
+            t0 = time.perf_counter()
+            stream = c.generate_stream(prompt, max_tokens=2, ignore_eos=True)
+            for msg in stream:
+                if msg.HasField("index"):
+                    ttfts.append(time.perf_counter() - t0)
+                    break
+            for _ in stream:
+                pass
+    return _median_ms(ttfts[1:])
+
+
+def _split(cluster, workload) -> dict:
+    """Runs the workload all at once; -> requests per decode worker address."""
+    import redis
+
+    from pdq.client import Client
+
+    with Client(cluster.target) as c:
+        rids = [c.submit(list(r.prompt_token_ids), max_tokens=r.max_tokens, ignore_eos=True)
+                for r in workload.requests]
+        for rid in rids:
+            while not c.get_result(rid, wait_ms=5_000).done:
+                pass
+    r = redis.Redis.from_url(cluster.redis_url)
+    try:
+        served = Counter((r.hget(f"pdq:req:{rid}", "decode_worker") or b"?").decode() for rid in rids)
+    finally:
+        r.close()
+    return dict(served)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdq.bench.baselines import import_torch
+
+    import_torch()  # idle OpenMP threads sleep here too, as in the workers `pdq up` starts
+    from pdq.bench.options import _pairs
+    from pdq.bench.workload import build, vocabulary
+    from pdq.engine.runner import ModelRunner
+    from pdq.model.loader import resolve_model
+    from pdq.child import spawn, stop
+    from pdq.redis_server import free_port
+    from pdq.up import Cluster
+
+    try:
+        env = _pairs(args.env, "--env")
+        model_dir = str(resolve_model(args.model))
+        workload = build("mixed", vocabulary(model_dir), n=args.requests or 32, seed=args.seed)
+    except ValueError as exc:
+        say(f"pdq bench: {exc}")
+        return 2
+    median_len = int(statistics.median(r.prompt_len for r in workload.requests))
+    median_prompt = list(next(r for r in workload.requests if r.prompt_len >= median_len).prompt_token_ids[:median_len])
+    vocab = vocabulary(model_dir)
+    long_prompt = [vocab[(i * 7919) % len(vocab)] for i in range(LONG_PROMPT)]
+    chunk_bytes = int(env.get("PDQ_KV_CHUNK_BYTES", 1 << 20))
+    say(f"pdq bench --handoff: model {args.model}, median prompt {median_len} tokens, long prompt {LONG_PROMPT}; "
+        f"{workload.describe()}")
+    runner = ModelRunner.from_pretrained(model_dir, kv_budget_tokens=4096, max_seq_len=2048)
+    with Cluster(model=args.model, prefill=1, decode=2, port=0, auth=False, metrics_port=-1,
+                 redis_url=args.redis_url, extra_env=env) as cluster:
+        decode0 = next(ch for ch in cluster.children if ch.name == "decode-0")
+        address = f"{cluster.host}:{decode0.port}"
+        bare_port = free_port()  # the bare gRPC server runs as nice as the decode workers
+        bare = spawn([sys.executable, "-m", "pdq.bench.grpc_ceiling", str(bare_port)], nice=cluster.decode_nice)
+        try:
+            handoff = {name: asyncio.run(_push(address, runner, prompt, name, chunk_bytes, concurrent,
+                                               f"127.0.0.1:{bare_port}"))
+                       for name, prompt, concurrent in (("median", median_prompt, CONCURRENT),
+                                                        ("long", long_prompt, 0))}
+        finally:
+            stop(bare)
+        ttft_ms = _client_ttft(cluster.target, median_prompt)
+        served = _split(cluster, workload)
+    med = handoff["median"]
+    overhead = (med["export_ms"] + med["push_ms"]) / med["prefill_ms"]
+    total = sum(served.values())
+    shares = {k: round(v / total, 3) for k, v in served.items()}
+    out = {"model": args.model, "handoff": handoff,
+           "ttft": {"prefill_alone_ms": med["prefill_ms"], "prefill_plus_handoff_ms":
+                    round(med["prefill_ms"] + med["export_ms"] + med["push_ms"], 3),
+                    "handoff_overhead": round(overhead, 3), "client_ttft_ms": ttft_ms,
+                    "handoff_over_client_ttft": round((med["export_ms"] + med["push_ms"]) / ttft_ms, 3)},
+           "decode_split": {"requests": total, "per_worker": served, "shares": shares}}
+    print(f"hand-off throughput (goal >= 1 GB/s), median of {REPEATS}:")
+    for name, h in handoff.items():
+        print(f"  {name:6s} prompt {h['prompt_tokens']:5d} tok  KV {h['kv_bytes'] / 1e6:7.2f} MB  "
+              f"push {h['push_ms']:8.2f} ms  {h['push_gbps']:6.2f} GB/s  (export {h['export_ms']:.2f} ms)")
+        if "bare_grpc" in h:
+            b = h["bare_grpc"]
+            print(f"  {name:6s} same bytes, bare grpc.aio stream (the transport's ceiling here): {b['ms']:8.2f} ms  "
+                  f"{b['gbps']:6.2f} GB/s; pdq's hand-off reaches {b['pdq_share']:.0%} of it")
+        if "concurrent" in h:
+            c = h["concurrent"]
+            print(f"  {name:6s} x{c['transfers']} at once over one channel: {c['wall_ms']:8.2f} ms  "
+                  f"{c['aggregate_gbps']:6.2f} GB/s aggregate")
+    print(f"TTFT overhead at the median prompt (goal <= 10%): prefill alone {med['prefill_ms']:.2f} ms, "
+          f"+ hand-off {med['export_ms'] + med['push_ms']:.2f} ms = {overhead:+.1%}; "
+          f"client TTFT through the cluster {ttft_ms:.1f} ms (the first token does not wait for the hand-off; "
+          f"hand-off / that TTFT = {(med['export_ms'] + med['push_ms']) / ttft_ms:.1%})")
+    print(f"decode split (goal 50% +- 10% each), {total} requests: " +
+          ", ".join(f"{k} {v} ({shares[k]:.0%})" for k, v in sorted(served.items())))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0

@@ -1,0 +1,48 @@
+"""Decode slot headroom: the last free slots go to tenants below their fair share.
+
+Continuous batching keeps the decode pool full, so a flooding tenant would hold every slot and
+a newcomer would wait until one of the flood's sequences ends. Token-fair queue order does not
+help then: the newcomer is first in line, but there is no seat. So while other tenants are
+active (running, queued, or served recently), a tenant holding at least its weighted share of
+the pool's slots cannot take the last `reserve` free ones: they stay open for tenants below
+their share, who get a seat at once. A tenant alone uses the whole pool.
+
+The same test sets a request's prefill urgency (`prefill_priority`): tier first, then tenants
+below their share before those at or above it; a prefill worker's pass takes only the most
+urgent prompts it holds.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Headroom:
+    reserve: int = 1  # free slots kept for tenants below their share (0 = off)
+
+    def allows(self, tenant: str, free: int, capacity: int, running: dict[str, int],
+               weights: dict[str, float], active: set[str]) -> bool:
+        """May a request of `tenant` take one of the `free` decode slots (of `capacity`)?
+        `running`: slots each tenant holds; `weights`: fair-share weights (missing = 1);
+        `active`: tenants that compete for the pool now (the asking tenant counts too)."""
+        if free <= 0:
+            return False
+        if free > self.reserve:
+            return True
+        return below_share(tenant, capacity, running, weights, active)
+
+
+def below_share(tenant: str, capacity: int, running: dict[str, int], weights: dict[str, float],
+                active: set[str]) -> bool:
+    """Does `tenant` hold fewer of the pool's `capacity` slots than its weighted share among the
+    `active` tenants (itself included)? A tenant alone is always below its share."""
+    if not (active - {tenant}):
+        return True
+    competing = active | {tenant}
+    total = sum(weights.get(t, 1.0) for t in competing)
+    return running.get(tenant, 0) < capacity * weights.get(tenant, 1.0) / total
+
+
+def prefill_priority(tier_rank: int, under_share: bool) -> int:
+    """A request's prefill urgency, lower first (`PrefillItem.priority`): by tier, then tenants
+    below their fair share of decode slots before those at or above it."""
+    return 2 * tier_rank + (0 if under_share else 1)

@@ -1,0 +1,154 @@
+"""A decode worker receives hand-offs straight into its KV pool and gives the slot back on
+every failure: a real worker in this process (gRPC on loopback, the test Redis, the built-in
+model), so the test can look at its pool."""
+
+import asyncio
+import contextlib
+import time
+
+import grpc
+import pytest
+import torch
+
+from decode_worker.server import build_server
+from pdq import kv_transfer
+from pdq.config import DecodeConfig
+from pdq.serving import GRPC_OPTIONS
+from pdq.v1 import generation_pb2 as gen_pb
+from pdq.v1 import internal_pb2 as pb
+from pdq.v1 import internal_pb2_grpc as pb_grpc
+from prefill_worker.server import PUSH_KV
+
+
+@contextlib.asynccontextmanager
+async def decode_worker(redis_url: str, prefix: str, **config_kw):
+    config = DecodeConfig(redis_url=redis_url, key_prefix=prefix, port=0, model="builtin", threads=1,
+                          max_seq_len=256, kv_budget_tokens=512, heartbeat_s=0.5, **config_kw)  # 2 slots
+    server = build_server(config)
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=GRPC_OPTIONS)
+    try:
+        yield server, channel
+    finally:
+        await channel.close()
+        await asyncio.wait_for(server.stop(0.5), 15)
+
+
+def cache(runner, tokens: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (runner.num_kv_heads, tokens, runner.head_dim)
+    return [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(runner.num_layers)]
+
+
+def frames(rid: str, layers, corrupt: bool = False) -> list[bytes]:
+    header = pb.KVHeader(spec=pb.RequestSpec(request_id=rid, prompt_token_ids=[1] * layers[0][0].shape[1],
+                                             sampling=gen_pb.SamplingParams(max_tokens=2)),
+                         epoch=1, generated_token_ids=[1])
+    out = list(kv_transfer.encode_frames(header, layers))
+    if corrupt:  # one byte of the first data message, which holds several layers
+        data = bytearray(out[1])
+        data[len(data) // 2] ^= 0x01
+        out[1] = bytes(data)
+    return out
+
+
+async def wait_for(what: str, cond, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def worker(redis_server, prefix: str):
+    """(service, runner, DecodeWorker stub, PushKV taking frames) of a worker in this process."""
+    async with decode_worker(redis_server.url, prefix) as (server, channel):
+        yield server.service, server.service.loop.runner, pb_grpc.DecodeWorkerStub(channel), channel.stream_unary(
+            PUSH_KV, request_serializer=None, response_deserializer=pb.PushKVResponse.FromString)
+
+
+async def test_corrupt_multi_layer_chunk_is_rejected_and_its_slot_freed_then_a_retry_lands(redis_server, prefix):
+    async with worker(redis_server, prefix) as (service, runner, stub, push):
+        layers = cache(runner, 50)  # 50 tokens x 16 KiB (small model): every layer in one data message
+        assert kv_transfer.num_messages(layers, 1 << 20) == 3
+        assert (await stub.Reserve(pb.ReserveRequest(request_id="r1", tokens=51), timeout=5)).granted
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await push(iter(frames("r1", layers, corrupt=True)), timeout=10)
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS and "checksum" in err.value.details()
+        assert runner.num_free == runner.capacity  # freed before the call failed: nothing to poll for
+        assert service.holds["r1"] is not None  # still reserved: the retry may come
+        assert (await push(iter(frames("r1", layers)), timeout=10)).accepted
+        assert service.holds["r1"] is None  # running (or done) here
+
+
+
+async def test_hand_off_without_reservation_takes_no_slot(redis_server, prefix):
+    async with worker(redis_server, prefix) as (service, runner, stub, push):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await push(iter(frames("nobody", cache(runner, 10))), timeout=10)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert runner.num_free == runner.capacity
+
+
+
+async def test_a_stream_that_breaks_mid_transfer_gives_its_slot_back(redis_server, prefix):
+    async with worker(redis_server, prefix) as (service, runner, stub, push):
+        assert (await stub.Reserve(pb.ReserveRequest(request_id="r2", tokens=201), timeout=5)).granted
+        sent = frames("r2", cache(runner, 200))  # 3.2 MB: 4 data messages
+        header_and_some = sent[:3]  # the header and 2 data messages, then the sender goes away
+        gate = asyncio.Event()
+
+        async def requests():
+            for f in header_and_some:
+                yield f
+            await gate.wait()  # never set: the call is cancelled while the slot is held
+
+        call = push(requests(), timeout=10)
+        await wait_for("the slot to be taken", lambda: runner.num_free == runner.capacity - 1)
+        call.cancel()
+        await wait_for("the slot to be given back", lambda: runner.num_free == runner.capacity)
+        assert service.holds["r2"] is not None  # the reservation stays until released or expired
+
+
+async def test_a_reservation_does_not_expire_while_its_hand_off_arrives(redis_server, prefix):
+    async with worker(redis_server, prefix) as (service, runner, stub, push):
+        assert (await stub.Reserve(pb.ReserveRequest(request_id="r3", tokens=201), timeout=5)).granted
+        sent = frames("r3", cache(runner, 200))  # 4 data messages
+        gate = asyncio.Event()
+
+        async def requests():
+            for f in sent[:2]:
+                yield f
+            await gate.wait()  # the transfer stalls here, slot taken
+            for f in sent[2:]:
+                yield f
+
+        call = push(requests(), timeout=10)
+        await wait_for("the slot to be taken", lambda: runner.num_free == runner.capacity - 1)
+        service.holds["r3"] = time.monotonic() - 1.0  # its reservation is past due mid-transfer
+        service.expire()
+        assert "r3" in service.holds  # kept: the room is in use by the arriving cache
+        gate.set()
+        assert (await call).accepted
+        assert service.holds["r3"] is None and not service.receiving
+
+
+async def test_a_worker_restarted_under_its_old_id_gives_back_what_that_id_held(redis_server, prefix):
+    """A fixed worker id (or a container restarted with the same hostname and pid 1) heartbeats
+    again before anyone noticed the old process died; its new life requeues the old one's work."""
+    import redis
+
+    from pdq.store import RequestStore
+
+    store = RequestStore(redis.Redis.from_url(redis_server.url), prefix)
+    try:
+        spec = pb.RequestSpec(request_id="orphan", tenant="t", prompt_token_ids=[5] * 4, arrival_ms=1,
+                              sampling=gen_pb.SamplingParams(max_tokens=4))
+        store.submit(spec)
+        assert store.claim([("orphan", "decode-fixed")], "prefill-x")[0].epoch == 1  # the previous life's attempt
+        async with decode_worker(redis_server.url, prefix, worker_id="decode-fixed"):
+            rec = store.record("orphan")
+            assert rec["state"] == "QUEUED" and rec["epoch"] == "2"  # requeued, the old attempt fenced off
+            assert not store.client.exists(store.keys.held("decode-fixed"))
+    finally:
+        store.client.close()

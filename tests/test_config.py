@@ -1,0 +1,23 @@
+"""Settings every role shares are validated where a mistake would bite later."""
+
+import pytest
+
+from pdq.config import DecodeConfig, GatewayConfig, PrefillConfig, SchedulerConfig
+
+
+def test_worker_timeout_is_one_setting_for_every_role():
+    for cls in (GatewayConfig, SchedulerConfig, PrefillConfig, DecodeConfig):
+        assert cls(worker_timeout_s=4.0).worker_timeout_s == 4.0
+        with pytest.raises(ValueError, match="worker_timeout_s"):
+            cls(worker_timeout_s=0)
+
+
+def test_a_heartbeat_too_slow_for_the_timeout_is_refused():
+    with pytest.raises(ValueError, match="heartbeat_s"):
+        DecodeConfig(heartbeat_s=6.0, worker_timeout_s=10.0)
+    assert PrefillConfig(heartbeat_s=5.0, worker_timeout_s=10.0).heartbeat_s == 5.0
+
+
+def test_internal_tls_files_go_together():
+    with pytest.raises(ValueError, match="go together"):
+        SchedulerConfig(internal_ca="ca.pem")

@@ -1,0 +1,103 @@
+"""The store calls behind the Operator API, against a real Redis server: the request index
+(ListRequests), its pruning with the records' TTL, deadline notices, and sticky drains."""
+
+import asyncio
+import time
+
+import redis.asyncio as aioredis
+
+from pdq.keys import Keys
+from pdq.registry import WorkerInfo, forget, heartbeat, live_workers, set_drained
+from pdq.request import State
+from pdq.store import RequestStore
+from pdq.worker import CancelListener
+from tests.test_store import make_spec
+
+
+def store_of(redis_client, prefix, ttl=60):
+    return RequestStore(redis_client, prefix, result_ttl_s=ttl)
+
+
+def list_all(store, **kw):
+    pages, cursor = [], ""
+    while True:
+        ids, cursor = store.list_requests(cursor=cursor, **kw)
+        pages.append(ids)
+        if not cursor:
+            return pages
+
+
+def test_list_requests_newest_first_filtered_and_paginated(redis_client, prefix):
+    store = store_of(redis_client, prefix)
+    for i in range(7):
+        store.submit(make_spec(f"a{i}", tenant="acme" if i % 2 == 0 else "globex"))
+    store.finish("a2", State.CANCELLED, "cancelled")
+    assert list_all(store, limit=3) == [["a6", "a5", "a4"], ["a3", "a2", "a1"], ["a0"]]
+    assert list_all(store, limit=2, tenant="acme") == [["a6", "a4"], ["a2", "a0"]]
+    assert list_all(store, limit=10, state="CANCELLED") == [["a2"]]
+    assert list_all(store, limit=10, tenant="globex", state="QUEUED") == [["a5", "a3", "a1"]]
+    assert list_all(store, limit=10, tier="batch") == [[]]
+    # a bounded scan returns a short page with a cursor that goes on where it stopped
+    ids, cursor = store.list_requests(state="CANCELLED", limit=10, max_scan=2)
+    assert (ids, cursor) == ([], store.client.hget(store.keys.request("a5"), "seq").decode())
+    assert store.list_requests(state="CANCELLED", limit=10, cursor=cursor) == (["a2"], "")
+
+
+def test_ended_requests_leave_the_index_with_their_records(redis_client, prefix):
+    store = store_of(redis_client, prefix, ttl=1)
+    store.submit(make_spec("old"))
+    store.finish("old", State.COMPLETED, "length")
+    assert store.list_requests()[0] == ["old"]
+    deadline = time.monotonic() + 10
+    while store.client.exists(store.keys.request("old")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not store.client.exists(store.keys.request("old"))
+    store.submit(make_spec("new"))
+    store.finish("new", State.COMPLETED, "length")  # an end prunes the index of expired ones
+    assert store.client.zrange(store.keys.index(), 0, -1) == [b"new"]
+    assert store.client.zrange(store.keys.index("acme"), 0, -1) == [b"new"]
+    assert store.client.zcard(store.keys.ended) == 1
+
+
+def test_set_deadline_tells_the_workers(redis_server, redis_client, prefix):
+    store = store_of(redis_client, prefix)
+    listener = CancelListener(redis_server.url, Keys(prefix))
+    try:
+        store.submit(make_spec("r", deadline_ms=111))
+        deadline = time.monotonic() + 5
+        channel = store.keys.deadline_channel
+        while redis_client.pubsub_numsub(channel)[0][1] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)  # subscribing is asynchronous; a publish before it would be lost
+        assert store.set_deadline("r", 999_999) == State.QUEUED
+        while listener.deadline("r", 111) == 111 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert listener.deadline("r", 111) == 999_999
+        assert store.record("r")["deadline_ms"] == "999999"
+        store.finish("r", State.CANCELLED, "cancelled")
+        while listener.deadlines and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert listener.deadlines == {}  # forgotten once the request ended
+        assert store.set_deadline("r", 5) == State.CANCELLED
+        assert store.set_deadline("nope", 5) is None
+    finally:
+        listener.close()
+
+
+def test_an_operator_drain_survives_the_workers_heartbeats(redis_server, prefix):
+    async def run():
+        client = aioredis.Redis.from_url(redis_server.url)
+        keys = Keys(prefix)
+        info = WorkerInfo("d1", "decode", "127.0.0.1:1", free_slots=4, capacity=4)
+        try:
+            await heartbeat(client, keys, info, 5)
+            await set_drained(client, keys, "d1", True)
+            await heartbeat(client, keys, info, 5)  # the worker says draining=False
+            assert [w.draining for w in await live_workers(client, keys, "decode", 10)] == [True]
+            await set_drained(client, keys, "d1", False)
+            assert [w.draining for w in await live_workers(client, keys, "decode", 10)] == [False]
+            await set_drained(client, keys, "d1", True)
+            await forget(client, keys, "d1", "decode")  # reaped: the drain goes with it
+            assert not await client.exists(keys.drained)
+        finally:
+            await client.aclose()
+    asyncio.run(run())

@@ -33,6 +33,9 @@ log = logging.getLogger("pdq.gateway")
 
 MAX_WAIT_MS = 60_000
 INTERNAL_ID = re.compile(r"^[0-9a-f]{32}$")
+# A client's own deadline fires before the gateway's copy of it (the gateway's starts when the
+# call arrives), so a call that ends this close to its deadline ended because of it.
+DEADLINE_SLACK_S = 0.5
 
 
 def rpc(method):
@@ -154,7 +157,7 @@ class GenerationService(gen_grpc.GenerationServicer):
     async def cancel_on_exit(self, rid: str, context: grpc.aio.ServicerContext) -> None:
         """The client went away (or its deadline passed) before the end: end the request too."""
         remaining = context.time_remaining()
-        if remaining is not None and remaining <= 0:
+        if remaining is not None and remaining <= DEADLINE_SLACK_S:
             if await self.store.finish(rid, State.TIMED_OUT, "timeout", "deadline exceeded") == State.TIMED_OUT:
                 metrics.TIMEOUTS.labels("gateway").inc()
             return

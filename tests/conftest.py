@@ -6,11 +6,19 @@ from pathlib import Path
 
 import pytest
 import redis
+from hypothesis import settings
+
 
 from pdq.redis_server import RedisServer
 
 # One model cache for the whole run (built once, reused by every process the tests start).
 os.environ.setdefault("PDQ_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".venv" / "pdq-cache"))
+
+# Property tests draw the same examples on every `make test` run, so a failure reproduces;
+# PDQ_HYPOTHESIS=explore draws new ones each run (use it to hunt, then pin what it finds).
+settings.register_profile("repeatable", derandomize=True, print_blob=True)
+settings.register_profile("explore", print_blob=True)
+settings.load_profile(os.environ.get("PDQ_HYPOTHESIS", "repeatable"))
 
 
 @pytest.fixture(scope="session")

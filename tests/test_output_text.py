@@ -1,6 +1,6 @@
 """Streamed text with stop strings: deltas are never taken back and add up to the final text."""
 
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from pdq.model.loader import resolve_model
@@ -8,6 +8,7 @@ from pdq.model.tokenizer import load_tokenizer
 from pdq.output_text import TextOutput
 
 TOKENIZER = load_tokenizer(resolve_model("builtin:tiny"))
+SPECIAL = [t.content for t in TOKENIZER.get_added_tokens_decoder().values() if t.special]
 
 
 def run(text: str, stop: list[str]) -> tuple[str, bool]:
@@ -28,9 +29,17 @@ def test_stop_string_cuts_before_it_and_is_never_streamed():
     assert run("no stop here", ["zzz"]) == ("no stop here", False)
 
 
+def test_special_tokens_are_not_streamed_as_text():
+    """Like vLLM's skip_special_tokens: a generated <s> or </s> adds no text."""
+    assert {"<s>", "</s>"} <= set(SPECIAL)
+    assert run("a<s>b</s>c", []) == ("abc", False)
+    assert run("a<s>b", ["ab"]) == ("", True)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.text(min_size=1, max_size=60), st.lists(st.text(min_size=1, max_size=4), max_size=3))
 def test_streamed_text_equals_the_cut_full_text(text, stop):
+    assume(not any(s in text for s in SPECIAL))  # those encode to special tokens, which are not text
     streamed, stopped = run(text, stop)
     hits = [text.find(s) for s in stop if s in text]
     if stopped:

@@ -3,12 +3,14 @@
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
-from pdq import telemetry
+from pdq import kv_tcp, telemetry
 from pdq.config import DecodeConfig
 from pdq.keys import Keys
+from pdq.kv_tcp import Refused
 from pdq.kv_transfer import Assembler, KVTransferError
 from pdq.model.loader import eos_token_ids, resolve_model
 from pdq.model.tokenizer import load_tokenizer
@@ -41,6 +43,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         self.receiving: set[str] = set()  # rids whose hand-off is arriving: their reservation does not expire
         self.expect: dict = {}
         self.on_change = lambda: None
+        self.kv_address = ""  # the TCP data plane's host:port, when it runs
 
     def threads(self) -> int:
         """Torch threads for the next decode step (called from the model thread): all of
@@ -67,7 +70,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         if granted and rid not in self.holds:
             self.holds[rid] = time.monotonic() + self.config.reservation_timeout_s
             self.on_change()
-        return pb.ReserveResponse(granted=granted, free_slots=self.free_slots)
+        return pb.ReserveResponse(granted=granted, free_slots=self.free_slots, kv_address=self.kv_address)
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         if self.holds.get(request.request_id, 0) is not None:  # reserved, not running: drop it
@@ -85,6 +88,30 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
     async def PushKV(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PushKVResponse:
         """Receives the hand-off straight into a KV slot (`decode_worker.kv_receive`); on any
         failure the slot is freed before the call fails, so a retry finds the pool as before."""
+        try:
+            await self.receive(request_iterator)  # serialized KVChunks (see add_service)
+        except Refused as exc:
+            await context.abort(exc.code, exc.details)
+        return pb.PushKVResponse(accepted=True)
+
+    async def receive_tcp(self, frames: AsyncIterator[bytes], traceparent: str) -> None:
+        """A hand-off on the TCP data plane (`pdq.kv_tcp`), in the request's trace."""
+        span = telemetry.start("pdq.kv_receive", traceparent or None, kind=telemetry.SpanKind.SERVER)
+        try:
+            with telemetry.use(span):
+                await self.receive(frames)
+        except Refused as exc:
+            telemetry.end(span, "rejected", exc.details)
+            raise
+        except BaseException as exc:
+            telemetry.end(span, "broken", f"hand-off stream broke: {exc!r}")
+            raise
+        telemetry.end(span)
+
+    async def receive(self, frames: AsyncIterator[bytes]) -> None:
+        """One hand-off's frames into a KV slot; returns once the sequence is queued to join the
+        batch. Raises Refused (FAILED_PRECONDITION: no reservation; DATA_LOSS: a bad cache)
+        after freeing the slot; a broken stream frees it too."""
         receiving = []
 
         def start(header: pb.KVHeader) -> None:
@@ -97,14 +124,13 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         sink = SlotSink(self.loop.runner if self.loop else None, start)
         asm = Assembler(self.expect, sink)
         try:
-            return await self._receive(request_iterator, context, sink, asm)
+            await self._receive(frames, sink, asm)
         finally:
             self.receiving.difference_update(receiving)
 
-    async def _receive(self, request_iterator, context: grpc.aio.ServicerContext, sink: SlotSink,
-                       asm: Assembler) -> pb.PushKVResponse:
+    async def _receive(self, frames: AsyncIterator[bytes], sink: SlotSink, asm: Assembler) -> None:
         try:
-            async for frame in request_iterator:  # serialized KVChunks (see add_service)
+            async for frame in frames:
                 asm.add_frame(frame)
             arrived = asm.finish()
             self._admit(arrived.header)  # the reservation may have expired meanwhile
@@ -113,11 +139,11 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             rid = asm.header.spec.request_id if asm.header else "?"
             if isinstance(exc, NoReservation):
                 telemetry.event("rejected", error=str(exc))
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
             log.warning("rejected KV hand-off of %s: %s", rid, exc)
             telemetry.event("rejected", {"pdq.request_id": rid, "pdq.kv.bytes": asm.total}, error=str(exc))
-            await context.abort(grpc.StatusCode.DATA_LOSS, f"KV hand-off rejected: {exc}")
-        except BaseException:  # the stream broke or the call was cancelled
+            raise Refused(grpc.StatusCode.DATA_LOSS, f"KV hand-off rejected: {exc}") from None
+        except BaseException:  # the stream broke, the call was cancelled, or a frame was malformed
             if sink.key is not None and self.loop is not None:
                 self.loop.add(Discard(sink.key))
             raise
@@ -128,7 +154,6 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
                                  "pdq.kv.bytes": asm.total, "pdq.kv.tokens": h.num_tokens})
         self.holds[h.spec.request_id] = None
         self.loop.add(arrived)
-        return pb.PushKVResponse(accepted=True)
 
     async def _discard(self, sink: SlotSink) -> None:
         """Frees the slot a failed hand-off was written into (on the model thread) and waits for it."""
@@ -200,6 +225,12 @@ def build_server(config: DecodeConfig) -> Server:
                                strategy.batch_size if strategy.run_to_completion else runner.capacity)
         service.expect = {"num_layers": runner.num_layers, "num_kv_heads": runner.num_kv_heads,
                           "head_dim": runner.head_dim, "dtype": str(runner.dtype).removeprefix("torch.")}
+        if config.kv_transport == "tcp":
+            state["kv"] = kv = await kv_tcp.serve(config.host, config.kv_port, service.receive_tcp,
+                                                  InternalTLS.from_config(config))
+            host = kv_tcp.split_address(address)[0]
+            service.kv_address = f"[{host}]:{kv.sockets[0].getsockname()[1]}" if ":" in host else \
+                f"{host}:{kv.sockets[0].getsockname()[1]}"
         state["cancels"] = CancelListener(config.redis_url, keys)
         service.loop = DecodeLoop(runner, sync_store(config), state["cancels"], load_tokenizer(path),
                                   eos_token_ids(path), address,
@@ -211,7 +242,8 @@ def build_server(config: DecodeConfig) -> Server:
         state["heartbeat"] = hb = Heartbeat(config, keys, info)
         service.on_change = hb.poke
         await hb.start()
-        log.info("decode worker %s at %s (KV slots %d)", worker_id, address, service.capacity)
+        log.info("decode worker %s at %s (KV slots %d%s)", worker_id, address, service.capacity,
+                 f", KV data plane at {service.kv_address}" if service.kv_address else "")
 
     async def stop() -> None:
         if "heartbeat" in state:
@@ -222,6 +254,8 @@ def build_server(config: DecodeConfig) -> Server:
             while service.loop.busy and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             await asyncio.to_thread(service.loop.stop)
+        if "kv" in state:
+            state["kv"].close()
         if "cancels" in state:
             state["cancels"].close()
 

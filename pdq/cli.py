@@ -17,8 +17,9 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 def _up(args: argparse.Namespace) -> int:
     from pdq.up import Cluster, run
 
+    env = {"PDQ_KV_TRANSPORT": args.kv_transport} if args.kv_transport else {}
     return run(Cluster(prefill=args.prefill, decode=args.decode, model=args.model, redis_url=args.redis_url,
-                       port=args.port, durable=args.durable, mtls=args.mtls))
+                       port=args.port, durable=args.durable, mtls=args.mtls, extra_env=env))
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -90,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--durable", action="store_true", help="private Redis with AOF, appendfsync always")
     up.add_argument("--mtls", action="store_true",
                     help="mutual TLS between the cluster's roles, with a throwaway CA made for this run (openssl)")
+    up.add_argument("--kv-transport", choices=("grpc", "tcp"), default=None,
+                    help="how KV caches go from prefill to decode workers: grpc (PushKV, default) or tcp "
+                         "(the decode workers' TCP data plane, several times faster)")
     up.set_defaults(func=_up)
 
     gen = sub.add_parser("generate", help="generate text from a prompt")

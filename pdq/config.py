@@ -19,6 +19,7 @@ TIER_POLICIES = ("aging", "strict")
 FAIR_POLICIES = ("vtc", "fifo")
 ORDER_POLICIES = ("fcfs", "sjf", "edf")
 STRATEGIES = ("continuous", "dynamic", "static")
+KV_TRANSPORTS = ("grpc", "tcp")
 
 
 def _parse_bool(text: str) -> bool:
@@ -231,11 +232,15 @@ class DecodeConfig(WorkerConfig):
     strategy_batch_size: int = field(default=8, metadata={"help": "batch size of the static and dynamic strategies"})
     dynamic_window_ms: float = field(default=50.0, metadata={"help": "dynamic strategy: longest wait for a fuller batch"})
     static_flush_ms: float = field(default=2000.0, metadata={"help": "static strategy: run a short batch after this wait"})
+    kv_transport: str = field(default="grpc", metadata={"help": "KV hand-offs in: grpc (PushKV only) or tcp (also a TCP data plane, several times faster; PushKV still works)"})
+    kv_port: int = field(default=0, metadata={"help": "tcp data plane port (0 = any free port); advertised with the host of advertise_address"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _positive("kv_budget_tokens", self.kv_budget_tokens)
         _positive("strategy_batch_size", self.strategy_batch_size)
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(f"kv_transport must be one of {', '.join(KV_TRANSPORTS)}, got {self.kv_transport!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         _positive("max_batch_size", self.max_batch_size)

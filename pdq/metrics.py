@@ -112,8 +112,8 @@ KV_USED = Gauge("pdq_kv_pool_used_slots", "KV pool sequence slots in use.", ("st
 KV_CAPACITY = Gauge("pdq_kv_pool_capacity_slots", "KV pool sequence slots.", ("stage",))
 KV_USAGE = Gauge("pdq_kv_pool_usage_ratio", "Share of KV pool slots in use.", ("stage",))
 KV_TRANSFER = Histogram("pdq_kv_transfer_seconds", "Duration of a KV hand-off, prefill to decode worker.",
-                        ("outcome",), buckets=LATENCY_BUCKETS)
-KV_TRANSFER_BYTES = Counter("pdq_kv_transfer_bytes", "KV cache bytes handed off.", ("outcome",))
+                        ("outcome", "transport"), buckets=LATENCY_BUCKETS)
+KV_TRANSFER_BYTES = Counter("pdq_kv_transfer_bytes", "KV cache bytes handed off.", ("outcome", "transport"))
 
 # -- scheduler ----------------------------------------------------------------------------------
 

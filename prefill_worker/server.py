@@ -6,7 +6,7 @@ import time
 
 import grpc
 
-from pdq import kv_transfer, metrics, mtls, telemetry
+from pdq import kv_tcp, kv_transfer, metrics, mtls, telemetry
 from pdq.config import PrefillConfig
 from pdq.faults import Faults
 from pdq.keys import Keys
@@ -31,6 +31,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         self.faults = Faults.from_env()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._tls = mtls.InternalTLS.from_config(config)
+        self._tcp = kv_tcp.Pusher(self._tls)
 
     def _decode_stub(self, address: str) -> pb_grpc.DecodeWorkerStub:
         if address not in self._channels:
@@ -87,23 +88,30 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                                            "pdq.kv.bytes": n_bytes, "pdq.kv.chunks": n_chunks,
                                            "pdq.kv.layers": len(outcome.layers),
                                            "pdq.kv.tokens": len(item.spec.prompt_token_ids) + len(outcome.generated) - 1,
-                                           "server.address": item.decode_address})
+                                           "server.address": item.decode_kv_address or item.decode_address,
+                                           "pdq.kv.transport": "tcp" if item.decode_kv_address else "grpc"})
         started = time.perf_counter()
         if self.faults:
             chunks = self.faults.kv_frames(chunks)
             if self.faults.get("kv_delay_ms"):
                 await asyncio.sleep(self.faults.get("kv_delay_ms") / 1000)
         error = None
-        try:
-            with telemetry.use(span):  # PushKV carries this span's context
-                resp = await self._push_kv(item.decode_address)(chunks, timeout=30.0)
-            if not resp.accepted:
-                error = "decode worker refused the KV hand-off"
-        except grpc.aio.AioRpcError as exc:
-            error = f"KV hand-off to {item.decode_address}: {exc.code().name} {exc.details()}"
-        result = "ok" if error is None else "error"
-        metrics.KV_TRANSFER.labels(result).observe(time.perf_counter() - started)
-        metrics.KV_TRANSFER_BYTES.labels(result).inc(n_bytes)
+        if item.decode_kv_address:  # the decode worker's TCP data plane
+            try:
+                await self._tcp.push(item.decode_kv_address, chunks, telemetry.traceparent(span) if span else "")
+            except kv_tcp.Refused as exc:
+                error = f"KV hand-off to {item.decode_kv_address}: {exc.code.name} {exc.details}"
+        else:
+            try:
+                with telemetry.use(span):  # PushKV carries this span's context
+                    resp = await self._push_kv(item.decode_address)(chunks, timeout=30.0)
+                if not resp.accepted:
+                    error = "decode worker refused the KV hand-off"
+            except grpc.aio.AioRpcError as exc:
+                error = f"KV hand-off to {item.decode_address}: {exc.code().name} {exc.details()}"
+        result, transport = "ok" if error is None else "error", "tcp" if item.decode_kv_address else "grpc"
+        metrics.KV_TRANSFER.labels(result, transport).observe(time.perf_counter() - started)
+        metrics.KV_TRANSFER_BYTES.labels(result, transport).inc(n_bytes)
         telemetry.end(span, "failed" if error else None, error)
         if error:
             return pb.PrefillItemResult(request_id=rid, ok=False, error=error)
@@ -117,6 +125,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             log.warning("release of %s failed: %s", item.spec.request_id, exc.details())
 
     async def close(self) -> None:
+        await self._tcp.close()
         for channel in self._channels.values():
             await channel.close()
 

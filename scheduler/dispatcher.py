@@ -172,7 +172,7 @@ class Dispatcher:
         else:
             running, active = await self._competition()
         weights = {t: self._weights.get(t, self.config.default_weight) for t in active | {c.tenant for c in batch}}
-        placed: list[tuple[Candidate, DecodeSlots, int]] = []
+        placed: list[tuple[Candidate, DecodeSlots, int, str]] = []
         for cand in batch:
             free = sum(s.free_slots for s in slots)
             if free <= 0:
@@ -180,7 +180,8 @@ class Dispatcher:
             if not self.headroom.allows(cand.tenant, free, capacity, running, weights, active):
                 continue  # the last free slots wait for a tenant below its share
             choice = choose_decode_worker(slots)
-            if not await self._reserve(choice, cand):
+            kv_address = await self._reserve(choice, cand)
+            if kv_address is None:
                 choice.free_slots = 0
                 continue
             choice.free_slots -= 1
@@ -188,20 +189,21 @@ class Dispatcher:
                                         below_share(cand.tenant, capacity, running, weights, active))
             running[cand.tenant] = running.get(cand.tenant, 0) + 1
             self._served[cand.tenant] = time.monotonic()
-            placed.append((cand, choice, priority))
+            placed.append((cand, choice, priority, kv_address))
         if not placed:
             return False
-        claimed = await self.store.claim([(c.request_id, dw.worker_id) for c, dw, _ in placed], target_info.worker_id,
+        claimed = await self.store.claim([(c.request_id, dw.worker_id) for c, dw, _, _ in placed], target_info.worker_id,
                                          target.address, int(self.config.prefill_lease_s * 1000),
                                          self.config.default_weight)
         items, reserved = [], []
-        for (cand, dw, priority), got in zip(placed, claimed):
+        for (cand, dw, priority, kv_address), got in zip(placed, claimed):
             if got.epoch == 0 or got.spec is None:  # cancelled or ended meanwhile
                 await self._release(dw, cand.request_id)
                 continue
             spec = spec_from_bytes(got.spec)
             spec.deadline_ms = cand.deadline_ms  # the record's: an operator may have moved it
-            items.append(pb.PrefillItem(spec=spec, epoch=got.epoch, decode_address=dw.address, priority=priority))
+            items.append(pb.PrefillItem(spec=spec, epoch=got.epoch, decode_address=dw.address, priority=priority,
+                                        decode_kv_address=kv_address))
             reserved.append(dw)
             self.drain.add(time.monotonic(), cand.kv_tokens)
             self._waited(items[-1])
@@ -240,7 +242,9 @@ class Dispatcher:
         self._served = {t: at for t, at in self._served.items() if at >= cutoff}
         return running, set(running) | queued | set(self._served)
 
-    async def _reserve(self, slots: DecodeSlots, cand: Candidate) -> bool:
+    async def _reserve(self, slots: DecodeSlots, cand: Candidate) -> str | None:
+        """Reserves KV room: -> None when refused, else where the worker takes the hand-off
+        over TCP ("" = PushKV only)."""
         peer = self._peers[slots.worker_id]
         try:
             resp = await peer.stub.Reserve(pb.ReserveRequest(request_id=cand.request_id, tokens=cand.kv_tokens),
@@ -249,8 +253,8 @@ class Dispatcher:
             log.warning("reserve on %s failed: %s", slots.address, exc.details())
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 peer.failed_hb = peer.heartbeat_ms
-            return False
-        return resp.granted
+            return None
+        return resp.kv_address if resp.granted else None
 
     async def _release(self, slots: DecodeSlots, rid: str) -> None:
         try:

@@ -2,8 +2,9 @@
 
 1. Hand-off throughput: real KV caches of the model (a prompt of the mixed workload's median
    length, and a long one) prefilled in this process, then sent with the prefill worker's own
-   code (`kv_transfer.encode_frames` over `PushKV`, gRPC streaming, ~1 MiB messages) to a real
-   decode worker process on loopback, which writes it into a KV pool slot and checks the checksum.
+   code (`kv_transfer.encode_frames`, ~1 MiB messages) over both transports, `PushKV` (gRPC
+   streaming) and the decode worker's TCP data plane (`kv_tcp.Pusher`), to a real decode worker
+   process on loopback, which writes it into a KV pool slot and checks the checksum.
    Timed from the first message to the decode worker's answer (the cache is in its pool);
    GB/s = cache bytes / that time (median of repeats). The KV room is reserved before the
    prefill, as the scheduler does. Also: CONCURRENT hand-offs of the median cache at once over
@@ -29,6 +30,7 @@ import time
 from collections import Counter
 
 REPEATS = 10
+TRANSPORTS = ("grpc", "tcp")  # PushKV; the decode worker's TCP data plane (pdq.kv_tcp)
 LONG_PROMPT = 2000
 CONCURRENT = 4
 
@@ -43,13 +45,15 @@ def _median_ms(xs: list[float]) -> float:
 
 async def _push(address: str, runner, prompt: list[int], tag: str, chunk_bytes: int, concurrent: int = 0,
                 ceiling: str = "") -> dict:
-    """Prefills `prompt` here, then hands its KV to the decode worker at `address` REPEATS times;
-    then, with `concurrent`, that many hand-offs of it at once, REPEATS times; then the same
-    bytes to the bare server at `ceiling`."""
+    """Prefills `prompt` here REPEATS times (timing the forward pass and the KV export); then,
+    over each transport (PushKV, then the decode worker's TCP data plane), hands that KV to the
+    decode worker at `address` REPEATS times, each into a fresh reservation; with `concurrent`,
+    that many hand-offs at once, REPEATS times; then the same bytes to the bare server at
+    `ceiling`."""
     import grpc
     import torch
 
-    from pdq import kv_transfer
+    from pdq import kv_tcp, kv_transfer
     from pdq.bench import grpc_ceiling
     from pdq.engine.runner import PrefillItem
     from pdq.serving import GRPC_OPTIONS
@@ -57,65 +61,77 @@ async def _push(address: str, runner, prompt: list[int], tag: str, chunk_bytes: 
     from pdq.v1 import internal_pb2 as pb
     from pdq.v1 import internal_pb2_grpc as pb_grpc
 
-    prefill_s, export_s, push_s = [], [], []
-    n_bytes = 0
+    prefill_s, export_s = [], []
+    for i in range(REPEATS + 1):  # the first round warms up
+        rid = f"bench-prefill-{tag}-{i}"
+        runner.allocate(rid)
+        try:
+            t0 = time.perf_counter()
+            logits = runner.prefill([PrefillItem(rid, prompt, 0)])
+            first = int(torch.argmax(logits[0]))
+            t1 = time.perf_counter()
+            layers = [(k.cpu(), v.cpu()) for k, v in runner.export_kv(rid, len(prompt))]  # as prefill_worker
+            t2 = time.perf_counter()
+        finally:
+            runner.free(rid)
+        if i:
+            prefill_s.append(t1 - t0)
+            export_s.append(t2 - t1)
+    n_bytes = sum(t.numel() * t.element_size() for pair in layers for t in pair)
+    out = {"prompt_tokens": len(prompt), "kv_bytes": n_bytes, "repeats": REPEATS,
+           "prefill_ms": _median_ms(prefill_s), "export_ms": _median_ms(export_s)}
+    pusher = kv_tcp.Pusher(None)
     async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
         stub = pb_grpc.DecodeWorkerStub(channel)
-        push = channel.stream_unary(PUSH_KV, request_serializer=None,  # as the prefill worker sends
-                                    response_deserializer=pb.PushKVResponse.FromString)
-        for i in range(REPEATS + 1):  # the first round warms up
-            rid = f"bench-handoff-{tag}-{i}-{time.monotonic_ns()}"
-            granted = await stub.Reserve(pb.ReserveRequest(request_id=rid, tokens=len(prompt) + 1), timeout=10)
-            if not granted.granted:
+        grpc_push = channel.stream_unary(PUSH_KV, request_serializer=None,  # as the prefill worker sends
+                                         response_deserializer=pb.PushKVResponse.FromString)
+
+        async def reserve(rid: str) -> str:
+            resp = await stub.Reserve(pb.ReserveRequest(request_id=rid, tokens=len(prompt) + 1), timeout=10)
+            if not resp.granted:
                 raise RuntimeError(f"decode worker {address} has no free KV slot")
-            runner.allocate(rid)
-            try:
-                t0 = time.perf_counter()
-                logits = runner.prefill([PrefillItem(rid, prompt, 0)])
-                first = int(torch.argmax(logits[0]))
-                t1 = time.perf_counter()
-                layers = [(k.cpu(), v.cpu()) for k, v in runner.export_kv(rid, len(prompt))]  # as prefill_worker
-                t2 = time.perf_counter()
-            finally:
-                runner.free(rid)
-            header = _header(rid, prompt, first)
-            t3 = time.perf_counter()
-            resp = await push(kv_transfer.encode_frames(header, layers, chunk_bytes), timeout=60)
-            t4 = time.perf_counter()
-            if not resp.accepted:
+            return resp.kv_address
+
+        async def send(transport: str, rid: str, kv_address: str) -> None:
+            frames = kv_transfer.encode_frames(_header(rid, prompt, first), layers, chunk_bytes)
+            if transport == "tcp":
+                if not kv_address:
+                    raise RuntimeError(f"decode worker {address} runs no TCP data plane (PDQ_KV_TRANSPORT=tcp)")
+                await pusher.push(kv_address, frames, timeout=60)
+            elif not (await grpc_push(frames, timeout=60)).accepted:
                 raise RuntimeError("the decode worker refused the hand-off")
-            if i:
-                prefill_s.append(t1 - t0)
-                export_s.append(t2 - t1)
-                push_s.append(t4 - t3)
-            n_bytes = sum(t.numel() * t.element_size() for pair in layers for t in pair)
-        out = {"prompt_tokens": len(prompt), "kv_bytes": n_bytes, "repeats": REPEATS,
-               "prefill_ms": _median_ms(prefill_s), "export_ms": _median_ms(export_s), "push_ms": _median_ms(push_s),
-               "push_gbps": round(n_bytes / statistics.median(push_s) / 1e9, 3)}
-        if concurrent:
-            walls = []
+
+        for transport in TRANSPORTS:
+            push_s = []
             for i in range(REPEATS + 1):
-                rids = [f"bench-handoff-{tag}-x{i}-{j}-{time.monotonic_ns()}" for j in range(concurrent)]
-                for rid in rids:
-                    if not (await stub.Reserve(pb.ReserveRequest(request_id=rid, tokens=len(prompt) + 1),
-                                               timeout=10)).granted:
-                        raise RuntimeError(f"decode worker {address} has no free KV slot")
+                rid = f"bench-handoff-{tag}-{transport}-{i}-{time.monotonic_ns()}"
+                kv_address = await reserve(rid)
                 t0 = time.perf_counter()
-                answers = await asyncio.gather(*(push(kv_transfer.encode_frames(_header(rid, prompt, first), layers,
-                                                                                chunk_bytes), timeout=60)
-                                                 for rid in rids))
+                await send(transport, rid, kv_address)
                 if i:
-                    walls.append(time.perf_counter() - t0)
-                if not all(a.accepted for a in answers):
-                    raise RuntimeError("the decode worker refused a hand-off")
-            wall = statistics.median(walls)
-            out["concurrent"] = {"transfers": concurrent, "wall_ms": round(wall * 1000, 3),
-                                 "aggregate_gbps": round(concurrent * n_bytes / wall / 1e9, 3)}
+                    push_s.append(time.perf_counter() - t0)
+            res = out[transport] = {"push_ms": _median_ms(push_s),
+                                    "push_gbps": round(n_bytes / statistics.median(push_s) / 1e9, 3)}
+            if concurrent:
+                walls = []
+                for i in range(REPEATS + 1):
+                    rids = [f"bench-handoff-{tag}-{transport}-x{i}-{j}-{time.monotonic_ns()}" for j in range(concurrent)]
+                    kv_addresses = [await reserve(rid) for rid in rids]
+                    t0 = time.perf_counter()
+                    await asyncio.gather(*(send(transport, rid, kv) for rid, kv in zip(rids, kv_addresses)))
+                    if i:
+                        walls.append(time.perf_counter() - t0)
+                wall = statistics.median(walls)
+                res["concurrent"] = {"transfers": concurrent, "wall_ms": round(wall * 1000, 3),
+                                     "aggregate_gbps": round(concurrent * n_bytes / wall / 1e9, 3)}
+            if transport == "grpc":
+                grpc_s = push_s
+    await pusher.close()
     if ceiling:
         frames = list(kv_transfer.encode_frames(_header("ceiling", prompt, first), layers, chunk_bytes))
         bare = await grpc_ceiling.measure(ceiling, frames, REPEATS)
         out["bare_grpc"] = {"ms": _median_ms(bare), "gbps": grpc_ceiling.median_gbps(n_bytes, bare),
-                            "pdq_share": round(statistics.median(bare) / statistics.median(push_s), 3)}
+                            "pdq_grpc_share": round(statistics.median(bare) / statistics.median(grpc_s), 3)}
     return out
 
 
@@ -192,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
         f"{workload.describe()}")
     runner = ModelRunner.from_pretrained(model_dir, kv_budget_tokens=4096, max_seq_len=2048)
     with Cluster(model=args.model, prefill=1, decode=2, port=0, auth=False, metrics_port=-1,
-                 redis_url=args.redis_url, extra_env=env) as cluster:
+                 redis_url=args.redis_url, extra_env={"PDQ_KV_TRANSPORT": "tcp", **env}) as cluster:
         decode0 = next(ch for ch in cluster.children if ch.name == "decode-0")
         address = f"{cluster.host}:{decode0.port}"
         bare_port = free_port()  # the bare gRPC server runs as nice as the decode workers
@@ -207,31 +223,33 @@ def run(args: argparse.Namespace) -> int:
         ttft_ms = _client_ttft(cluster.target, median_prompt)
         served = _split(cluster, workload)
     med = handoff["median"]
-    overhead = (med["export_ms"] + med["push_ms"]) / med["prefill_ms"]
+    overhead = {t: (med["export_ms"] + med[t]["push_ms"]) / med["prefill_ms"] for t in TRANSPORTS}
     total = sum(served.values())
     shares = {k: round(v / total, 3) for k, v in served.items()}
     out = {"model": args.model, "handoff": handoff,
-           "ttft": {"prefill_alone_ms": med["prefill_ms"], "prefill_plus_handoff_ms":
-                    round(med["prefill_ms"] + med["export_ms"] + med["push_ms"], 3),
-                    "handoff_overhead": round(overhead, 3), "client_ttft_ms": ttft_ms,
-                    "handoff_over_client_ttft": round((med["export_ms"] + med["push_ms"]) / ttft_ms, 3)},
+           "ttft": {"prefill_alone_ms": med["prefill_ms"], "client_ttft_ms": ttft_ms,
+                    **{t: {"prefill_plus_handoff_ms": round(med["prefill_ms"] + med["export_ms"] + med[t]["push_ms"], 3),
+                           "handoff_overhead": round(overhead[t], 3),
+                           "handoff_over_client_ttft": round((med["export_ms"] + med[t]["push_ms"]) / ttft_ms, 3)}
+                       for t in TRANSPORTS}},
            "decode_split": {"requests": total, "per_worker": served, "shares": shares}}
-    print(f"hand-off throughput (goal >= 1 GB/s), median of {REPEATS}:")
+    print(f"hand-off throughput (goal >= 1 GB/s), median of {REPEATS}, over PushKV (grpc) and the decode "
+          "worker's TCP data plane (tcp):")
     for name, h in handoff.items():
         print(f"  {name:6s} prompt {h['prompt_tokens']:5d} tok  KV {h['kv_bytes'] / 1e6:7.2f} MB  "
-              f"push {h['push_ms']:8.2f} ms  {h['push_gbps']:6.2f} GB/s  (export {h['export_ms']:.2f} ms)")
+              f"(export {h['export_ms']:.2f} ms)")
+        for t in TRANSPORTS:
+            print(f"    {t:4s}  push {h[t]['push_ms']:8.2f} ms  {h[t]['push_gbps']:6.2f} GB/s")
+            if "concurrent" in h[t]:
+                c = h[t]["concurrent"]
+                print(f"    {t:4s}  x{c['transfers']} at once: {c['wall_ms']:8.2f} ms  {c['aggregate_gbps']:6.2f} GB/s aggregate")
         if "bare_grpc" in h:
             b = h["bare_grpc"]
-            print(f"  {name:6s} same bytes, bare grpc.aio stream (the transport's ceiling here): {b['ms']:8.2f} ms  "
-                  f"{b['gbps']:6.2f} GB/s; pdq's hand-off reaches {b['pdq_share']:.0%} of it")
-        if "concurrent" in h:
-            c = h["concurrent"]
-            print(f"  {name:6s} x{c['transfers']} at once over one channel: {c['wall_ms']:8.2f} ms  "
-                  f"{c['aggregate_gbps']:6.2f} GB/s aggregate")
-    print(f"TTFT overhead at the median prompt (goal <= 10%): prefill alone {med['prefill_ms']:.2f} ms, "
-          f"+ hand-off {med['export_ms'] + med['push_ms']:.2f} ms = {overhead:+.1%}; "
-          f"client TTFT through the cluster {ttft_ms:.1f} ms (the first token does not wait for the hand-off; "
-          f"hand-off / that TTFT = {(med['export_ms'] + med['push_ms']) / ttft_ms:.1%})")
+            print(f"    same bytes, bare grpc.aio stream (gRPC's ceiling here): {b['ms']:8.2f} ms  "
+                  f"{b['gbps']:6.2f} GB/s; PushKV reaches {b['pdq_grpc_share']:.0%} of it")
+    print(f"TTFT overhead at the median prompt (goal <= 10%): prefill alone {med['prefill_ms']:.2f} ms; + hand-off " +
+          ", ".join(f"{t} {med['export_ms'] + med[t]['push_ms']:.2f} ms = {overhead[t]:+.1%}" for t in TRANSPORTS) +
+          f"; client TTFT through the cluster {ttft_ms:.1f} ms (the first token does not wait for the hand-off)")
     print(f"decode split (goal 50% +- 10% each), {total} requests: " +
           ", ".join(f"{k} {v} ({shares[k]:.0%})" for k, v in sorted(served.items())))
     if args.json:

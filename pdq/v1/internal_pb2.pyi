@@ -60,16 +60,18 @@ class InternalCancelResponse(_message.Message):
     def __init__(self, state: _Optional[str] = ...) -> None: ...
 
 class PrefillItem(_message.Message):
-    __slots__ = ("spec", "epoch", "decode_address", "priority")
+    __slots__ = ("spec", "epoch", "decode_address", "priority", "decode_kv_address")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    DECODE_KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     spec: RequestSpec
     epoch: int
     decode_address: str
     priority: int
-    def __init__(self, spec: _Optional[_Union[RequestSpec, _Mapping]] = ..., epoch: _Optional[int] = ..., decode_address: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    decode_kv_address: str
+    def __init__(self, spec: _Optional[_Union[RequestSpec, _Mapping]] = ..., epoch: _Optional[int] = ..., decode_address: _Optional[str] = ..., priority: _Optional[int] = ..., decode_kv_address: _Optional[str] = ...) -> None: ...
 
 class PrefillBatch(_message.Message):
     __slots__ = ("batch_id", "items")
@@ -106,12 +108,14 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("granted", "free_slots")
+    __slots__ = ("granted", "free_slots", "kv_address")
     GRANTED_FIELD_NUMBER: _ClassVar[int]
     FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     granted: bool
     free_slots: int
-    def __init__(self, granted: _Optional[bool] = ..., free_slots: _Optional[int] = ...) -> None: ...
+    kv_address: str
+    def __init__(self, granted: _Optional[bool] = ..., free_slots: _Optional[int] = ..., kv_address: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "epoch")

@@ -280,7 +280,8 @@ class DecodeWorkerServicer:
         slot and writes each chunk straight into it; the sequence joins the
         running batch only if the checksum and sizes match (fail closed).
         Otherwise the slot is freed before the call fails with DATA_LOSS /
-        FAILED_PRECONDITION, and nothing is decoded.
+        FAILED_PRECONDITION, and nothing is decoded. A worker with a TCP data
+        plane (ReserveResponse.kv_address) takes the same frames there too.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

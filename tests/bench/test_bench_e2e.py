@@ -60,8 +60,8 @@ def test_pdq_bench_scheduler_reports_every_goal(tmp_path):
 
 
 def test_pdq_bench_handoff_reports_pdq_against_bare_grpc(tmp_path):
-    """`pdq bench --handoff` on the tiny model: real hand-offs, the bare-gRPC ceiling of the same
-    bytes in the same run, the TTFT overhead and the decode split are all reported."""
+    """`pdq bench --handoff` on the tiny model: real hand-offs over both transports, the bare-gRPC
+    ceiling of the same bytes in the same run, the TTFT overhead and the decode split are all reported."""
     out_json = tmp_path / "handoff.json"
     cmd = [sys.executable, "-m", "pdq.cli", "bench", "--handoff", "--model", "builtin:tiny", "--requests", "4",
            "--json", str(out_json)]
@@ -70,9 +70,9 @@ def test_pdq_bench_handoff_reports_pdq_against_bare_grpc(tmp_path):
     report = json.loads(out_json.read_text())
     for name in ("median", "long"):
         h = report["handoff"][name]
-        assert h["kv_bytes"] > 0 and h["push_gbps"] > 0
-        assert h["bare_grpc"]["gbps"] > 0 and h["bare_grpc"]["pdq_share"] > 0
-    assert report["handoff"]["median"]["concurrent"]["transfers"] == 4
-    assert report["ttft"]["prefill_alone_ms"] > 0
+        assert h["kv_bytes"] > 0 and h["grpc"]["push_gbps"] > 0 and h["tcp"]["push_gbps"] > 0
+        assert h["bare_grpc"]["gbps"] > 0 and h["bare_grpc"]["pdq_grpc_share"] > 0
+    assert report["handoff"]["median"]["tcp"]["concurrent"]["transfers"] == 4
+    assert report["ttft"]["prefill_alone_ms"] > 0 and report["ttft"]["tcp"]["handoff_overhead"] > 0
     assert report["decode_split"]["requests"] == 4
     assert "bare grpc.aio stream" in proc.stdout

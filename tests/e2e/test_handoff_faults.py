@@ -9,12 +9,16 @@ import redis
 
 from pdq.client import Client
 from pdq.up import Cluster
+from tests.observability.test_metrics import scrape, value
 
 
-@pytest.fixture(scope="module")
-def faulty():
-    # the prefill worker corrupts its first 4 KV hand-offs; a stopping worker waits 0.3 s at most
-    with Cluster(model="builtin", port=0, decode=2, extra_env={"PDQ_FAULTS": "kv_corrupt=4", "PDQ_GRACE_S": "0.3"}) as c:
+@pytest.fixture(scope="module", params=["grpc", "tcp"])
+def faulty(request):
+    # the prefill worker corrupts its first 4 KV hand-offs; a stopping worker waits 0.3 s at most;
+    # hand-offs go over PushKV, then (second round) over the decode workers' TCP data plane
+    env = {"PDQ_FAULTS": "kv_corrupt=4", "PDQ_GRACE_S": "0.3", "PDQ_KV_TRANSPORT": request.param}
+    with Cluster(model="builtin", port=0, decode=2, extra_env=env) as c:
+        c.kv_transport = request.param
         yield c
 
 
@@ -40,6 +44,14 @@ def test_corrupt_handoffs_never_produce_tokens_and_retries_are_bounded(faulty):
         assert len(ok.token_ids) == 5
         assert record(faulty, ok.request_id)["attempts"] == "2"
         assert ok.token_ids == c.generate("second", max_tokens=5, ignore_eos=True).token_ids
+
+
+def test_hand_offs_went_over_the_configured_transport(faulty):
+    samples = scrape(next(ch for ch in faulty.children if ch.name == "prefill-0").metrics_url(faulty.host))
+    assert value(samples, "pdq_kv_transfer_seconds_count", outcome="error", transport=faulty.kv_transport) == 4
+    assert value(samples, "pdq_kv_transfer_seconds_count", outcome="ok", transport=faulty.kv_transport) >= 2
+    other = {"grpc": "tcp", "tcp": "grpc"}[faulty.kv_transport]
+    assert value(samples, "pdq_kv_transfer_seconds_count", transport=other) == 0
 
 
 def test_failed_handoffs_release_their_kv_reservations(faulty):

@@ -18,6 +18,7 @@ stays usable; on a broken connection either side drops it (the scheduler retries
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import socket
 import ssl
@@ -72,15 +73,14 @@ async def serve(host: str, port: int, handle: Handler, tls: InternalTLS | None) 
     """Listens for hand-offs; `handle(frames, traceparent)` consumes one hand-off's frames and
     returns when it is accepted, or raises Refused."""
 
-    async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def connection(conn: Receiver) -> None:
         try:
             while True:
                 try:
-                    (n,) = _U32.unpack(await reader.readexactly(4))
+                    traceparent = bytes(await conn.blob()).decode(errors="replace")
                 except asyncio.IncompleteReadError:
                     return  # the client closed the connection between hand-offs
-                traceparent = (await reader.readexactly(n)).decode(errors="replace") if n else ""
-                frames = Frames(reader)
+                frames = Frames(conn)
                 try:
                     await handle(frames, traceparent)
                     code, details = 0, b""
@@ -88,41 +88,116 @@ async def serve(host: str, port: int, handle: Handler, tls: InternalTLS | None) 
                     code, details = exc.code.value[0], exc.details.encode()
                 async for _ in frames:  # the rest of a refused hand-off, so the connection stays in step
                     pass
-                writer.write(_STATUS.pack(code, len(details)) + details)
-                await writer.drain()
+                conn.transport.write(_STATUS.pack(code, len(details)) + details)
                 if frames.malformed:
                     return
         except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
             pass  # a broken connection: drop it (the handler freed what it took)
         finally:
-            writer.close()
+            conn.transport.close()
 
     ctx = _ssl_context(tls, server=True) if tls else None
-    return await asyncio.start_server(connection, host, port, ssl=ctx, limit=MAX_FRAME + 4)
+    return await asyncio.get_running_loop().create_server(lambda: Receiver(connection), host, port, ssl=ctx)
+
+
+class Receiver(asyncio.BufferedProtocol):
+    """One connection's length-prefixed blobs, each received straight into a buffer of its own
+    (asyncio's StreamReader buffering made a 1.7 MB hand-off ~5x slower here)."""
+
+    def __init__(self, on_connect: Callable[["Receiver"], Awaitable[None]]):
+        self.on_connect = on_connect
+        self.transport: asyncio.BaseTransport | None = None
+        self._blobs: collections.deque = collections.deque()  # bytearray, or an int: a length over MAX_FRAME
+        self._waiter: asyncio.Future | None = None
+        self._eof = self._paused = False
+        self._len = bytearray(4)
+        self._buf, self._filled = self._len, 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self._task = asyncio.get_running_loop().create_task(self.on_connect(self))
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return memoryview(self._buf)[self._filled:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._filled += nbytes
+        if self._filled < len(self._buf):
+            return
+        self._filled = 0
+        if self._buf is not self._len:
+            self._push(self._buf)
+            self._buf = self._len
+            return
+        (n,) = _U32.unpack(self._len)
+        if n > MAX_FRAME:
+            self._push(n)
+            self.transport.pause_reading()  # the connection is out of step: answer, then close
+        elif n == 0:
+            self._push(bytearray())
+        else:
+            self._buf = bytearray(n)
+
+    def eof_received(self) -> bool:
+        self._eof = True
+        self._wake()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._eof = True
+        self._wake()
+
+    def _push(self, item: "bytearray | int") -> None:
+        self._blobs.append(item)
+        if len(self._blobs) > 64 and not self._paused:  # the handler fell behind: stop reading for now
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def blob(self) -> bytearray:
+        """The next blob; IncompleteReadError when the connection ended first, Refused
+        (INVALID_ARGUMENT) for a length over MAX_FRAME."""
+        while not self._blobs:
+            if self._eof:
+                raise asyncio.IncompleteReadError(b"", None)
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        item = self._blobs.popleft()
+        if self._paused and len(self._blobs) <= 16:
+            self._paused = False
+            self.transport.resume_reading()
+        if isinstance(item, int):
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"KV frame of {item} bytes (at most {MAX_FRAME})")
+        return item
 
 
 class Frames:
-    """One hand-off's frames as they arrive; ends at the end marker. A frame over MAX_FRAME
-    raises Refused and marks the connection malformed (it is answered, then closed)."""
+    """One hand-off's frames as they arrive; ends at the end marker (an empty blob). A frame
+    over MAX_FRAME raises Refused and marks the connection malformed (answered, then closed)."""
 
-    def __init__(self, reader: asyncio.StreamReader):
-        self.reader = reader
+    def __init__(self, conn: Receiver):
+        self.conn = conn
         self.ended = self.malformed = False
 
     def __aiter__(self) -> "Frames":
         return self
 
-    async def __anext__(self) -> bytes:
+    async def __anext__(self) -> bytearray:
         if self.ended:
             raise StopAsyncIteration
-        (n,) = _U32.unpack(await self.reader.readexactly(4))
-        if n == 0 or n > MAX_FRAME:
+        try:
+            frame = await self.conn.blob()
+        except Refused:
+            self.ended = self.malformed = True
+            raise
+        if not frame:
             self.ended = True
-            if n == 0:
-                raise StopAsyncIteration
-            self.malformed = True
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"KV frame of {n} bytes (at most {MAX_FRAME})")
-        return await self.reader.readexactly(n)
+            raise StopAsyncIteration
+        return frame
 
 
 # -- the prefill worker's side ---------------------------------------------------------------

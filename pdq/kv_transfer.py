@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import xxhash
 from google.protobuf.message import DecodeError
@@ -193,17 +194,29 @@ def scatter(h: pb.KVHeader, offset: int, src: torch.Tensor, dst: torch.Tensor) -
     per_head = tokens * dim
     per_tensor = heads * per_head
     dst = dst.flatten(0, 1)  # [layers * 2, heads, seq, dim]
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        # numpy copies these small strided blocks ~2.5x faster than copy_ (no intra-op threads)
+        dst, src = _as_numpy(dst), _as_numpy(src)
+        copy = np.copyto
+    else:
+        def copy(d: torch.Tensor, s: torch.Tensor) -> None:
+            d.copy_(s)
     i, end = 0, len(src)
     while i < end:
         tensor, within = divmod(offset + i, per_tensor)
         if within == 0 and end - i >= per_tensor:  # a whole K or V: one strided copy
-            dst[tensor, :, :tokens].copy_(src[i:i + per_tensor].view(heads, tokens, dim))
+            copy(dst[tensor, :, :tokens], src[i:i + per_tensor].reshape(heads, tokens, dim))
             i += per_tensor
             continue
         head, pos = divmod(within, per_head)
         n = min(per_head - pos, end - i)
-        dst[tensor, head].view(-1)[pos:pos + n].copy_(src[i:i + n])
+        copy(dst[tensor, head].reshape(-1)[pos:pos + n], src[i:i + n])
         i += n
+
+
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor (bfloat16 as int16: the same bytes)."""
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
 class KVSink(Protocol):

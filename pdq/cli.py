@@ -92,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--mtls", action="store_true",
                     help="mutual TLS between the cluster's roles, with a throwaway CA made for this run (openssl)")
     up.add_argument("--kv-transport", choices=("grpc", "tcp"), default=None,
-                    help="how KV caches go from prefill to decode workers: grpc (PushKV, default) or tcp "
-                         "(the decode workers' TCP data plane, several times faster)")
+                    help="how KV caches go from prefill to decode workers: tcp (the decode workers' TCP data "
+                         "plane, the default) or grpc (PushKV streaming only)")
     up.set_defaults(func=_up)
 
     gen = sub.add_parser("generate", help="generate text from a prompt")

@@ -56,7 +56,7 @@ def test_histograms_move(traced_cluster, client):
     assert moved("pdq_time_to_first_token_seconds_count", "prefill-0", **req)
     assert moved("pdq_prompt_tokens_total", "prefill-0", by=3, **req)
     assert moved("pdq_batch_tokens_count", "prefill-0", stage="prefill")
-    assert moved("pdq_kv_transfer_seconds_count", "prefill-0", outcome="ok", transport="grpc")
+    assert moved("pdq_kv_transfer_seconds_count", "prefill-0", outcome="ok", transport="tcp")
     assert moved("pdq_inter_token_latency_seconds_count", "decode-0", by=7, **req)  # 8 tokens, the first from prefill
     assert moved("pdq_inter_token_latency_seconds_bucket", "decode-0", by=7, le="+Inf", **req)
     assert moved("pdq_generated_tokens_total", "decode-0", by=7, **req)

@@ -8,7 +8,7 @@ import pytest
 
 SERVICES = {"pdq-gateway", "pdq-scheduler", "pdq-prefill", "pdq-decode"}
 HOPS = ("pdq.v1.Generation/GenerateStream", "pdq.stream", "pdq.v1.Scheduler/Submit", "pdq.enqueue",
-        "pdq.queue_wait", "pdq.prefill", "pdq.kv_transfer", "pdq.v1.DecodeWorker/PushKV", "pdq.decode")
+        "pdq.queue_wait", "pdq.prefill", "pdq.kv_transfer", "pdq.kv_receive", "pdq.decode")
 
 
 def _has(trace_id: str, names, spans) -> bool:
@@ -61,8 +61,10 @@ def test_one_trace_spans_every_hop(client, collector):
     kv = _one(spans, "pdq.kv_transfer")
     assert kv.parent_id == gw.span_id and kv.kind == "CLIENT"
     assert kv.attributes["pdq.kv.bytes"] > 0 and kv.attributes["pdq.kv.chunks"] >= 3
-    push = _one(spans, "pdq.v1.DecodeWorker/PushKV")
-    assert (push.service, push.kind, push.parent_id) == ("pdq-decode", "SERVER", kv.span_id)
+    assert kv.attributes["pdq.kv.transport"] == "tcp"  # the default: the decode worker's TCP data plane
+    receive = _one(spans, "pdq.kv_receive")
+    assert (receive.service, receive.kind, receive.parent_id) == ("pdq-decode", "SERVER", kv.span_id)
+    assert receive.attributes["pdq.request_id"] == rid and receive.attributes["pdq.kv.bytes"] == kv.attributes["pdq.kv.bytes"]
 
     decode = _one(spans, "pdq.decode")
     assert decode.service == "pdq-decode" and decode.parent_id == gw.span_id

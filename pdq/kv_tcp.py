@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import os
 import socket
 import ssl
@@ -29,6 +30,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 import grpc
 
 from pdq.mtls import InternalTLS
+
+log = logging.getLogger("pdq.kv_tcp")
 
 MAX_FRAME = 64 << 20
 _U32 = struct.Struct("<I")
@@ -93,6 +96,8 @@ async def serve(host: str, port: int, handle: Handler, tls: InternalTLS | None) 
                     return
         except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
             pass  # a broken connection: drop it (the handler freed what it took)
+        except Exception:
+            log.exception("KV data plane connection failed")
         finally:
             conn.transport.close()
 
@@ -218,6 +223,7 @@ class Pusher:
             if not reader.at_eof() and not writer.is_closing():
                 return reader, writer
             writer.close()
+        self._sweep()
         host, port = split_address(address)
         reader, writer = await asyncio.open_connection(host, port, ssl=self._ctx,
                                                        server_hostname=self.tls.name if self.tls else None)
@@ -255,6 +261,15 @@ class Pusher:
         self._idle.setdefault(address, []).append((reader, writer))
         if code:
             raise Refused(_CODES.get(code, grpc.StatusCode.UNKNOWN), details)
+
+    def _sweep(self) -> None:
+        """Closes idle connections the other end has closed (a decode worker that left)."""
+        for address, idle in list(self._idle.items()):
+            for conn in [c for c in idle if c[0].at_eof() or c[1].is_closing()]:
+                idle.remove(conn)
+                conn[1].close()
+            if not idle:
+                del self._idle[address]
 
     @staticmethod
     def _drop(writer: asyncio.StreamWriter | None) -> None:

@@ -86,3 +86,39 @@ async def test_an_unreachable_data_plane_is_unavailable():
     with pytest.raises(kv_tcp.Refused) as err:
         await pusher.push(f"127.0.0.1:{free_port()}", [b"x"], timeout=5)
     assert err.value.code == grpc.StatusCode.UNAVAILABLE and "connection failed" in err.value.details
+
+
+async def test_idle_connections_to_a_worker_that_left_are_closed():
+    """A decode worker that leaves closes its end; the pusher drops such idle connections the
+    next time it opens one (it does not keep sockets to workers that are gone)."""
+    closed = asyncio.Event()
+
+    async def one_hand_off_then_leave(conn: kv_tcp.Receiver) -> None:
+        await conn.blob()  # traceparent
+        while await conn.blob():  # frames, up to the end marker
+            pass
+        conn.transport.write(struct.pack("<BI", 0, 0))  # accepted
+        conn.transport.close()
+        closed.set()
+
+    leaving = await asyncio.get_running_loop().create_server(
+        lambda: kv_tcp.Receiver(one_hand_off_then_leave), "127.0.0.1", 0)
+    staying = await kv_tcp.serve("127.0.0.1", 0, lambda frames, tp: _consume(frames), None)
+    a, b = (f"127.0.0.1:{s.sockets[0].getsockname()[1]}" for s in (leaving, staying))
+    pusher = kv_tcp.Pusher(None)
+    try:
+        await pusher.push(a, [b"frame"])
+        await closed.wait()
+        reader, _ = pusher._idle[a][0]
+        await wait_for("the pusher to see the close", reader.at_eof)
+        await pusher.push(b, [b"frame"])  # opens a connection: sweeps the dead one
+        assert a not in pusher._idle and len(pusher._idle[b]) == 1
+    finally:
+        await pusher.close()
+        leaving.close()
+        staying.close()
+
+
+async def _consume(frames) -> None:
+    async for _ in frames:
+        pass

@@ -67,6 +67,9 @@ def _bench(args: argparse.Namespace) -> int:
     return run(args)
 
 
+ROLES = {"gateway": "gateway", "scheduler": "scheduler", "prefill": "prefill_worker", "decode": "decode_worker"}
+
+
 def _role(module: str):
     def run(args: argparse.Namespace) -> int:
         import importlib
@@ -136,8 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_operator_parsers(sub)
 
-    for name, module in (("gateway", "gateway"), ("scheduler", "scheduler"),
-                         ("prefill", "prefill_worker"), ("decode", "decode_worker")):
+    for name, module in ROLES.items():
         role = sub.add_parser(name, help=f"run one {module} process (flags: pdq {name} --help)", add_help=False)
         role.add_argument("rest", nargs=argparse.REMAINDER)
         role.set_defaults(func=_role(module))
@@ -145,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ROLES:  # the role parses its own flags (REMAINDER would not take a leading --flag)
+        sys.exit(_role(ROLES[argv[0]])(argparse.Namespace(rest=argv[1:])))
     args = build_parser().parse_args(argv)
     sys.exit(args.func(args))
 

@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
+import redis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -84,7 +85,11 @@ async def run_until_signal(server: Server, grace_s: float, ready: Callable[[], A
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await server.start()
+    try:
+        await server.start()
+    except BaseException:  # e.g. Redis unreachable: close the port before the error goes up
+        await server.grpc.stop(0)
+        raise
     if ready:
         ready()
     await stop.wait()
@@ -145,6 +150,17 @@ async def abort(context: grpc.aio.ServicerContext, exc: StatusError) -> None:
     await context.abort(exc.code, exc.message, exc.trailing_metadata())
 
 
+def redact(url: str) -> str:
+    """A Redis URL without its password, for logs."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 def run_service(role: str, config_cls: type, build_server: Callable[[Any], Server], argv: list[str] | None = None) -> None:
     """The `main()` of every pdq process: flags/env -> config -> build_server -> serve to SIGTERM."""
     import argparse
@@ -170,6 +186,10 @@ def run_service(role: str, config_cls: type, build_server: Callable[[Any], Serve
 
     try:
         asyncio.run(run())
+    except redis.exceptions.ConnectionError as exc:  # at start: say what to fix, not a traceback
+        log.error("%s cannot reach Redis at %s: %s (set --redis-url or PDQ_REDIS_URL)",
+                  role, redact(config.redis_url), exc)
+        raise SystemExit(1) from None
     finally:
         telemetry.shutdown()  # export the spans still buffered
         metrics.stop()

@@ -1,0 +1,57 @@
+"""`pdq gateway|scheduler|prefill|decode [flags]`: each role takes its own flags (the README's
+"A cluster by hand" and the Kubernetes manifests start the roles this way)."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdq.redis_server import free_port
+
+PDQ = [sys.executable, "-m", "pdq.cli"]
+
+
+@pytest.mark.parametrize("role, flag", [("gateway", "--scheduler-address"), ("scheduler", "--dispatch-interval-ms"),
+                                        ("prefill", "--max-batched-tokens"), ("decode", "--kv-transport")])
+def test_each_role_lists_its_own_flags(role, flag):
+    out = subprocess.run(PDQ + [role, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert flag in out.stdout and "--port" in out.stdout
+
+
+def test_a_role_started_by_hand_serves_and_stops_on_sigterm(redis_server):
+    port = free_port()
+    proc = subprocess.Popen(PDQ + ["scheduler", "--port", str(port), "--redis-url", redis_server.url,
+                                   "--metrics-port", "-1", "--key-prefix", "handstart"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while True:
+                try:
+                    if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                            health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.RpcError:
+                    pass
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "slow"
+                time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_an_unreachable_redis_is_one_clear_line_without_the_password():
+    url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"  # nothing listens there
+    out = subprocess.run(PDQ + ["scheduler", "--port", "0", "--redis-url", url, "--metrics-port", "-1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert "scheduler cannot reach Redis at redis://:***@127.0.0.1" in out.stderr
+    assert "hunter2" not in out.stderr and "Traceback" not in out.stderr

@@ -30,7 +30,12 @@ def test_a_child_dies_with_its_parent_and_keeps_its_pid_and_niceness():
     try:
         pid = int(parent.stdout.readline())
         deadline = time.monotonic() + 30
-        while "pdq.child" in open(f"/proc/{pid}/cmdline").read():  # until it has exec'd the command
+
+        def execd() -> bool:  # the command's own cmdline (right after Popen, mid-exec, it can read empty)
+            cmdline = open(f"/proc/{pid}/cmdline").read()
+            return "time.sleep(120)" in cmdline and "pdq.child" not in cmdline
+
+        while not execd():
             assert time.monotonic() < deadline, "the child never exec'd its command"
             time.sleep(0.01)
         assert os.getpriority(os.PRIO_PROCESS, pid) == os.getpriority(os.PRIO_PROCESS, 0) + 3

@@ -228,9 +228,7 @@ def build_server(config: DecodeConfig) -> Server:
         if config.kv_transport == "tcp":
             state["kv"] = kv = await kv_tcp.serve(config.host, config.kv_port, service.receive_tcp,
                                                   InternalTLS.from_config(config))
-            host = kv_tcp.split_address(address)[0]
-            service.kv_address = f"[{host}]:{kv.sockets[0].getsockname()[1]}" if ":" in host else \
-                f"{host}:{kv.sockets[0].getsockname()[1]}"
+            service.kv_address = kv_tcp.join_address(kv_tcp.split_address(address)[0], kv.sockets[0].getsockname()[1])
         state["cancels"] = CancelListener(config.redis_url, keys)
         service.loop = DecodeLoop(runner, sync_store(config), state["cancels"], load_tokenizer(path),
                                   eos_token_ids(path), address,

@@ -70,13 +70,11 @@ def _bench(args: argparse.Namespace) -> int:
 ROLES = {"gateway": "gateway", "scheduler": "scheduler", "prefill": "prefill_worker", "decode": "decode_worker"}
 
 
-def _role(module: str):
-    def run(args: argparse.Namespace) -> int:
-        import importlib
+def _role(module: str, argv: list[str]) -> int:
+    import importlib
 
-        importlib.import_module(f"{module}.__main__").main(args.rest)
-        return 0
-    return run
+    importlib.import_module(f"{module}.__main__").main(argv)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,17 +137,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_operator_parsers(sub)
 
-    for name, module in ROLES.items():
-        role = sub.add_parser(name, help=f"run one {module} process (flags: pdq {name} --help)", add_help=False)
-        role.add_argument("rest", nargs=argparse.REMAINDER)
-        role.set_defaults(func=_role(module))
+    for name, module in ROLES.items():  # listed here; `main` hands their flags to the role itself
+        sub.add_parser(name, help=f"run one {module} process (flags: pdq {name} --help)", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ROLES:  # the role parses its own flags (REMAINDER would not take a leading --flag)
-        sys.exit(_role(ROLES[argv[0]])(argparse.Namespace(rest=argv[1:])))
+        sys.exit(_role(ROLES[argv[0]], argv[1:]))
     args = build_parser().parse_args(argv)
     sys.exit(args.func(args))
 

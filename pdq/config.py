@@ -107,6 +107,9 @@ class StoreConfig:
             raise ValueError("internal_ca, internal_cert and internal_key go together (mutual TLS between roles)")
         if not -1 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be -1 (off), 0 (any free port) or a port, got {self.metrics_port}")
+        for name in ("port", "kv_port"):  # the listening ports of the role (kv_port: decode workers)
+            if not 0 <= getattr(self, name, 0) <= 65535:
+                raise ValueError(f"{name} must be 0 (any free port) or 1..65535, got {getattr(self, name)}")
 
     @property
     def tier_names(self) -> list[str]:

@@ -67,6 +67,11 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def join_address(host: str, port: int) -> str:
+    """host:port, with an IPv6 host in brackets (the inverse of split_address)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 # -- the decode worker's side ----------------------------------------------------------------
 
 Handler = Callable[[AsyncIterator[bytes], str], Awaitable[None]]

@@ -81,6 +81,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             return pb.PrefillItemResult(request_id=rid, ok=True)
         header = pb.KVHeader(spec=item.spec, epoch=item.epoch, generated_token_ids=outcome.generated)
         chunks = kv_transfer.encode_frames(header, outcome.layers, self.config.kv_chunk_bytes)
+        transport = "tcp" if item.decode_kv_address else "grpc"  # the decode worker's data plane, or PushKV
         n_bytes = sum(t.numel() * t.element_size() for pair in outcome.layers for t in pair)
         n_chunks = kv_transfer.num_messages(outcome.layers, self.config.kv_chunk_bytes)
         span = telemetry.start("pdq.kv_transfer", item.spec.traceparent, kind=telemetry.SpanKind.CLIENT,
@@ -89,14 +90,14 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                                            "pdq.kv.layers": len(outcome.layers),
                                            "pdq.kv.tokens": len(item.spec.prompt_token_ids) + len(outcome.generated) - 1,
                                            "server.address": item.decode_kv_address or item.decode_address,
-                                           "pdq.kv.transport": "tcp" if item.decode_kv_address else "grpc"})
+                                           "pdq.kv.transport": transport})
         started = time.perf_counter()
         if self.faults:
             chunks = self.faults.kv_frames(chunks)
             if self.faults.get("kv_delay_ms"):
                 await asyncio.sleep(self.faults.get("kv_delay_ms") / 1000)
         error = None
-        if item.decode_kv_address:  # the decode worker's TCP data plane
+        if transport == "tcp":
             try:
                 await self._tcp.push(item.decode_kv_address, chunks, telemetry.traceparent(span) if span else "")
             except kv_tcp.Refused as exc:
@@ -109,7 +110,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                     error = "decode worker refused the KV hand-off"
             except grpc.aio.AioRpcError as exc:
                 error = f"KV hand-off to {item.decode_address}: {exc.code().name} {exc.details()}"
-        result, transport = "ok" if error is None else "error", "tcp" if item.decode_kv_address else "grpc"
+        result = "ok" if error is None else "error"
         metrics.KV_TRANSFER.labels(result, transport).observe(time.perf_counter() - started)
         metrics.KV_TRANSFER_BYTES.labels(result, transport).inc(n_bytes)
         telemetry.end(span, "failed" if error else None, error)

@@ -21,3 +21,14 @@ def test_a_heartbeat_too_slow_for_the_timeout_is_refused():
 def test_internal_tls_files_go_together():
     with pytest.raises(ValueError, match="go together"):
         SchedulerConfig(internal_ca="ca.pem")
+
+
+def test_listening_ports_must_be_ports():
+    for cls in (GatewayConfig, SchedulerConfig, PrefillConfig, DecodeConfig):
+        with pytest.raises(ValueError, match="port must be 0"):
+            cls(port=-5)
+        with pytest.raises(ValueError, match="port must be 0"):
+            cls(port=70000)
+    with pytest.raises(ValueError, match="kv_port must be 0"):
+        DecodeConfig(kv_port=-1)
+    assert DecodeConfig(port=0, kv_port=50072).kv_port == 50072

@@ -80,6 +80,7 @@ async def _push(address: str, runner, prompt: list[int], tag: str, chunk_bytes: 
     n_bytes = sum(t.numel() * t.element_size() for pair in layers for t in pair)
     out = {"prompt_tokens": len(prompt), "kv_bytes": n_bytes, "repeats": REPEATS,
            "prefill_ms": _median_ms(prefill_s), "export_ms": _median_ms(export_s)}
+    pushes: dict[str, list[float]] = {}  # transport -> seconds of each hand-off
     pusher = kv_tcp.Pusher(None)
     async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
         stub = pb_grpc.DecodeWorkerStub(channel)
@@ -102,7 +103,7 @@ async def _push(address: str, runner, prompt: list[int], tag: str, chunk_bytes: 
                 raise RuntimeError("the decode worker refused the hand-off")
 
         for transport in TRANSPORTS:
-            push_s = []
+            push_s = pushes[transport] = []
             for i in range(REPEATS + 1):
                 rid = f"bench-handoff-{tag}-{transport}-{i}-{time.monotonic_ns()}"
                 kv_address = await reserve(rid)
@@ -124,14 +125,12 @@ async def _push(address: str, runner, prompt: list[int], tag: str, chunk_bytes: 
                 wall = statistics.median(walls)
                 res["concurrent"] = {"transfers": concurrent, "wall_ms": round(wall * 1000, 3),
                                      "aggregate_gbps": round(concurrent * n_bytes / wall / 1e9, 3)}
-            if transport == "grpc":
-                grpc_s = push_s
     await pusher.close()
     if ceiling:
         frames = list(kv_transfer.encode_frames(_header("ceiling", prompt, first), layers, chunk_bytes))
         bare = await grpc_ceiling.measure(ceiling, frames, REPEATS)
         out["bare_grpc"] = {"ms": _median_ms(bare), "gbps": grpc_ceiling.median_gbps(n_bytes, bare),
-                            "pdq_grpc_share": round(statistics.median(bare) / statistics.median(grpc_s), 3)}
+                            "pdq_grpc_share": round(statistics.median(bare) / statistics.median(pushes["grpc"]), 3)}
     return out
 
 

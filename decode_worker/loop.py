@@ -61,7 +61,8 @@ class LoopStats:
 class DecodeLoop:
     def __init__(self, runner: Any, store: RequestStore, cancels: CancelListener, tokenizer: Any,
                  eos_ids: list[int], worker_address: str, on_leave: Callable[[str], None],
-                 strategy: Strategy = Strategy(), threads: Callable[[], int] | None = None, max_attempts: int = 3):
+                 strategy: Strategy = Strategy(), threads: Callable[[], int] | None = None, max_attempts: int = 3,
+                 prefilling: Callable[[], bool] | None = None, yield_to_prefill_ms: float = 0.0):
         self.runner = runner
         self.store = store
         self.cancels = cancels
@@ -72,6 +73,9 @@ class DecodeLoop:
         self.strategy = strategy
         self.threads = threads  # torch threads for the next step (None: leave them as they are)
         self.max_attempts = max_attempts  # a request given back more often than this FAILS
+        self.prefilling = prefilling  # True while a request reserved here is being prefilled
+        self.yield_to_prefill_ms = yield_to_prefill_ms  # then steps start at least this far apart
+        self._last_step_end = 0.0
         self.inbox: queue.Queue[Arrived | Discard | None] = queue.Queue()
         self.waiting: list[Sequence] = []  # KV in the pool, not yet admitted
         self.running: dict[str, Sequence] = {}
@@ -97,8 +101,9 @@ class DecodeLoop:
 
     def _run(self) -> None:
         while True:
+            wait = self._yield_s() if self.running else self._idle_timeout()
             try:
-                got = self.inbox.get(block=not self.running, timeout=self._idle_timeout())
+                got = self.inbox.get(block=wait != 0, timeout=wait)
                 while True:
                     if got is None:
                         self._shutdown()
@@ -110,11 +115,20 @@ class DecodeLoop:
             try:
                 self._drop_ended()
                 self._admit()
-                if self.running:
+                if self.running and not self._yield_s():
                     self._step()
             except Exception:
                 log.exception("decode step failed; requeueing its sequences")
                 self._requeue_all("decode step failed")
+
+    def _yield_s(self) -> float:
+        """Seconds the next step waits, leaving the cores to prefill: while a request reserved
+        here is being prefilled (on the same machine), steps start `yield_to_prefill_ms` after
+        the previous one ended. Prefill goes first, as in a single engine that runs a prompt's
+        pass before the next decode step; arrivals, cancels and deadlines are still handled."""
+        if not self.yield_to_prefill_ms or self.prefilling is None or not self.prefilling():
+            return 0.0
+        return max(0.0, self._last_step_end + self.yield_to_prefill_ms / 1000 - time.monotonic())
 
     def _idle_timeout(self) -> float | None:
         if not self.waiting:
@@ -264,6 +278,7 @@ class DecodeLoop:
         if self.running and all(s.done for s in self.running.values()):
             for seq in list(self.running.values()):
                 self._leave(seq)
+        self._last_step_end = time.monotonic()
 
     def _shutdown(self) -> None:
         self._requeue_all("decode worker shut down")

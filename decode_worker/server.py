@@ -45,11 +45,15 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         self.on_change = lambda: None
         self.kv_address = ""  # the TCP data plane's host:port, when it runs
 
+    def prefilling(self) -> bool:
+        """Whether a request reserved here is being prefilled (its KV has not arrived yet).
+        Called from the model thread."""
+        return any(expiry is not None for expiry in list(self.holds.values()))
+
     def threads(self) -> int:
         """Torch threads for the next decode step (called from the model thread): all of
         burst_threads while no reserved request is being prefilled, else the base threads."""
-        prefilling = any(expiry is not None for expiry in list(self.holds.values()))
-        return self.config.threads if prefilling or not self.config.burst_threads else self.config.burst_threads
+        return self.config.threads if self.prefilling() or not self.config.burst_threads else self.config.burst_threads
 
     @property
     def free_slots(self) -> int:
@@ -234,7 +238,7 @@ def build_server(config: DecodeConfig) -> Server:
                                   eos_token_ids(path), address,
                                   lambda rid: aio_loop.call_soon_threadsafe(service.left, rid), strategy,
                                   service.threads if config.burst_threads and config.threads else None,
-                                  config.max_attempts)
+                                  config.max_attempts, service.prefilling, config.yield_to_prefill_ms)
         service.loop.start()
         await reclaim_previous_life(service.loop.store, worker_id, config.max_attempts)
         state["heartbeat"] = hb = Heartbeat(config, keys, info)

@@ -4,6 +4,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from gateway.follower import COUNT, MAX_BLOCK_MS, OutputFollower, Subscription
 from pdq.request import FINISH_REASONS, State
 from pdq.store import RequestStore, _str
 from pdq.v1 import generation_pb2 as gen_pb
@@ -24,15 +25,35 @@ class Event:
         self.error = f.get("e", "")
 
 
-# One blocking XREAD waits at most this long: well under the Redis client's socket timeout
-# (redis-py's default is 5 s), which would otherwise end a long GetResult wait with an error.
-MAX_BLOCK_MS = 1000
-
-
-async def follow(store: RequestStore, rid: str, wait_ms: int | None = None) -> AsyncIterator[Event]:
+async def follow(store: RequestStore, rid: str, wait_ms: int | None = None,
+                 follower: OutputFollower | None = None) -> AsyncIterator[Event]:
     """Yields the stream's entries from the start until the end entry; with wait_ms, stops
-    early (without an end) once that long has passed."""
+    early (without an end) once that long has passed. Without wait_ms, reads through
+    `follower` (one XREAD for every stream the gateway follows) when given and the stream is
+    not followed already."""
     key = store.keys.output(rid)
+    sub = follower.subscribe(key) if follower is not None and wait_ms is None else None
+    entries = _read_alone(store, key, wait_ms) if sub is None else _read_followed(sub)
+    try:
+        async for fields in entries:
+            event = Event(fields)
+            yield event
+            if event.state is not None:
+                return
+    finally:
+        if sub is not None:
+            follower.unsubscribe(sub)
+
+
+async def _read_followed(sub: Subscription) -> AsyncIterator[dict]:
+    while True:
+        got = await sub.queue.get()
+        if isinstance(got, Exception):
+            raise got
+        yield got[1]
+
+
+async def _read_alone(store: RequestStore, key: str, wait_ms: int | None) -> AsyncIterator[dict]:
     last = "0-0"
     deadline = None if wait_ms is None else time.monotonic() + wait_ms / 1000
     while True:
@@ -41,14 +62,11 @@ async def follow(store: RequestStore, rid: str, wait_ms: int | None = None) -> A
             block = min(MAX_BLOCK_MS, int((deadline - time.monotonic()) * 1000))
             if block <= 0:
                 block = None  # one last non-blocking read
-        reply = await store.client.xread({key: last}, block=block, count=512)
+        reply = await store.client.xread({key: last}, block=block, count=COUNT)
         for _, entries in reply or []:
             for entry_id, fields in entries:
                 last = _str(entry_id)
-                event = Event(fields)
-                yield event
-                if event.state is not None:
-                    return
+                yield fields
         if block is None:
             return
 

@@ -14,6 +14,7 @@ import grpc
 import redis.asyncio as aioredis
 
 from gateway.auth import KeyRing, Principal
+from gateway.follower import OutputFollower
 from gateway.results import Collected, follow, response, usage_and_timings
 from gateway.validation import REQUEST_ID, Limits, build_spec, check_request, shown
 from pdq import metrics, mtls, telemetry
@@ -103,6 +104,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         self.tokenizer = tokenizer
         self.limits = limits
         self.keys = keys
+        self.follower: OutputFollower | None = None  # set when the server starts (it needs a loop)
 
     # -- the request's life, shared by every RPC ------------------------------------------
 
@@ -174,7 +176,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         first = span is not None
         try:
             yield gen_pb.GenerateStreamResponse(request_id=rid)
-            async for event in follow(self.store, rid):
+            async for event in follow(self.store, rid, follower=self.follower):
                 if event.state is not None:
                     end = event
                     break
@@ -205,7 +207,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         got = Collected()
         span = telemetry.start("pdq.stream", attributes={"pdq.request_id": rid})
         try:
-            async for event in follow(self.store, rid):
+            async for event in follow(self.store, rid, follower=self.follower):
                 got.add(event)
         finally:
             if got.end is not None:
@@ -317,10 +319,14 @@ def build_server(config: GatewayConfig) -> Server:
 
     async def start() -> None:
         await client.ping()
+        reader = aioredis.Redis.from_url(config.redis_url, decode_responses=False, single_connection_client=True)
+        service.follower = OutputFollower(reader, client)
         for tenant, policy in keys.tenants.items():  # the key file's tenant policies, for the scheduler
             await store.set_tenant_policy(tenant, TenantPolicy(**policy))
 
     async def stop() -> None:
+        if service.follower is not None:
+            await service.follower.close()
         await channel.close()
         await client.aclose()
 

@@ -231,6 +231,7 @@ class DecodeConfig(WorkerConfig):
     max_batch_size: int = field(default=64, metadata={"help": "running sequences per step"})
     reservation_timeout_s: float = field(default=30.0, metadata={"help": "unused KV reservations expire after this"})
     burst_threads: int = field(default=0, metadata={"help": "torch CPU threads while none of its reserved requests is being prefilled (0 = threads); for a decode worker sharing cores with a prefill worker"})
+    yield_to_prefill_ms: float = field(default=0.0, metadata={"help": "while a request reserved here is being prefilled, start decode steps at least this many ms apart, leaving the cores to prefill (0 = off); for a decode worker sharing cores with a prefill worker"})
     strategy: str = field(default="continuous", metadata={"help": "batching: continuous, dynamic or static"})
     strategy_batch_size: int = field(default=8, metadata={"help": "batch size of the static and dynamic strategies"})
     dynamic_window_ms: float = field(default=50.0, metadata={"help": "dynamic strategy: longest wait for a fuller batch"})
@@ -242,6 +243,8 @@ class DecodeConfig(WorkerConfig):
         super().__post_init__()
         _positive("kv_budget_tokens", self.kv_budget_tokens)
         _positive("strategy_batch_size", self.strategy_batch_size)
+        if not 0 <= self.yield_to_prefill_ms <= 10_000:
+            raise ValueError(f"yield_to_prefill_ms must be in [0, 10000], got {self.yield_to_prefill_ms}")
         if self.kv_transport not in KV_TRANSPORTS:
             raise ValueError(f"kv_transport must be one of {', '.join(KV_TRANSPORTS)}, got {self.kv_transport!r}")
         if self.strategy not in STRATEGIES:

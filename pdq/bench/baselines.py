@@ -13,14 +13,12 @@
 Both run on the CPU threads torch gives this process (`torch.get_num_threads()`); the CPU time
 this process spends in a run is the baseline's own (`client_cpu_s` of its record).
 
-OpenMP wait policy: unless OMP_WAIT_POLICY is set, torch is loaded here with it PASSIVE. With
-libgomp's default (spin before sleeping) and as many threads as cores, a torch main thread on
-a machine that other processes also load wastes most of its CPU spinning: measured here with
-the engine, 25-40 output tokens per CPU-second instead of ~150, while the workers' model
-threads (not the main thread; their processes have more OpenMP threads than cores, so libgomp
-throttles its spinning) stay near 150. PASSIVE gives the baselines that same efficiency, so a
-busy machine slows both sides alike. The variable is set only for the import (libgomp reads it
-when it loads), so clusters spawned later do not inherit it.
+OpenMP wait policy: the same as the workers `pdq up` starts, libgomp's default (idle threads
+spin briefly, then sleep) unless OMP_WAIT_POLICY is set, so both sides of a ratio run alike.
+Until session 5 the baselines ran with PASSIVE (idle threads sleep at once), as the workers
+then did; on this machine that made the engine 20-30% slower (a 2-thread prefill pass and a
+decode step at batch 28 wait for a sleeping thread at every parallel region), which flattered
+the service's ratio to it.
 """
 
 import os
@@ -40,24 +38,11 @@ HF_BATCH_SIZE = 8
 Progress = Callable[[RequestRecord], None]
 
 
-_omp_wait_policy: str | None = None  # the policy torch was loaded with by import_torch()
-
-
 def import_torch() -> str:
-    """Imports torch (see the module doc on OMP_WAIT_POLICY); returns the wait policy in force."""
-    global _omp_wait_policy
-    if "torch" in sys.modules:
-        return _omp_wait_policy or os.environ.get("OMP_WAIT_POLICY", "libgomp default (torch was already loaded)")
-    given = os.environ.get("OMP_WAIT_POLICY")
-    if given is None:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    try:
-        import torch  # noqa: F401
-    finally:
-        if given is None:
-            del os.environ["OMP_WAIT_POLICY"]
-    _omp_wait_policy = given or "PASSIVE"
-    return _omp_wait_policy
+    """Imports torch; returns the OpenMP wait policy in force (see the module doc)."""
+    import torch  # noqa: F401
+
+    return os.environ.get("OMP_WAIT_POLICY") or "libgomp default"
 
 
 def _warm_up_requests(workload: Workload) -> Workload:

@@ -182,7 +182,7 @@ def _split(cluster, workload) -> dict:
 def run(args: argparse.Namespace) -> int:
     from pdq.bench.baselines import import_torch
 
-    import_torch()  # idle OpenMP threads sleep here too, as in the workers `pdq up` starts
+    import_torch()  # the same OpenMP policy as the workers `pdq up` starts
     from pdq.bench.options import _pairs
     from pdq.bench.workload import build, vocabulary
     from pdq.engine.runner import ModelRunner

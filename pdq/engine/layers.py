@@ -9,17 +9,40 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def packed_rows(vendor: str) -> range:
+    """Row counts for which oneDNN's prepacked GEMM beats torch's BLAS (MKL) path.
+
+    On an Intel AVX-512 Xeon (2 cores): 4..640 rows, up to ~1.4x faster; GEMV-like 1..3 rows
+    and large prefill batches were as fast or faster on MKL. On an AMD EPYC (Zen 4, 2 cores)
+    MKL takes a slow path at every size: prepacked is 1.3-6x faster at 1..8 rows (a decode
+    step at batch 2 took 17-19 ms against 11-12 ms at batch 8) and 1.1-1.5x at 256..2048.
+    """
+    return range(4, 641) if vendor == "GenuineIntel" else range(1, 1 << 31)
+
+
+def cpu_vendor() -> str:
+    """The x86 vendor id (GenuineIntel, AuthenticAMD), or "" where /proc/cpuinfo does not say."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+PACKED_ROWS = packed_rows(cpu_vendor())
+
+
 class Linear(nn.Module):
     """y = x @ weight.T + bias, weight [out_features, in_features].
 
     On CPU in float32, `prepack()` (call it after moving to the device) also keeps the
-    weight in oneDNN's blocked layout: small-batch GEMMs (decode steps) then skip re-packing
-    the weight on every call, up to ~1.4x faster for 8..256 rows. Up to 3 rows (GEMV-like)
-    and big prefill batches stay on the plain BLAS path, as fast or faster there. Costs a
+    weight in oneDNN's blocked layout: GEMMs then skip re-packing the weight on every call.
+    Which row counts take that path is `packed_rows()`, measured per CPU vendor. Costs a
     second copy of the weight in memory.
     """
-
-    PACKED_ROWS = range(4, 641)  # measured crossovers on a 2-core AVX-512 Xeon
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -37,7 +60,7 @@ class Linear(nn.Module):
             self.packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] in self.PACKED_ROWS:
+        if self.packed is not None and x.shape[0] in PACKED_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

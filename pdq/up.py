@@ -26,7 +26,8 @@ from pdq.redis_server import RedisServer, free_port
 
 
 # Decode steps start at least this far apart while prefill runs on the same cores: measured on
-# the mixed workload (BENCHMARKS.md), TTFT p99 -28% and +4-6% tokens/s; ITL p99 ~250 ms.
+# the mixed workload (BENCHMARKS.md), TTFT p99 -20-28%, tokens/s the same within the noise,
+# ITL p99 ~250 ms instead of ~70 ms.
 YIELD_TO_PREFILL_MS = "150"
 
 

@@ -22,6 +22,7 @@ log = logging.getLogger("pdq.gateway")
 # One blocking XREAD waits at most this long (well under a Redis client's socket timeout).
 MAX_BLOCK_MS = 1000
 COUNT = 512  # entries per stream per read
+WAKE_TRIES = 50
 
 
 @dataclass(eq=False)
@@ -80,13 +81,18 @@ class OutputFollower:
 
     async def _wake(self, generation: int) -> None:
         """Unblocks the XREAD of `generation`. CLIENT UNBLOCK answers 0 when the XREAD has not
-        reached Redis yet (sent, not yet blocking): try again until it did or it returned."""
+        reached Redis yet (sent, not yet blocking): try again, for up to WAKE_TRIES ms. Past
+        that the reader's id is stale (redis-py reconnected it): it is read again next time,
+        and this XREAD returns within MAX_BLOCK_MS anyway."""
         try:
-            while self._reading == generation and self._reader_id is not None:
+            for _ in range(WAKE_TRIES):
+                if self._reading != generation or self._reader_id is None:
+                    return
                 if await self.waker.client_unblock(self._reader_id):
                     return
                 await asyncio.sleep(0.001)
-        except Exception as exc:  # the reader's own XREAD returns within MAX_BLOCK_MS anyway
+            self._reader_id = None
+        except Exception as exc:
             log.debug("could not wake the output follower: %s", exc)
 
     async def _run(self) -> None:

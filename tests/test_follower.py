@@ -82,3 +82,25 @@ async def test_a_failed_read_reaches_every_follower(prefix):
     assert not follower.subs
     await follower.close()
     await other.aclose()
+
+
+async def test_a_stale_reader_id_is_read_again(redis_server, prefix, monkeypatch):
+    # after redis-py reconnects the reader, CLIENT UNBLOCK of the old id wakes nothing: the
+    # follower stops trying, the XREAD returns at its block time, and the id is read anew
+    monkeypatch.setattr(follower_mod, "MAX_BLOCK_MS", 300)
+    reader, other = clients(redis_server)
+    follower = OutputFollower(reader, other)
+    first = follower.subscribe(f"{prefix}:a")
+    await other.xadd(f"{prefix}:a", {"n": 1})
+    assert await next_entry(first) == {b"n": b"1"}
+    real_id = follower._reader_id
+    while not follower._reading:
+        await asyncio.sleep(0)
+    follower._reader_id = real_id + 10_000  # as if the connection had been replaced
+    second = follower.subscribe(f"{prefix}:b")
+    await other.xadd(f"{prefix}:b", {"n": 2})
+    assert await next_entry(second) == {b"n": b"2"}
+    while follower._reader_id != real_id:  # read again from the live connection
+        await asyncio.sleep(0.01)
+    await follower.close()
+    await other.aclose()

@@ -21,6 +21,18 @@ async def next_entry(sub, timeout: float = 10.0):
     return got[1]
 
 
+async def blocked_on_one_stream(redis_server, prefix):
+    """A follower whose XREAD is (about to be) blocked on stream `a` alone. -> (follower, other)"""
+    reader, other = clients(redis_server)
+    follower = OutputFollower(reader, other)
+    first = follower.subscribe(f"{prefix}:a")
+    await other.xadd(f"{prefix}:a", {"n": 1})
+    assert await next_entry(first) == {b"n": b"1"}
+    while not follower._reading:
+        await asyncio.sleep(0)
+    return follower, other
+
+
 async def test_every_stream_gets_its_entries_in_order(redis_server, prefix):
     reader, other = clients(redis_server)
     follower = OutputFollower(reader, other)
@@ -45,13 +57,7 @@ async def test_a_stream_followed_while_the_read_blocks_is_read_at_once(redis_ser
     # A blocked XREAD that nothing wakes would hold a new stream's entries for the whole block
     # time: with an hour, only the CLIENT UNBLOCK wake-up gets the entry through in time.
     monkeypatch.setattr(follower_mod, "MAX_BLOCK_MS", 3_600_000)
-    reader, other = clients(redis_server)
-    follower = OutputFollower(reader, other)
-    first = follower.subscribe(f"{prefix}:a")
-    await other.xadd(f"{prefix}:a", {"n": 1})
-    assert await next_entry(first) == {b"n": b"1"}
-    while not follower._reading:  # the follower is (about to be) blocked on stream a alone
-        await asyncio.sleep(0)
+    follower, other = await blocked_on_one_stream(redis_server, prefix)
     await other.xadd(f"{prefix}:b", {"n": 2})  # written before b is followed: read from the start
     second = follower.subscribe(f"{prefix}:b")
     assert await next_entry(second) == {b"n": b"2"}
@@ -88,14 +94,8 @@ async def test_a_stale_reader_id_is_read_again(redis_server, prefix, monkeypatch
     # after redis-py reconnects the reader, CLIENT UNBLOCK of the old id wakes nothing: the
     # follower stops trying, the XREAD returns at its block time, and the id is read anew
     monkeypatch.setattr(follower_mod, "MAX_BLOCK_MS", 300)
-    reader, other = clients(redis_server)
-    follower = OutputFollower(reader, other)
-    first = follower.subscribe(f"{prefix}:a")
-    await other.xadd(f"{prefix}:a", {"n": 1})
-    assert await next_entry(first) == {b"n": b"1"}
+    follower, other = await blocked_on_one_stream(redis_server, prefix)
     real_id = follower._reader_id
-    while not follower._reading:
-        await asyncio.sleep(0)
     follower._reader_id = real_id + 10_000  # as if the connection had been replaced
     second = follower.subscribe(f"{prefix}:b")
     await other.xadd(f"{prefix}:b", {"n": 2})

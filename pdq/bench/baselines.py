@@ -22,7 +22,6 @@ the service's ratio to it.
 """
 
 import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path

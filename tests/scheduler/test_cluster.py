@@ -145,7 +145,10 @@ def test_a_killed_decode_workers_request_finishes_on_the_other_one_intact(client
 
 
 def test_a_killed_scheduler_restarts_and_loses_nothing(client, r, cluster):
-    rids = [client.submit(f"load {i}", max_tokens=60, ignore_eos=True) for i in range(5)]  # all accepted
+    rids = []
+    for i in range(5):  # all accepted: each waits for room under the tenant's bound of 3 queued
+        wait(lambda: int(r.hget("pdq:load", "n") or 0) < 3)
+        rids.append(client.submit(f"load {i}", max_tokens=60, ignore_eos=True))
     wait(lambda: int(r.hget("pdq:load", "n") or 0) > 0 and any(state(r, x) == "DECODING" for x in rids))
     old = kill(cluster, "scheduler")
     env = dict(os.environ, PDQ_REDIS_URL=cluster.redis_url, PDQ_METRICS_PORT="-1",

@@ -37,6 +37,12 @@ class AttnMetadata:
     decode_len: keys [0, decode_len) are read for decode, the longest decoding context.
     decode_mask: additive [decode_span, 1, 1, decode_len], or None when all keys are visible.
     decode_slots: long [B] slot of each decode row; None when they are exactly 0..span-1.
+    decode_groups: when set, decode attention runs per group of consecutive slots instead,
+        each (first slot, end slot, keys read, additive mask [end - first, 1, 1, keys] or None),
+        so a group of short sequences does not read as far as the batch's longest
+        (`kv_order`); every slot in [0, span) decodes.
+    decode_order: with decode_groups, long [span] decode row of each slot; None when rows are
+        already in slot order.
     """
 
     positions: torch.Tensor
@@ -48,6 +54,8 @@ class AttnMetadata:
     decode_len: int = 0
     decode_mask: torch.Tensor | None = None
     decode_slots: torch.Tensor | None = None
+    decode_groups: list[tuple[int, int, int, torch.Tensor | None]] | None = None
+    decode_order: torch.Tensor | None = None
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -99,6 +107,8 @@ def _decode(q, k_cache, v_cache, meta: AttnMetadata) -> torch.Tensor:
     num_kv_heads = k_cache.shape[1]
     b, num_heads, head_dim = q.shape
     q = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    if meta.decode_groups is not None:
+        return _decode_groups(q, k_cache, v_cache, meta).reshape(b, num_heads, head_dim)
     if meta.decode_slots is not None:  # scatter into the slot range; other rows are ignored
         full = q.new_zeros(span, *q.shape[1:])
         full[meta.decode_slots] = q
@@ -109,3 +119,20 @@ def _decode(q, k_cache, v_cache, meta: AttnMetadata) -> torch.Tensor:
     if meta.decode_slots is not None:
         o = o[meta.decode_slots]
     return o.reshape(b, num_heads, head_dim)
+
+
+def _decode_groups(q, k_cache, v_cache, meta: AttnMetadata) -> torch.Tensor:
+    """`_decode` over consecutive slot groups, each reading keys up to its own longest."""
+    order = meta.decode_order
+    if order is not None:
+        q = q[order]  # rows in slot order
+    o = torch.cat([
+        F.scaled_dot_product_attention(q[first:end], k_cache[first:end, :, :keys], v_cache[first:end, :, :keys],
+                                       attn_mask=mask)
+        for first, end, keys, mask in meta.decode_groups
+    ])
+    if order is not None:
+        rows = torch.empty_like(o)
+        rows[order] = o
+        o = rows
+    return o

@@ -10,7 +10,7 @@ slot moves the last live sequence's K/V into it, so batched decode attention can
 view `kv[layer, :, :num_used]`. Slot numbers are therefore internal and may change on `free`;
 callers address sequences by id only, and views into the pool are valid until the next `free`.
 
-Threads: `free` moves K/V between slots, so it must run on the thread that runs forward passes
+Threads: `free` and `reorder` move K/V between slots, so they must run on the thread that runs forward passes
 (never during one). `allocate`, `rename` and writes under `pinned` may come from another thread
 (a KV hand-off received in place): they never move a slot that a forward pass reads, and all
 bookkeeping changes and slot moves happen under the pool's lock.
@@ -120,6 +120,27 @@ class KVPool:
                 self._owner[slot] = moved
                 self._slot[moved] = slot
             self._owner.pop()
+
+    def reorder(self, order: list[int]) -> None:
+        """Moves the live sequences so that slot i holds the one that was in slot order[i] (a
+        permutation of [0, num_used)); each keeps its K/V [0, length) and length. Only on the
+        forward-pass thread, like `free`."""
+        with self._lock:
+            n = len(self._owner)
+            if sorted(order) != list(range(n)):
+                raise ValueError(f"reorder needs a permutation of the {n} live slots")
+            saved = {src: self.kv[:, :, src, :, : self._length[self._owner[src]]].clone()
+                     for dst, src in enumerate(order) if dst != src}
+            for dst, src in enumerate(order):
+                if src in saved:
+                    self.kv[:, :, dst, :, : saved[src].shape[-2]] = saved[src]
+            self._owner = [self._owner[src] for src in order]
+            for slot, seq_id in enumerate(self._owner):
+                self._slot[seq_id] = slot
+
+    def lengths(self) -> list[int]:
+        """K/V length of the sequence in each live slot, in slot order."""
+        return [self._length[seq_id] for seq_id in self._owner]
 
     def rename(self, old: Hashable, new: Hashable) -> None:
         """The slot of `old` (K/V and length kept) now belongs to `new`, which must have none."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdq.engine import kv_order
 from pdq.engine.attention import AttnMetadata, PrefillChunk, additive_mask
 from pdq.engine.kv_pool import KVPool, KVUsage
 from pdq.engine.llama import LlamaModel, LlamaSpec
@@ -164,6 +165,8 @@ class ModelRunner:
         order, then decode items in order. Each sequence may appear at most once."""
         if not prefill and not decode:
             return torch.empty(0, self.vocab_size, device=self.device)
+        if not prefill:
+            self._sort_pool()
         input_ids, meta, logit_rows = self._prepare(prefill, decode)
         return self.model(input_ids, meta, self.pool.kv, logit_rows)
 
@@ -237,6 +240,8 @@ class ModelRunner:
         span = max(dec_slots) + 1
         length = max(dec_pos) + 1
         meta.decode_span, meta.decode_len = span, length
+        if len(dec_slots) == span and self._plan_groups(meta, dec_slots, dec_pos):
+            return
         dense = dec_slots == list(range(span))
         if not dense:
             meta.decode_slots = torch.tensor(dec_slots, device=self.device)
@@ -248,6 +253,37 @@ class ModelRunner:
         last = torch.tensor(pos_of_slot, device=self.device)
         keys = torch.arange(length, device=self.device)
         meta.decode_mask = additive_mask((keys[None, :] <= last[:, None]).view(span, 1, 1, length), self.dtype)
+
+    def _plan_groups(self, meta: AttnMetadata, dec_slots: list[int], dec_pos: list[int]) -> bool:
+        """Plans decode attention per slot group when that reads enough fewer keys (every slot
+        of [0, span) decodes this step). -> whether it did."""
+        span = len(dec_slots)
+        pos_of_slot, row_of_slot = [0] * span, [0] * span
+        for row, (slot, pos) in enumerate(zip(dec_slots, dec_pos)):
+            pos_of_slot[slot], row_of_slot[slot] = pos, row
+        lengths = [p + 1 for p in pos_of_slot]
+        if not kv_order.worth_grouping(lengths):
+            return False
+        groups = []
+        for first, end, keys in kv_order.groups(lengths):
+            last = pos_of_slot[first:end]
+            mask = None
+            if min(last) != keys - 1:  # some sequence of the group sees fewer keys
+                visible = torch.arange(keys, device=self.device)[None, :] <= torch.tensor(last, device=self.device)[:, None]
+                mask = additive_mask(visible.view(end - first, 1, 1, keys), self.dtype)
+            groups.append((first, end, keys, mask))
+        meta.decode_groups = groups
+        if row_of_slot != list(range(span)):
+            meta.decode_order = torch.tensor(row_of_slot, device=self.device)
+        return True
+
+    def _sort_pool(self) -> None:
+        """Moves the pool's sequences into length order (longest first) when the reads that
+        saves pay for the copy (`kv_order.sort_order`), so grouped decode attention reads little
+        past each sequence's own length."""
+        order = kv_order.sort_order(self.pool.lengths())
+        if order is not None:
+            self.pool.reorder(order)
 
     # -- KV hand-off -------------------------------------------------------------------------
 

@@ -87,3 +87,19 @@ def test_a_slot_written_under_pinned_keeps_its_kv_through_moves_and_rename():
         pool.rename("b", "r")
     with pytest.raises(KeyError):
         pool.rename("gone", "c")
+
+
+def test_reorder_moves_every_sequence_with_its_kv():
+    pool = make_pool(slots=4)
+    for i, s in enumerate("abcd"):
+        pool.allocate(s)
+        fill(pool, s, 10.0 * (i + 1), length=i + 2)
+    pool.reorder([3, 1, 0, 2])  # slot i now holds the one that was in slot order[i]
+    assert [pool.slot(s) for s in "dbac"] == [0, 1, 2, 3]
+    assert pool.lengths() == [5, 3, 2, 4]
+    for i, s in enumerate("abcd"):
+        for layer in range(2):
+            k, v = pool.view(s, layer, i + 2)
+            assert torch.all(k == 10.0 * (i + 1) + layer) and torch.all(v == -10.0 * (i + 1) - layer)
+    with pytest.raises(ValueError, match="permutation"):
+        pool.reorder([0, 0, 1, 2])

@@ -118,3 +118,27 @@ def test_runner_rejects_bad_items(tiny_llama, make_runner):
         runner.step([PrefillItem("a", [1, 2])], [("a", 3, 2)])
     with pytest.raises(ValueError, match="shape"):
         runner.import_kv("a", 0, torch.zeros(1, 4, 16), torch.zeros(1, 4, 16))
+
+
+def test_grouped_decode_attention_equals_alone(tiny_llama, make_runner):
+    """Enough sequences of different lengths that the runner sorts its pool and runs decode
+    attention per slot group: every row still equals the sequence decoded alone."""
+    from pdq.engine import kv_order
+
+    n = 4 * kv_order.GROUP
+    lengths = [5 + (i * 37) % 90 for i in range(n)]  # 5..94, in no order
+    prompts = {f"s{i}": tokens(length, 100 + i) for i, length in enumerate(lengths)}
+    runner = make_runner(tiny_llama, slots=n)
+    refs = {s: alone(runner, s, ids + [9]) for s, ids in prompts.items()}
+    for s, ids in prompts.items():
+        runner.allocate(s)
+        runner.prefill([PrefillItem(s, ids)])
+    before = runner.pool.lengths()
+    assert kv_order.sort_order(before) is not None
+    items = [(s, 9, len(ids)) for s, ids in reversed(prompts.items())]  # rows not in slot order
+    out = runner.decode(items)
+    assert runner.pool.lengths() == [n + 1 for n in sorted(before, reverse=True)]  # longest first
+    assert all(runner.kv_length(s) == len(ids) + 1 for s, ids in prompts.items())
+    for row, (s, _, _) in enumerate(items):
+        torch.testing.assert_close(out[row], refs[s], atol=ATOL, rtol=0)
+    assert kv_order.worth_grouping([n + 1 for n in runner.pool.lengths()])  # it ran grouped

@@ -32,3 +32,10 @@ def test_listening_ports_must_be_ports():
     with pytest.raises(ValueError, match="kv_port must be 0"):
         DecodeConfig(kv_port=-1)
     assert DecodeConfig(port=0, kv_port=50072).kv_port == 50072
+
+
+def test_yield_to_prefill_is_bounded():
+    assert DecodeConfig().yield_to_prefill_ms == 0  # off unless the decode worker shares its cores (pdq up)
+    for bad in (-1, 10_001):
+        with pytest.raises(ValueError, match="yield_to_prefill_ms must be in"):
+            DecodeConfig(yield_to_prefill_ms=bad)

@@ -30,6 +30,15 @@ from pdq.redis_server import RedisServer, free_port
 # ITL p99 ~250 ms instead of ~70 ms.
 YIELD_TO_PREFILL_MS = "150"
 
+# How long an idle OpenMP thread spins before it sleeps (libgomp's GOMP_SPINCOUNT), for every
+# local worker and the benchmark's baselines. Measured on this 2-core machine (BENCHMARKS.md):
+# PASSIVE (sleep at once) makes a 2-thread forward wait for a sleeping thread at every parallel
+# region; libgomp's default (300,000 rounds) made the service ~11% faster than PASSIVE on the
+# mixed workload, but its spinning took the cores from everything else: a light tenant's p99
+# TTFT under a flood went from ~3x its TTFT alone to 6-11x. 10,000 rounds kept the tail (3.4-3.8x)
+# and made ~5% more tokens/s than PASSIVE.
+OMP_SPIN_COUNT = "10000"
+
 
 def cpu_share_env(workers: int, env: dict) -> dict:
     """What lets local workers share this machine's cores instead of fighting for them.
@@ -39,9 +48,8 @@ def cpu_share_env(workers: int, env: dict) -> dict:
     and, while something is, spaces its steps PDQ_YIELD_TO_PREFILL_MS apart so that prefill
     has the cores (prefill first, as one engine runs a prompt's pass before its next decode
     step). (`Cluster` gives prefill workers cores // prefill workers: they go first, decode
-    workers run nicer.) OpenMP's wait policy is left at libgomp's default (idle threads spin
-    briefly, then sleep): with PASSIVE (sleep at once) a 2-thread forward waits for a sleeping
-    thread at every parallel region, and the service made 13% fewer tokens/s on this machine.
+    workers run nicer.) Idle OpenMP threads spin OMP_SPIN_COUNT rounds, then sleep, unless
+    OMP_WAIT_POLICY or GOMP_SPINCOUNT is set (see OMP_SPIN_COUNT).
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     out = {}
@@ -49,6 +57,8 @@ def cpu_share_env(workers: int, env: dict) -> dict:
         out["PDQ_THREADS"] = str(max(1, cores // max(1, workers)))
         if "PDQ_BURST_THREADS" not in env:  # a decode worker takes every core while nothing is prefilled for it
             out["PDQ_BURST_THREADS"] = str(cores)
+    if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
+        out["GOMP_SPINCOUNT"] = OMP_SPIN_COUNT
     if workers > 1 and "PDQ_YIELD_TO_PREFILL_MS" not in env:
         out["PDQ_YIELD_TO_PREFILL_MS"] = YIELD_TO_PREFILL_MS
     return out

@@ -2,7 +2,7 @@
 
 import os
 
-from pdq.up import YIELD_TO_PREFILL_MS, cpu_share_env
+from pdq.up import OMP_SPIN_COUNT, YIELD_TO_PREFILL_MS, cpu_share_env
 
 
 def test_workers_split_the_cores_and_decode_yields_to_prefill():
@@ -11,10 +11,11 @@ def test_workers_split_the_cores_and_decode_yields_to_prefill():
     assert env["PDQ_THREADS"] == str(max(1, cores // 2))
     assert env["PDQ_BURST_THREADS"] == str(cores)
     assert env["PDQ_YIELD_TO_PREFILL_MS"] == YIELD_TO_PREFILL_MS
-    assert "OMP_WAIT_POLICY" not in env  # libgomp's default: spin briefly, then sleep
+    assert env["GOMP_SPINCOUNT"] == OMP_SPIN_COUNT and "OMP_WAIT_POLICY" not in env  # spin briefly, then sleep
     assert cpu_share_env(10 * cores, {})["PDQ_THREADS"] == "1"  # never 0 (torch's default)
     assert "PDQ_YIELD_TO_PREFILL_MS" not in cpu_share_env(1, {})  # a worker alone has nothing to yield to
 
 
 def test_what_the_user_set_wins():
-    assert cpu_share_env(2, {"PDQ_THREADS": "4", "PDQ_YIELD_TO_PREFILL_MS": "0"}) == {}
+    assert cpu_share_env(2, {"PDQ_THREADS": "4", "PDQ_YIELD_TO_PREFILL_MS": "0", "OMP_WAIT_POLICY": "PASSIVE"}) == {}
+    assert "GOMP_SPINCOUNT" not in cpu_share_env(2, {"GOMP_SPINCOUNT": "0"})

@@ -13,15 +13,16 @@
 Both run on the CPU threads torch gives this process (`torch.get_num_threads()`); the CPU time
 this process spends in a run is the baseline's own (`client_cpu_s` of its record).
 
-OpenMP wait policy: the same as the workers `pdq up` starts, libgomp's default (idle threads
-spin briefly, then sleep) unless OMP_WAIT_POLICY is set, so both sides of a ratio run alike.
-Until session 5 the baselines ran with PASSIVE (idle threads sleep at once), as the workers
-then did; on this machine that made the engine 20-30% slower (a 2-thread prefill pass and a
-decode step at batch 28 wait for a sleeping thread at every parallel region), which flattered
-the service's ratio to it.
+OpenMP wait policy: the same as the workers `pdq up` starts: unless OMP_WAIT_POLICY or
+GOMP_SPINCOUNT is set, torch is loaded here with GOMP_SPINCOUNT=pdq.up.OMP_SPIN_COUNT (set
+only for the import: libgomp reads it when it loads, and clusters spawned later get theirs
+from `pdq up`), so both sides of a ratio run alike. Until session 5 the baselines ran with
+PASSIVE (idle threads sleep at once), as the workers then did; on this machine that made the
+engine 20-30% slower than with libgomp's default, which flattered the service's ratio to it.
 """
 
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,11 +38,26 @@ HF_BATCH_SIZE = 8
 Progress = Callable[[RequestRecord], None]
 
 
-def import_torch() -> str:
-    """Imports torch; returns the OpenMP wait policy in force (see the module doc)."""
-    import torch  # noqa: F401
+_omp_policy = ""  # the OpenMP policy torch was loaded with by import_torch()
 
-    return os.environ.get("OMP_WAIT_POLICY") or "libgomp default"
+
+def import_torch() -> str:
+    """Imports torch (see the module doc); returns the OpenMP wait policy in force."""
+    global _omp_policy
+    from pdq.up import OMP_SPIN_COUNT
+
+    if "torch" in sys.modules:
+        return _omp_policy or "as loaded before (unknown)"
+    given = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
+    if not given:
+        os.environ["GOMP_SPINCOUNT"] = OMP_SPIN_COUNT
+    try:
+        import torch  # noqa: F401
+    finally:
+        if not given:
+            del os.environ["GOMP_SPINCOUNT"]
+    _omp_policy = " ".join(f"{k}={v}" for k, v in given.items()) or f"GOMP_SPINCOUNT={OMP_SPIN_COUNT}"
+    return _omp_policy
 
 
 def _warm_up_requests(workload: Workload) -> Workload:

@@ -234,8 +234,17 @@ class DecodeLoop:
         started = time.perf_counter()
         if self.threads is not None and (n := self.threads()) != torch.get_num_threads():
             torch.set_num_threads(n)
+        seqs, rows = self.rows()
+        self.after(seqs, self.runner.decode(rows), started)
+
+    def rows(self) -> tuple[list[Sequence], list[tuple[str, int, int]]]:
+        """The sequences of the next step and their decode rows (`ModelRunner.step`)."""
         seqs = [s for s in self.running.values() if s.position + 1 < self.runner.max_seq_len or not s.done]
-        logits = self.runner.decode([(s.rid, s.generated[-1], s.position) for s in seqs])
+        return seqs, [(s.rid, s.generated[-1], s.position) for s in seqs]
+
+    def after(self, seqs: list[Sequence], logits: torch.Tensor, started: float) -> None:
+        """Samples the step's tokens (`logits`: a row per sequence of `rows()`), streams them to
+        Redis in one round trip, and lets the sequences that ended leave."""
         tokens = sample(logits, [s.params for s in seqs], [len(s.generated) for s in seqs])
         self.stats.steps += 1
         self.stats.seq_steps += len(seqs)

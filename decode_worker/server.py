@@ -20,8 +20,11 @@ from pdq.serving import Server
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 from pdq.worker import CancelListener, Heartbeat, load_runner, reclaim_previous_life, sync_store
-from decode_worker.kv_receive import Discard, SlotSink
+from decode_worker.colocated import ColocatedLoop
+from decode_worker.kv_receive import Arrived, Discard, SlotSink
 from decode_worker.loop import DecodeLoop
+from prefill_worker.loop import PrefillLoop
+from prefill_worker.server import PrefillService
 from decode_worker.strategy import Strategy
 
 log = logging.getLogger("pdq.decode")
@@ -170,6 +173,20 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         except asyncio.TimeoutError:
             log.warning("KV slot of a failed hand-off not freed within 10 s (decode loop stopped?)")
 
+    def adopt(self, header: pb.KVHeader, key: object) -> str | None:
+        """A hand-off from the prefill role of this process (colocated): the K/V is already in
+        the shared pool under slot `key`. -> None once the sequence is queued to join the batch,
+        else why not (the slot is freed). Runs on the event loop, as PushKV does."""
+        try:
+            self._admit(header)
+        except NoReservation as exc:
+            if self.loop is not None:
+                self.loop.add(Discard(key))
+            return str(exc)
+        self.holds[header.spec.request_id] = None
+        self.loop.add(Arrived(header, key))
+        return None
+
     def left(self, rid: str) -> None:
         """A sequence left the batch (called on the event loop)."""
         self.holds.pop(rid, None)
@@ -198,13 +215,26 @@ def add_service(server: grpc.aio.Server, service: DecodeService) -> None:
     server.add_registered_method_handlers(name, handlers)
 
 
+# A colocated worker's pool holds this many sequences more than its decode slots: room for
+# prompts whose decode worker is another process (a local one prefills into its reserved slot).
+COLOCATED_EXTRA_SLOTS = 4
+
+
 def build_server(config: DecodeConfig) -> Server:
-    """Builds the decode worker; the model loads in `start` (health turns SERVING after)."""
-    server = Server(config.host, config.port, [pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name],
-                    mtls=InternalTLS.from_config(config))
+    """Builds the decode worker (with `colocate`, also the prefill worker, over one model loop:
+    `decode_worker.colocated`); the model loads in `start` (health turns SERVING after)."""
+    names = [pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name]
+    if config.colocate:
+        names.append(pb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name)
+    server = Server(config.host, config.port, names, mtls=InternalTLS.from_config(config))
     service = DecodeService(config)
     server.service = service  # for tests that look at the worker's pool
     add_service(server.grpc, service)
+    prefill_config = config.prefill_config() if config.colocate else None
+    prefill = PrefillService(prefill_config) if prefill_config else None
+    if prefill is not None:
+        prefill.adopt = service.adopt
+        pb_grpc.add_PrefillWorkerServicer_to_server(prefill, server.grpc)
     keys = Keys(config.key_prefix)
     worker_id = config.name("decode")
     address = config.advertise_address or f"{config.host}:{server.port}"
@@ -216,46 +246,67 @@ def build_server(config: DecodeConfig) -> Server:
         return WorkerInfo(worker_id, "decode", address, free_slots=service.free_slots,
                           capacity=service.capacity, running=running)
 
+    def prefill_info() -> WorkerInfo:
+        runner = state.get("runner")
+        return WorkerInfo(prefill_config.name("prefill"), "prefill", address,
+                          free_slots=runner.num_free if runner else 0, capacity=runner.capacity if runner else 0)
+
     async def start() -> None:
         path = await asyncio.to_thread(resolve_model, config.model)
-        runner = await asyncio.to_thread(load_runner, config, config.kv_budget_tokens)
+        extra = COLOCATED_EXTRA_SLOTS * config.max_seq_len if config.colocate else 0
+        runner = state["runner"] = await asyncio.to_thread(load_runner, config, config.kv_budget_tokens + extra)
         aio_loop = asyncio.get_running_loop()
         strategy = Strategy(config.strategy, config.strategy_batch_size, config.dynamic_window_ms,
                             config.static_flush_ms)
         # A request-level batch holds every seat until its last sequence ends, and the next batch
         # is only taken (reserved, then prefilled) after that, as naive servers run: the wait
         # shows up in TTFT, where their users see it.
-        service.capacity = min(runner.capacity, config.max_batch_size,
-                               strategy.batch_size if strategy.run_to_completion else runner.capacity)
+        slots = runner.capacity - (COLOCATED_EXTRA_SLOTS if config.colocate else 0)
+        service.capacity = min(slots, config.max_batch_size,
+                               strategy.batch_size if strategy.run_to_completion else slots)
         service.expect = {"num_layers": runner.num_layers, "num_kv_heads": runner.num_kv_heads,
                           "head_dim": runner.head_dim, "dtype": str(runner.dtype).removeprefix("torch.")}
         if config.kv_transport == "tcp":
             state["kv"] = kv = await kv_tcp.serve(config.host, config.kv_port, service.receive_tcp,
                                                   InternalTLS.from_config(config))
             service.kv_address = kv_tcp.join_address(kv_tcp.split_address(address)[0], kv.sockets[0].getsockname()[1])
-        state["cancels"] = CancelListener(config.redis_url, keys)
-        service.loop = DecodeLoop(runner, sync_store(config), state["cancels"], load_tokenizer(path),
-                                  eos_token_ids(path), address,
+        state["cancels"] = cancels = CancelListener(config.redis_url, keys)
+        store, tokenizer, eos = sync_store(config), load_tokenizer(path), eos_token_ids(path)
+        alone = not config.colocate  # the thread and pacing knobs are for sharing cores with a prefill process
+        service.loop = DecodeLoop(runner, store, cancels, tokenizer, eos, address,
                                   lambda rid: aio_loop.call_soon_threadsafe(service.left, rid), strategy,
-                                  service.threads if config.burst_threads and config.threads else None,
-                                  config.max_attempts, service.prefilling, config.yield_to_prefill_ms)
-        service.loop.start()
-        await reclaim_previous_life(service.loop.store, worker_id, config.max_attempts)
+                                  service.threads if alone and config.burst_threads and config.threads else None,
+                                  config.max_attempts, service.prefilling, config.yield_to_prefill_ms if alone else 0.0)
+        model_loop = state["model"] = service.loop
+        if prefill is not None:
+            prefill.loop = PrefillLoop(runner, store, cancels, tokenizer, eos, config.max_batched_tokens,
+                                       config.prefill_chunk, local=lambda item: item.decode_address == address)
+            model_loop = state["model"] = ColocatedLoop(prefill.loop, service.loop, config.max_batched_tokens)
+        model_loop.start()
+        await reclaim_previous_life(store, worker_id, config.max_attempts)
         state["heartbeat"] = hb = Heartbeat(config, keys, info)
         service.on_change = hb.poke
         await hb.start()
-        log.info("decode worker %s at %s (KV slots %d%s)", worker_id, address, service.capacity,
+        if prefill is not None:
+            await reclaim_previous_life(store, prefill_config.name("prefill"), config.max_attempts)
+            state["prefill_heartbeat"] = Heartbeat(prefill_config, keys, prefill_info)
+            await state["prefill_heartbeat"].start()
+        log.info("%s worker %s at %s (KV slots %d%s)", "colocated prefill+decode" if prefill else "decode",
+                 worker_id, address, service.capacity,
                  f", KV data plane at {service.kv_address}" if service.kv_address else "")
 
     async def stop() -> None:
-        if "heartbeat" in state:
-            await state["heartbeat"].stop()  # leaves the registry: no new reservations
+        for name in ("prefill_heartbeat", "heartbeat"):
+            if name in state:
+                await state[name].stop()  # leaves the registry: no new work
         service.capacity = 0
-        if service.loop:
+        if "model" in state:
             deadline = time.monotonic() + config.grace_s
-            while service.loop.busy and time.monotonic() < deadline:
+            while state["model"].busy and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            await asyncio.to_thread(service.loop.stop)
+            await asyncio.to_thread(state["model"].stop)
+        if prefill is not None:
+            await prefill.close()
         if "kv" in state:
             state["kv"].close()
         if "cancels" in state:

@@ -11,6 +11,8 @@ import sys
 
 import grpc
 
+from pdq.config import UP_COLOCATE_HELP
+
 DEFAULT_TARGET = "127.0.0.1:50051"
 
 
@@ -19,7 +21,7 @@ def _up(args: argparse.Namespace) -> int:
 
     env = {"PDQ_KV_TRANSPORT": args.kv_transport} if args.kv_transport else {}
     return run(Cluster(prefill=args.prefill, decode=args.decode, model=args.model, redis_url=args.redis_url,
-                       port=args.port, durable=args.durable, mtls=args.mtls, extra_env=env))
+                       port=args.port, durable=args.durable, mtls=args.mtls, colocate=args.colocate, extra_env=env))
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -84,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start a whole local cluster (private Redis, all roles)")
     up.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     up.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    up.add_argument("--colocate", action="store_true", help=UP_COLOCATE_HELP)
     up.add_argument("--model", default=os.environ.get("PDQ_MODEL", "builtin"),
                     help="builtin, builtin:tiny, builtin:small, or a Hugging Face checkpoint dir")
     up.add_argument("--redis-url", default=os.environ.get("PDQ_UP_REDIS_URL"),

@@ -20,6 +20,9 @@ FAIR_POLICIES = ("vtc", "fifo")
 ORDER_POLICIES = ("fcfs", "sjf", "edf")
 STRATEGIES = ("continuous", "dynamic", "static")
 KV_TRANSPORTS = ("grpc", "tcp")
+UP_COLOCATE_HELP = ("each decode worker also prefills, in the same process (decode_worker --colocate): one model and "
+                    "KV pool, prompt chunks and decode rows in one forward pass, no KV transfer; no prefill-only "
+                    "workers start (--prefill is ignored). For one machine, where the roles would share its cores")
 
 
 def _parse_bool(text: str) -> bool:
@@ -158,7 +161,8 @@ class SchedulerConfig(StoreConfig):
     retry_after_min_ms: int = field(default=100, metadata={"help": "shortest retry hint given with RESOURCE_EXHAUSTED"})
     retry_after_max_ms: int = field(default=30000, metadata={"help": "longest retry hint given with RESOURCE_EXHAUSTED"})
     prefill_lease_s: float = field(default=60.0, metadata={"help": "a claimed request not handed to its decode worker by then is requeued"})
-    dispatch_interval_ms: int = field(default=20, metadata={"help": "idle poll period of the dispatcher and of deadline expiry"})
+    dispatch_interval_ms: int = field(default=100, metadata={"help": "fallback poll period of the dispatcher (submits, freed "
+                                                                      "slots, finished batches and requeues wake it at once)"})
     result_ttl_s: int = field(default=3600, metadata={"help": "how long finished requests stay in Redis"})
     grace_s: float = field(default=5.0, metadata={"help": "seconds to finish calls on shutdown"})
 
@@ -238,10 +242,17 @@ class DecodeConfig(WorkerConfig):
     static_flush_ms: float = field(default=2000.0, metadata={"help": "static strategy: run a short batch after this wait"})
     kv_transport: str = field(default="tcp", metadata={"help": "KV hand-offs in: tcp (a TCP data plane, several times faster than gRPC; PushKV still works) or grpc (PushKV only)"})
     kv_port: int = field(default=0, metadata={"help": "tcp data plane port (0 = any free port); advertised with the host of advertise_address"})
+    colocate: bool = field(default=False, metadata={"help": "also serve the prefill worker role in this process: one model, one KV pool, "
+                                                            "prompt chunks and decode rows in one forward pass, hand-offs to itself "
+                                                            "kept in place (for a machine prefill and decode would share)"})
+    max_batched_tokens: int = field(default=1024, metadata={"help": "with colocate: tokens per forward pass, decode rows first, then prompt chunks"})
+    prefill_chunk: int = field(default=512, metadata={"help": "with colocate: longest prompt chunk per forward pass"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _positive("kv_budget_tokens", self.kv_budget_tokens)
+        _positive("max_batched_tokens", self.max_batched_tokens)
+        _positive("prefill_chunk", self.prefill_chunk)
         _positive("strategy_batch_size", self.strategy_batch_size)
         if not 0 <= self.yield_to_prefill_ms <= 10_000:
             raise ValueError(f"yield_to_prefill_ms must be in [0, 10000], got {self.yield_to_prefill_ms}")
@@ -252,3 +263,9 @@ class DecodeConfig(WorkerConfig):
         _positive("max_batch_size", self.max_batch_size)
         if self.kv_budget_tokens < self.max_seq_len:
             raise ValueError(f"kv_budget_tokens ({self.kv_budget_tokens}) must hold one max_seq_len ({self.max_seq_len})")
+
+    def prefill_config(self) -> PrefillConfig:
+        """The prefill role of a colocated worker: the same store, model and address."""
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(WorkerConfig)}
+        shared["worker_id"] = self.worker_id and self.worker_id + "-prefill"  # its own registry entry
+        return PrefillConfig(**shared, max_batched_tokens=self.max_batched_tokens, prefill_chunk=self.prefill_chunk)

@@ -198,6 +198,12 @@ class RequestStore:
         """Ends (TIMED_OUT) live requests past their deadline. -> how many were due."""
         return _then(self._run("expire_deadlines", [now_ms(), limit, self.result_ttl_s]), int)
 
+    def next_deadline_ms(self) -> Any:
+        """The earliest deadline (Unix ms) of a live request, or None."""
+        def first(rows: list) -> int | None:
+            return int(rows[0][1]) if rows else None
+        return _then(self.client.zrange(self.keys.deadlines, 0, 0, withscores=True), first)
+
     def reap_worker(self, worker_id: str, max_attempts: int) -> Any:
         """Gives back the attempts of a worker that stopped heartbeating. -> (requeued, failed)"""
         args = [worker_id, now_ms(), max_attempts, self.result_ttl_s]

@@ -1,7 +1,7 @@
 """`pdq up`: a whole cluster on one machine, for development and demos.
 
 Starts a private Redis server (unless --redis-url is given), the scheduler, N prefill workers,
-M decode workers and the gateway as separate processes, waits until every one reports SERVING
+M decode workers (or, colocated, M workers serving both roles) and the gateway as separate processes, waits until every one reports SERVING
 on grpc.health.v1, and stops them all on Ctrl-C / SIGTERM (children also die with this
 process, so nothing is left behind).
 """
@@ -90,6 +90,9 @@ class Cluster:
     durable: bool = False
     auth: bool = True  # write dev API keys (pdq.devkeys) and start the gateway with them
     mtls: bool = False  # mutual TLS between the roles, with a throwaway CA (pdq.mtls.dev_certificates)
+    # Each decode worker also prefills, in one process (decode_worker --colocate): one model and
+    # KV pool, prompt chunks and decode rows in one forward pass; no prefill-only workers start.
+    colocate: bool = False
     extra_env: dict = field(default_factory=dict)
     # Decode workers run this much nicer than the rest: when the machine's cores are all busy,
     # the scheduler, gateway and prefill (the time to first token) go first, decode steps wait.
@@ -123,6 +126,9 @@ class Cluster:
             if self.port == 0:
                 self.port = free_port(self.host)
             env = self._env = dict(os.environ, PDQ_REDIS_URL=self.redis_url, PDQ_MODEL=model_dir, **self.extra_env)
+            if self.colocate:
+                self.prefill = 0
+                env["PDQ_COLOCATE"] = "true"
             self._prefill_threads = cpu_share_env(self.prefill, env).get("PDQ_THREADS", "")
             env.update(cpu_share_env(self.prefill + self.decode, env))
             if self.mtls:
@@ -242,7 +248,8 @@ def run(cluster: Cluster) -> int:
         say(f"pdq up: {exc}")
         return 1
     say(f"pdq: cluster healthy in {time.monotonic() - started:.1f}s "
-        f"({cluster.prefill} prefill, {cluster.decode} decode worker(s))")
+        + (f"({cluster.decode} colocated prefill+decode worker(s))" if cluster.colocate
+           else f"({cluster.prefill} prefill, {cluster.decode} decode worker(s))"))
     print(f"gateway: {cluster.target}", flush=True)
     if cluster.auth:
         say(f"API keys (the CLI finds them by itself for this port):\n"

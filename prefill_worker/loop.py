@@ -28,13 +28,16 @@ log = logging.getLogger("pdq.prefill")
 
 @dataclass
 class Outcome:
-    """What became of one item: `kind` is "handoff" (layers set), "finished" (the request ended
-    at its first token), "dropped" (it ended elsewhere: cancel, deadline) or "error"."""
+    """What became of one item: `kind` is "handoff" (layers set), "local" (a colocated worker's
+    hand-off to itself: the K/V stays in the shared pool under slot `key`, which the decode side
+    now owns), "finished" (the request ended at its first token), "dropped" (it ended elsewhere:
+    cancel, deadline) or "error"."""
 
     kind: str
     generated: list[int] = field(default_factory=list)  # tokens so far, the last one not in `layers`
     layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     error: str = ""
+    key: Any = None  # "local": the pool slot holding the K/V
 
 
 @dataclass
@@ -52,6 +55,12 @@ class Job:
     def rid(self) -> str:
         return self.item.spec.request_id
 
+    @property
+    def key(self) -> tuple[str, str, int]:
+        """Its KV slot's key: never the bare request id, which a decode sequence of an earlier
+        attempt may still hold in a pool shared with decode (a colocated worker)."""
+        return ("prefill", self.rid, self.item.epoch)
+
 
 def most_urgent(jobs: list[Job]) -> list[Job]:
     """The jobs a forward pass may take: those of the lowest `PrefillItem.priority` pending (the
@@ -64,9 +73,14 @@ def most_urgent(jobs: list[Job]) -> list[Job]:
 
 
 class PrefillLoop:
+    """`local(item)` says whether an item's decode worker is this very process (a colocated
+    worker sharing this runner's pool): its K/V then stays in place (Outcome "local")."""
+
     def __init__(self, runner: Any, store: RequestStore, cancels: CancelListener, tokenizer: Any,
-                 eos_ids: list[int], max_batched_tokens: int, prefill_chunk: int):
+                 eos_ids: list[int], max_batched_tokens: int, prefill_chunk: int,
+                 local: Callable[[pb.PrefillItem], bool] | None = None):
         self.runner = runner
+        self.local = local
         self.store = store
         self.cancels = cancels
         self.tokenizer = tokenizer
@@ -127,7 +141,7 @@ class PrefillLoop:
 
     def _end(self, job: Job, outcome: Outcome) -> None:
         if job.admitted:
-            self.runner.free(job.rid)
+            self.runner.free(job.key)
             job.admitted = False
         if job.span is not None:
             if outcome.kind == "error":
@@ -145,7 +159,7 @@ class PrefillLoop:
         for job in jobs:
             if not job.admitted:
                 try:
-                    self.runner.allocate(job.rid)
+                    self.runner.allocate(job.key)
                     job.admitted = True
                 except KVPoolFull:
                     continue
@@ -154,6 +168,16 @@ class PrefillLoop:
 
     def _pass(self, pending: list[Job]) -> list[Job]:
         """One forward pass over chunks of pending jobs. -> jobs still pending."""
+        live, chunks, jobs = self.plan(pending, self.max_batched_tokens)
+        if not chunks:
+            return live
+        started = time.perf_counter()
+        logits = self.runner.prefill(chunks)
+        return self.finish(live, chunks, jobs, logits, started)
+
+    def plan(self, pending: list[Job], budget: int) -> tuple[list[Job], list[ChunkItem], list[Job]]:
+        """Drops jobs that ended, admits what fits and plans the next chunks under `budget`
+        tokens. -> (jobs still live, chunks to run, the job of each chunk)."""
         live = []
         now = now_ms()
         for job in pending:
@@ -172,15 +196,19 @@ class PrefillLoop:
                 live.append(job)
         admitted = self._admit(most_urgent(live)) or self._admit(live)  # no room for the urgent: go on
         if not admitted:
-            return live
-        plan = plan_chunks([len(j.prompt) - j.filled for j in admitted], self.max_batched_tokens, self.prefill_chunk)
+            return live, [], []
+        plan = plan_chunks([len(j.prompt) - j.filled for j in admitted], budget, self.prefill_chunk)
         chunks, jobs = [], []
         for job, n in zip(admitted, plan):
             if n:
-                chunks.append(ChunkItem(job.rid, job.prompt[job.filled:job.filled + n], job.filled))
+                chunks.append(ChunkItem(job.key, job.prompt[job.filled:job.filled + n], job.filled))
                 jobs.append(job)
-        started = time.perf_counter()
-        logits = self.runner.prefill(chunks)
+        return live, chunks, jobs
+
+    def finish(self, live: list[Job], chunks: list[ChunkItem], jobs: list[Job], logits: torch.Tensor,
+               started: float) -> list[Job]:
+        """After the pass (`logits`: a row per chunk, started at perf_counter `started`): first
+        tokens of the prompts it completed, and their hand-offs. -> jobs still pending."""
         metrics.prefill_pass(len(chunks), sum(len(c.token_ids) for c in chunks), self.max_batched_tokens,
                              time.perf_counter() - started)
         metrics.kv_pool("prefill", self.runner.capacity - self.runner.num_free, self.runner.capacity)
@@ -236,5 +264,9 @@ class PrefillLoop:
         if not self.store.transition(job.rid, job.item.epoch, State.TRANSFERRING):
             self._end(job, Outcome("dropped", error="request ended"))
             return
-        layers = [(k.cpu(), v.cpu()) for k, v in self.runner.export_kv(job.rid, len(job.prompt))]
+        if self.local is not None and self.local(job.item):  # the decode side of this process takes the slot
+            job.admitted = False
+            self._end(job, Outcome("local", generated=generated, key=job.key))
+            return
+        layers = [(k.cpu(), v.cpu()) for k, v in self.runner.export_kv(job.key, len(job.prompt))]
         self._end(job, Outcome("handoff", generated=generated, layers=layers))

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -78,6 +79,7 @@ class Dispatcher:
         self._requeued_ms: dict[str, int] = {}  # requests this dispatcher requeued -> when (their queue wait starts)
         self._depth_at = 0.0  # last refresh of the queue depth gauges
         self._depth_labels: set[tuple[str, str]] = set()
+        self.on_deadline: Callable[[], None] = lambda: None  # a deadline was set or moved (wakes the janitor)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="dispatch")
@@ -125,13 +127,21 @@ class Dispatcher:
 
     async def _listen(self) -> None:
         """Wakes the loop on every worker heartbeat: a worker heartbeats when its free slots
-        change, so a freed KV slot is used at once, not at the next poll."""
+        change, so a freed KV slot is used at once, not at the next poll. An operator's deadline
+        change (the deadline channel) calls `on_deadline`."""
+        keys = self.store.keys
         while not self._stopping:
             pubsub = self.store.client.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(self.store.keys.heartbeat_channel)
+                await pubsub.subscribe(keys.heartbeat_channel, keys.deadline_channel)
                 while not self._stopping:
-                    if await pubsub.get_message(timeout=0.5):
+                    message = await pubsub.get_message(timeout=0.5)
+                    if not message:
+                        continue
+                    channel = message["channel"]
+                    if (channel.decode() if isinstance(channel, bytes) else channel) == keys.deadline_channel:
+                        self.on_deadline()
+                    else:
                         self.wake.set()
             except Exception as exc:  # Redis went away: poll meanwhile, then subscribe again
                 log.warning("heartbeat channel: %s", exc)
@@ -179,7 +189,7 @@ class Dispatcher:
                 break
             if not self.headroom.allows(cand.tenant, free, capacity, running, weights, active):
                 continue  # the last free slots wait for a tenant below its share
-            choice = choose_decode_worker(slots)
+            choice = choose_decode_worker(slots, target_info.address)
             kv_address = await self._reserve(choice, cand)
             if kv_address is None:
                 choice.free_slots = 0

@@ -1,10 +1,12 @@
 """The janitor loop: deadlines, dead workers and expired leases.
 
-Every `dispatch_interval_ms` it ends live requests past their deadline (TIMED_OUT, in any state;
-a worker running one drops it at its next step, told on the cancel channel). Every quarter of
-`worker_timeout_s` it reaps workers that stopped heartbeating (their attempts go back to the
-queue under a new epoch, or FAIL when spent) and requeues requests whose prefill lease expired.
-All of it is Redis scripts, so a restarted scheduler simply carries on.
+It ends live requests past their deadline (TIMED_OUT, in any state; a worker running one drops
+it at its next step, told on the cancel channel) when the earliest deadline comes: it sleeps
+until then, and is poked when a request with a deadline is submitted or an operator moves one,
+so an idle scheduler does not poll Redis (on a shared machine its polling took CPU from the
+model). Every quarter of `worker_timeout_s` it reaps workers that stopped heartbeating (their
+attempts go back to the queue under a new epoch, or FAIL when spent) and requeues requests whose
+prefill lease expired. All of it is Redis scripts, so a restarted scheduler simply carries on.
 """
 
 import asyncio
@@ -15,11 +17,24 @@ from collections.abc import Callable
 from pdq import metrics
 from pdq.config import SchedulerConfig
 from pdq.registry import dead_workers, forget
-from pdq.store import RequestStore
+from pdq.store import RequestStore, now_ms
 
 log = logging.getLogger("pdq.scheduler")
 
 ROLES = ("prefill", "decode")
+# Longest sleep between sweeps: a deadline set without a poke (another scheduler's submit)
+# is still enforced within this.
+MAX_SLEEP_S = 1.0
+MIN_SLEEP_S = 0.005  # a due deadline the sweep could not end (Redis trouble) is retried this often, not in a spin
+
+
+def sleep_s(next_deadline_ms: int | None, now_ms_: int, until_reap_s: float) -> float:
+    """How long the janitor may sleep: until the earliest deadline, the next reap or MAX_SLEEP_S,
+    whichever comes first (at least MIN_SLEEP_S)."""
+    wait = min(MAX_SLEEP_S, until_reap_s)
+    if next_deadline_ms is not None:
+        wait = min(wait, (next_deadline_ms - now_ms_) / 1000)
+    return max(MIN_SLEEP_S, wait)
 
 
 class Janitor:
@@ -29,6 +44,7 @@ class Janitor:
         self.on_requeue = on_requeue  # wakes the dispatcher
         self._task: asyncio.Task | None = None
         self._stopping = asyncio.Event()
+        self._poke = asyncio.Event()
         self._last_reap = 0.0
 
     def start(self) -> None:
@@ -39,17 +55,28 @@ class Janitor:
         if self._task:
             await self._task
 
+    def poke(self) -> None:
+        """A deadline was set or moved: look again (it may be earlier than the one slept for)."""
+        self._poke.set()
+
     async def _loop(self) -> None:
-        interval = self.config.dispatch_interval_ms / 1000
         while not self._stopping.is_set():
+            self._poke.clear()
+            wait = MAX_SLEEP_S
             try:
                 await self.sweep()
+                until_reap = self._last_reap + self.config.worker_timeout_s / 4 - time.monotonic()
+                wait = sleep_s(await self.store.next_deadline_ms(), now_ms(), until_reap)
             except Exception:  # keep sweeping; Redis may come back
                 log.exception("janitor sweep failed")
+            if self._poke.is_set():
+                continue
+            stop, poke = asyncio.ensure_future(self._stopping.wait()), asyncio.ensure_future(self._poke.wait())
             try:
-                await asyncio.wait_for(self._stopping.wait(), interval)
-            except asyncio.TimeoutError:
-                pass
+                await asyncio.wait((stop, poke), timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stop.cancel()
+                poke.cancel()
 
     async def sweep(self) -> None:
         """One pass: deadlines always, workers and leases when their period has come."""

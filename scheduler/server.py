@@ -81,6 +81,8 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                       attributes={"pdq.enqueue.result": got.kind})
         if got.kind == "created":
             self.dispatcher.wake.set()
+            if spec.deadline_ms:
+                self.dispatcher.on_deadline()
         return pb.SubmitResponse(request_id=got.request_id, created=got.kind == "created")
 
     async def Cancel(self, request: pb.InternalCancelRequest, context: grpc.aio.ServicerContext) -> pb.InternalCancelResponse:
@@ -115,6 +117,7 @@ def build_server(config: SchedulerConfig) -> Server:
     store = RequestStore(client, config.key_prefix, config.result_ttl_s)
     dispatcher = Dispatcher(config, store)
     janitor = Janitor(config, store, dispatcher.wake.set)
+    dispatcher.on_deadline = janitor.poke
     server = Server(config.host, config.port, [pb.DESCRIPTOR.services_by_name["Scheduler"].full_name],
                     mtls=InternalTLS.from_config(config))
     pb_grpc.add_SchedulerServicer_to_server(SchedulerService(config, store, dispatcher), server.grpc)

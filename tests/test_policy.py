@@ -23,6 +23,14 @@ def test_choose_decode_worker_takes_most_free_slots():
     assert choose_decode_worker([DecodeSlots("a", "h:1", 0)]) is None
 
 
+def test_choose_decode_worker_prefers_the_colocated_one_while_it_has_room():
+    ws = [DecodeSlots("a", "h:1", 2), DecodeSlots("b", "h:2", 5)]
+    assert choose_decode_worker(ws, local="h:1").worker_id == "a"  # fewer free slots, but no transfer
+    assert choose_decode_worker(ws, local="h:9").worker_id == "b"  # no decode worker there
+    ws[0].free_slots = 0
+    assert choose_decode_worker(ws, local="h:1").worker_id == "b"  # full: elsewhere, over the wire
+
+
 @given(st.lists(st.integers(1, 3000), min_size=1, max_size=20), st.integers(1, 4096), st.integers(1, 1024))
 def test_plan_chunks_bounds(remaining, budget, chunk):
     plan = plan_chunks(remaining, budget, chunk)

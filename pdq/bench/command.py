@@ -115,7 +115,7 @@ class Bench:
             env = {**opts.env, "PDQ_STRATEGY": strategy, "PDQ_AUTH_FILE": str(auth_file)}
             for attempt in range(1, START_ATTEMPTS + 1):
                 say(f"pdq bench: starting a cluster for strategy {strategy!r} ...")
-                cluster = Cluster(prefill=opts.prefill, decode=opts.decode, model=opts.model,
+                cluster = Cluster(prefill=opts.prefill, decode=opts.decode, model=opts.model, colocate=opts.colocate,
                                   redis_url=opts.redis_url, port=0, auth=False, extra_env=env)
                 try:
                     cluster.start()

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from pdq.bench.arrivals import Arrivals, parse_concurrency, parse_rates
 from pdq.bench.workload import WORKLOADS
+from pdq.config import UP_COLOCATE_HELP
 
 STRATEGIES = ("static", "dynamic", "continuous")
 BASELINES = ("hf", "engine")
@@ -36,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     up = p.add_argument_group("the spawned cluster (as `pdq up`)")
     up.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     up.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    up.add_argument("--colocate", action="store_true", help=UP_COLOCATE_HELP)
     up.add_argument("--model", default=os.environ.get("PDQ_MODEL", "builtin"),
                     help="builtin, builtin:tiny, builtin:small or a checkpoint dir; with --target, the model the "
                          "cluster serves (its vocabulary makes the prompts)")
@@ -94,6 +96,7 @@ class BenchOptions:
     model: str = "builtin"
     prefill: int = 1
     decode: int = 1
+    colocate: bool = False
     redis_url: str | None = None
     env: dict = field(default_factory=dict)
     api_keys: dict = field(default_factory=dict)
@@ -146,7 +149,7 @@ class BenchOptions:
         return cls(target=a.target, spawn=a.spawn, strategies=strategies, baselines=tuple(dict.fromkeys(a.baseline)),
                    loads=loads, workload=a.workload, requests=a.requests, seed=a.seed,
                    max_model_len=a.max_model_len, model=a.model, prefill=a.prefill, decode=a.decode,
-                   redis_url=a.redis_url, env=env, api_keys=keys, warmup=a.warmup, repeat=a.repeat,
+                   colocate=a.colocate, redis_url=a.redis_url, env=env, api_keys=keys, warmup=a.warmup, repeat=a.repeat,
                    request_timeout=a.request_timeout, slo_ttft=a.slo_ttft, slo_itl=a.slo_itl, json=a.json,
                    plot=a.plot, progress=not a.no_progress)
 

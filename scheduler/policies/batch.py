@@ -51,9 +51,12 @@ class DecodeSlots:
     free_slots: int
 
 
-def choose_decode_worker(workers: list[DecodeSlots]) -> DecodeSlots | None:
-    """The worker with the most free slots (ties: by id, so the choice is stable)."""
+def choose_decode_worker(workers: list[DecodeSlots], local: str = "") -> DecodeSlots | None:
+    """The worker at address `local` (the prefill worker's own: a colocated worker keeps the
+    K/V where it is, no transfer) while it has a free slot, else the one with the most free
+    slots (ties: by id, so the choice is stable)."""
     open_ = [w for w in workers if w.free_slots > 0]
     if not open_:
         return None
-    return max(open_, key=lambda w: (w.free_slots, w.worker_id))
+    here = [w for w in open_ if local and w.address == local]
+    return max(here or open_, key=lambda w: (w.free_slots, w.worker_id))

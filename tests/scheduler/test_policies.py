@@ -2,10 +2,13 @@
 
 import itertools
 
+import pytest
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdq.config import FAIR_POLICIES, ORDER_POLICIES, TIER_POLICIES, SchedulerConfig
+from scheduler import janitor
 from scheduler.policies import (FAIR_POLICIES as FAIR_IMPL, ORDER_POLICIES as ORDER_IMPL, FIFO, VTC, AgingTiers,
                                 Candidate, DrainRate, StrictTiers, TenantQueue, TierQueue, form_batch, resolve_tier,
                                 retry_after_ms, schedule, tier_policy)
@@ -222,3 +225,10 @@ def test_drain_rate_counts_the_last_window():
     assert rate.rate(5.0) == 100
     assert rate.rate(12.0) == 50
     assert rate.rate(100.0) == 0
+
+
+def test_janitor_sleep_is_until_the_earliest_deadline_or_reap_within_bounds():
+    assert janitor.sleep_s(None, 1_000, 100.0) == janitor.MAX_SLEEP_S
+    assert janitor.sleep_s(1_300, 1_000, 100.0) == pytest.approx(0.3)
+    assert janitor.sleep_s(1_300, 1_000, 0.1) == pytest.approx(0.1)  # a reap is due first
+    assert janitor.sleep_s(900, 1_000, 5.0) == janitor.MIN_SLEEP_S  # overdue: soon, never a spin

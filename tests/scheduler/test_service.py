@@ -6,6 +6,7 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 
 from pdq.store import TenantPolicy, now_ms
+from scheduler import janitor
 from pdq.v1 import internal_pb2 as pb
 from tests.scheduler.fakes import wait_for
 from tests.scheduler.harness import harness, spec
@@ -180,6 +181,22 @@ async def test_a_queued_request_past_its_deadline_times_out(url, prefix):
         rec = await h.store.record("r")
         assert rec["finish_reason"] == "timeout" and int(rec["finished_ms"]) >= int(rec["deadline_ms"])
         assert (await h.store.load()).get("n", 0) == 0
+
+
+async def test_the_janitor_sleeps_until_a_deadline_and_is_woken_by_new_ones(url, prefix, monkeypatch):
+    """No polling: with nothing due for a minute (reaps 15 s apart, MAX_SLEEP_S 60 s), a request
+    submitted with a deadline, and one whose deadline an operator sets, still time out at once."""
+    monkeypatch.setattr(janitor, "MAX_SLEEP_S", 60.0)
+    async with harness(url, prefix, worker_timeout_s=60.0) as h:
+        await h.submit(spec("a", deadline_ms=now_ms() + 100))  # Submit pokes it
+        await ended(h, ["a"], ("TIMED_OUT",))
+        await h.submit(spec("b"))  # no deadline, queued (no workers)
+        assert await h.state("b") == "QUEUED"
+        await h.store.set_deadline("b", now_ms() + 100)  # as the operator API does: the deadline channel
+        await ended(h, ["b"], ("TIMED_OUT",))
+        for rid in ("a", "b"):
+            rec = await h.store.record(rid)
+            assert int(rec["finished_ms"]) - int(rec["deadline_ms"]) < 10_000  # not a 60 s sleep later
 
 
 # -- dead workers and leases ------------------------------------------------------------------------

@@ -1,0 +1,103 @@
+"""A colocated worker's model loop (a thread): prefill and decode in one forward per step.
+
+A colocated worker (`python -m decode_worker --colocate true`) serves both worker roles in one
+process over one `ModelRunner`: one model, one KV pool, one thread running the model. Each step
+runs every running sequence's decode row and, in the rest of the token budget
+(`max_batched_tokens`), the next prompt chunks of the prefill jobs, in one forward pass, as the
+in-process engine does. A prompt whose decode worker is this process keeps its K/V where it is
+(`prefill_worker.loop.Outcome` "local"), so the hand-off moves no bytes.
+
+The two halves stay what they are alone (`PrefillLoop` plans chunks and samples first tokens,
+`DecodeLoop` admits, samples and streams); this loop only feeds them from one inbox and runs the
+forward pass they share. On a machine that two separate workers would share, this avoids two
+processes fighting for the same cores and runs the decode rows inside the prompt passes.
+"""
+
+import logging
+import queue
+import threading
+import time
+
+from decode_worker.loop import DecodeLoop
+from prefill_worker.loop import Job, Outcome, PrefillLoop
+
+log = logging.getLogger("pdq.colocated")
+
+
+class ColocatedLoop:
+    def __init__(self, prefill: PrefillLoop, decode: DecodeLoop, max_batched_tokens: int):
+        if prefill.runner is not decode.runner:
+            raise ValueError("a colocated loop needs one runner for prefill and decode")
+        self.prefill = prefill
+        self.decode = decode
+        self.runner = decode.runner
+        self.max_batched_tokens = max_batched_tokens
+        self.inbox: queue.Queue = queue.Queue()
+        prefill.inbox = decode.inbox = self.inbox  # submit() and add() land here
+        self.pending: list[Job] = []
+        self._thread = threading.Thread(target=self._run, name="colocated-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.inbox.put(None)
+        self._thread.join()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.pending or self.decode.busy)
+
+    def _run(self) -> None:
+        d = self.decode
+        while True:
+            wait = 0 if self.pending or d.running else d._idle_timeout()
+            try:
+                got = self.inbox.get(block=wait != 0, timeout=wait)
+                while True:
+                    if got is None:
+                        self._shutdown()
+                        return
+                    if isinstance(got, Job):
+                        self.pending.append(got)
+                    else:
+                        d._arrive(got)
+                    got = self.inbox.get_nowait()
+            except queue.Empty:
+                pass
+            try:
+                d._drop_ended()
+                d._admit()
+                self._step()
+            except Exception as exc:
+                log.exception("colocated step failed; requeueing its sequences")
+                self._fail_all(f"step failed: {exc}")
+
+    def _step(self) -> None:
+        """One forward: every running sequence's decode row, then prompt chunks in the budget left."""
+        d, p = self.decode, self.prefill
+        started = time.perf_counter()
+        seqs, rows = d.rows() if d.running else ([], [])
+        live, chunks, jobs = [], [], []
+        if self.pending:
+            live, chunks, jobs = p.plan(self.pending, max(1, self.max_batched_tokens - len(rows)))
+            self.pending = live
+        if not chunks and not rows:
+            return
+        logits = self.runner.step(chunks, rows)
+        if chunks:
+            self.pending = p.finish(live, chunks, jobs, logits[:len(chunks)], started)
+        if rows:
+            d.after(seqs, logits[len(chunks):], started)
+
+    def _fail_all(self, why: str) -> None:
+        for job in self.pending:
+            self.prefill._end(job, Outcome("error", error=f"prefill failed: {why}"))
+        self.pending = []
+        self.decode._requeue_all(f"decode {why}")
+
+    def _shutdown(self) -> None:
+        for job in self.pending:
+            self.prefill._end(job, Outcome("error", error="prefill worker shutting down"))
+        self.pending = []
+        self.decode._shutdown()

@@ -1,0 +1,130 @@
+"""A colocated worker (`pdq up --colocate`: `decode_worker --colocate`) serves both worker roles in
+one process: prompt chunks and decode rows share forward passes, and its hand-off to itself keeps
+the K/V in the pool. Greedy output of a mixed batch (prompts chunked into passes that also carry
+other sequences' decode rows, a request joining mid-flight) still equals transformers' generate()
+of each request alone, and every KV slot comes back after finishes and cancels."""
+
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import redis
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdq.client import Client
+from pdq.model.loader import load_hf_model, resolve_model
+from pdq.up import Cluster
+
+MODEL = "builtin:tiny"
+CHUNK = 8  # prompt tokens per sequence per pass: every prompt below spans several passes
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    env = {"PDQ_PREFILL_CHUNK": str(CHUNK), "PDQ_MAX_BATCHED_TOKENS": "64", "PDQ_HEARTBEAT_S": "0.2"}
+    with Cluster(model=MODEL, port=0, colocate=True, auth=False, extra_env=env) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def rdb(cluster):
+    r = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    path = resolve_model(MODEL)
+    from transformers import AutoTokenizer
+
+    return load_hf_model(path), AutoTokenizer.from_pretrained(path)
+
+
+def hf_greedy(reference, prompt: str, n: int) -> list[int]:
+    model, tok = reference
+    ids = tok(prompt, add_special_tokens=False, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=tok.pad_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def scrape(url: str) -> dict:
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+def workers(rdb: redis.Redis, role: str) -> list[dict]:
+    return [rdb.hgetall(f"pdq:worker:{w}") for w in rdb.zrange(f"pdq:workers:{role}", 0, -1)]
+
+
+def wait_for(what: str, check, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while not (got := check()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.05)
+    return got
+
+
+def test_one_process_serves_both_roles_at_one_address(cluster, rdb):
+    assert [c.name for c in cluster.children if "prefill" in c.name] == []
+    (prefill,), (decode,) = workers(rdb, "prefill"), workers(rdb, "decode")
+    assert prefill["address"] == decode["address"]
+
+
+def test_mixed_batch_equals_generate_alone_and_hands_off_in_place(cluster, reference):
+    worker = next(c for c in cluster.children if c.name.startswith("decode-"))
+    before = scrape(worker.metrics_url(cluster.host))
+    jobs = [("Hello", 30), ("The quick brown fox jumps over the lazy dog. " * 3, 12),
+            ("def add(a, b):\n    return a + b\n" * 4, 25), ("lorem ipsum dolor sit amet " * 6, 8)]
+    late = ("a request that joins while the others decode", 10)
+    with Client(cluster.target) as client:
+        first = client.generate_stream(jobs[0][0], max_tokens=jobs[0][1], ignore_eos=True)
+        head = [next(first), next(first)]  # the request id, then a token: the batch is decoding
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            rest = [pool.submit(client.generate, p, max_tokens=n, ignore_eos=True) for p, n in jobs[1:] + [late]]
+            streamed = head + list(first)
+            results = [f.result() for f in rest]
+    first_tokens = [m.token_id for m in streamed if m.HasField("index")]
+    assert first_tokens == hf_greedy(reference, *jobs[0])
+    for (prompt, n), result in zip(jobs[1:] + [late], results):
+        assert result.prompt_tokens > CHUNK  # prefilled over several passes
+        assert result.token_ids == hf_greedy(reference, prompt, n), prompt[:30]
+    after = scrape(worker.metrics_url(cluster.host))
+    local = (value(after, "pdq_kv_transfer_seconds_count", outcome="ok", transport="local")
+             - value(before, "pdq_kv_transfer_seconds_count", outcome="ok", transport="local"))
+    assert local == len(jobs) + 1  # every hand-off stayed in the pool
+    assert value(after, "pdq_kv_transfer_bytes_total") == 0
+
+
+def test_cancel_and_finish_give_every_slot_back(cluster, rdb):
+    with Client(cluster.target) as client:
+        stream = client.generate_stream("cancel me midway " * 5, max_tokens=1000, ignore_eos=True)
+        rid = next(stream).request_id
+        next(stream)  # decoding
+        done = threading.Thread(target=client.generate, args=("finish me",), kwargs={"max_tokens": 6})
+        done.start()
+        assert client.cancel(rid) == "CANCELLED"
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in stream:
+                pass
+        assert err.value.code() == grpc.StatusCode.CANCELLED
+        done.join(60)
+
+    def idle() -> bool:  # the colocated pool (its prefill role's entry) and the decode holds are all free
+        (prefill,), (decode,) = workers(rdb, "prefill"), workers(rdb, "decode")
+        return (int(prefill["free_slots"]) == int(prefill["capacity"])
+                and int(decode["free_slots"]) == int(decode["capacity"]) and decode["running"] == "0")
+    wait_for("every KV slot free again", idle)

@@ -96,7 +96,10 @@ class Cluster:
     extra_env: dict = field(default_factory=dict)
     # Decode workers run this much nicer than the rest: when the machine's cores are all busy,
     # the scheduler, gateway and prefill (the time to first token) go first, decode steps wait.
-    decode_nice: int = field(default_factory=lambda: int(os.environ.get("PDQ_UP_DECODE_NICE") or 5))
+    # None: 5, and 0 for colocated workers (they prefill too; a nicer model process lost 8-10%
+    # of its tokens/s to the gateway's and the clients' bursts, BENCHMARKS.md).
+    decode_nice: int | None = field(default_factory=lambda: int(os.environ["PDQ_UP_DECODE_NICE"])
+                                    if os.environ.get("PDQ_UP_DECODE_NICE") else None)
     # /metrics ports: 0 = a free port per process; N = gateway N, scheduler N+1, prefill-i N+10+i,
     # decode-i N+20+i (what deploy/prometheus.yml scrapes); -1 = no metrics endpoints
     metrics_port: int = field(default_factory=lambda: int(os.environ.get("PDQ_UP_METRICS_PORT") or 0))
@@ -108,6 +111,11 @@ class Cluster:
     _tls: InternalTLS | None = field(default=None, repr=False)  # set with mtls: how to reach internal ports
     _certs: str = field(default="", repr=False)  # the throwaway CA's directory, removed at stop
     _prefill_threads: str = field(default="", repr=False)  # PDQ_THREADS of prefill workers ("" = as the rest)
+
+    @property
+    def worker_nice(self) -> int:
+        """How much nicer decode (and colocated) workers run than the rest."""
+        return self.decode_nice if self.decode_nice is not None else 0 if self.colocate else 5
 
     @property
     def target(self) -> str:
@@ -162,7 +170,7 @@ class Cluster:
                 "--metrics-port", str(metrics_port), *extra]
         if module == "prefill_worker" and self._prefill_threads:
             env = dict(env, PDQ_THREADS=self._prefill_threads)
-        proc = spawn(args, nice=self.decode_nice if module == "decode_worker" else 0, env=env)
+        proc = spawn(args, nice=self.worker_nice if module == "decode_worker" else 0, env=env)
         self.children.append(Child(name, port, proc, metrics_port))
 
     def add_worker(self, role: str, *extra_args: str, timeout_s: float = 300.0) -> Child:

@@ -2,7 +2,7 @@
 
 import os
 
-from pdq.up import OMP_SPIN_COUNT, YIELD_TO_PREFILL_MS, cpu_share_env
+from pdq.up import OMP_SPIN_COUNT, YIELD_TO_PREFILL_MS, Cluster, cpu_share_env
 
 
 def test_workers_split_the_cores_and_decode_yields_to_prefill():
@@ -19,3 +19,11 @@ def test_workers_split_the_cores_and_decode_yields_to_prefill():
 def test_what_the_user_set_wins():
     assert cpu_share_env(2, {"PDQ_THREADS": "4", "PDQ_YIELD_TO_PREFILL_MS": "0", "OMP_WAIT_POLICY": "PASSIVE"}) == {}
     assert "GOMP_SPINCOUNT" not in cpu_share_env(2, {"GOMP_SPINCOUNT": "0"})
+
+
+def test_decode_workers_run_nicer_unless_colocated_or_told(monkeypatch):
+    monkeypatch.delenv("PDQ_UP_DECODE_NICE", raising=False)
+    assert Cluster().worker_nice == 5  # prefill, the scheduler and the gateway go first
+    assert Cluster(colocate=True).worker_nice == 0  # it prefills too: nothing to give way to
+    monkeypatch.setenv("PDQ_UP_DECODE_NICE", "2")
+    assert Cluster().worker_nice == Cluster(colocate=True).worker_nice == 2

@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         decode0 = next(ch for ch in cluster.children if ch.name == "decode-0")
         address = f"{cluster.host}:{decode0.port}"
         bare_port = free_port()  # the bare gRPC server runs as nice as the decode workers
-        bare = spawn([sys.executable, "-m", "pdq.bench.grpc_ceiling", str(bare_port)], nice=cluster.decode_nice)
+        bare = spawn([sys.executable, "-m", "pdq.bench.grpc_ceiling", str(bare_port)], nice=cluster.worker_nice)
         try:
             handoff = {name: asyncio.run(_push(address, runner, prompt, name, chunk_bytes, concurrent,
                                                f"127.0.0.1:{bare_port}"))

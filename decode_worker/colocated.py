@@ -3,7 +3,7 @@
 A colocated worker (`python -m decode_worker --colocate true`) serves both worker roles in one
 process over one `ModelRunner`: one model, one KV pool, one thread running the model. Each step
 runs every running sequence's decode row and, in the rest of the token budget
-(`max_batched_tokens`), the next prompt chunks of the prefill jobs, in one forward pass, as the
+(`--step-tokens`), the next prompt chunks of the prefill jobs, in one forward pass, as the
 in-process engine does. A prompt whose decode worker is this process keeps its K/V where it is
 (`prefill_worker.loop.Outcome` "local"), so the hand-off moves no bytes.
 
@@ -25,13 +25,13 @@ log = logging.getLogger("pdq.colocated")
 
 
 class ColocatedLoop:
-    def __init__(self, prefill: PrefillLoop, decode: DecodeLoop, max_batched_tokens: int):
+    def __init__(self, prefill: PrefillLoop, decode: DecodeLoop, step_tokens: int):
         if prefill.runner is not decode.runner:
             raise ValueError("a colocated loop needs one runner for prefill and decode")
         self.prefill = prefill
         self.decode = decode
         self.runner = decode.runner
-        self.max_batched_tokens = max_batched_tokens
+        self.step_tokens = step_tokens
         self.inbox: queue.Queue = queue.Queue()
         prefill.inbox = decode.inbox = self.inbox  # submit() and add() land here
         self.pending: list[Job] = []
@@ -80,7 +80,7 @@ class ColocatedLoop:
         seqs, rows = d.rows() if d.running else ([], [])
         live, chunks, jobs = [], [], []
         if self.pending:
-            live, chunks, jobs = p.plan(self.pending, max(1, self.max_batched_tokens - len(rows)))
+            live, chunks, jobs = p.plan(self.pending, max(1, self.step_tokens - len(rows)))
             self.pending = live
         if not chunks and not rows:
             return

@@ -279,9 +279,9 @@ def build_server(config: DecodeConfig) -> Server:
                                   config.max_attempts, service.prefilling, config.yield_to_prefill_ms if alone else 0.0)
         model_loop = state["model"] = service.loop
         if prefill is not None:
-            prefill.loop = PrefillLoop(runner, store, cancels, tokenizer, eos, config.max_batched_tokens,
+            prefill.loop = PrefillLoop(runner, store, cancels, tokenizer, eos, config.step_tokens,
                                        config.prefill_chunk, local=lambda item: item.decode_address == address)
-            model_loop = state["model"] = ColocatedLoop(prefill.loop, service.loop, config.max_batched_tokens)
+            model_loop = state["model"] = ColocatedLoop(prefill.loop, service.loop, config.step_tokens)
         model_loop.start()
         await reclaim_previous_life(store, worker_id, config.max_attempts)
         state["heartbeat"] = hb = Heartbeat(config, keys, info)

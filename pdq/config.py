@@ -245,13 +245,13 @@ class DecodeConfig(WorkerConfig):
     colocate: bool = field(default=False, metadata={"help": "also serve the prefill worker role in this process: one model, one KV pool, "
                                                             "prompt chunks and decode rows in one forward pass, hand-offs to itself "
                                                             "kept in place (for a machine prefill and decode would share)"})
-    max_batched_tokens: int = field(default=1024, metadata={"help": "with colocate: tokens per forward pass, decode rows first, then prompt chunks"})
+    step_tokens: int = field(default=1024, metadata={"help": "with colocate: tokens per forward pass, every decode row first, then prompt chunks"})
     prefill_chunk: int = field(default=512, metadata={"help": "with colocate: longest prompt chunk per forward pass"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _positive("kv_budget_tokens", self.kv_budget_tokens)
-        _positive("max_batched_tokens", self.max_batched_tokens)
+        _positive("step_tokens", self.step_tokens)
         _positive("prefill_chunk", self.prefill_chunk)
         _positive("strategy_batch_size", self.strategy_batch_size)
         if not 0 <= self.yield_to_prefill_ms <= 10_000:
@@ -268,4 +268,4 @@ class DecodeConfig(WorkerConfig):
         """The prefill role of a colocated worker: the same store, model and address."""
         shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(WorkerConfig)}
         shared["worker_id"] = self.worker_id and self.worker_id + "-prefill"  # its own registry entry
-        return PrefillConfig(**shared, max_batched_tokens=self.max_batched_tokens, prefill_chunk=self.prefill_chunk)
+        return PrefillConfig(**shared, max_batched_tokens=self.step_tokens, prefill_chunk=self.prefill_chunk)

@@ -25,7 +25,7 @@ CHUNK = 8  # prompt tokens per sequence per pass: every prompt below spans sever
 
 @pytest.fixture(scope="module")
 def cluster():
-    env = {"PDQ_PREFILL_CHUNK": str(CHUNK), "PDQ_MAX_BATCHED_TOKENS": "64", "PDQ_HEARTBEAT_S": "0.2"}
+    env = {"PDQ_PREFILL_CHUNK": str(CHUNK), "PDQ_STEP_TOKENS": "64", "PDQ_HEARTBEAT_S": "0.2"}
     with Cluster(model=MODEL, port=0, colocate=True, auth=False, extra_env=env) as c:
         yield c
 

@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 
-from decode_worker.loop import DecodeLoop
+from decode_worker.loop import DecodeLoop, take
 from prefill_worker.loop import Job, Outcome, PrefillLoop
 
 log = logging.getLogger("pdq.colocated")
@@ -51,20 +51,9 @@ class ColocatedLoop:
     def _run(self) -> None:
         d = self.decode
         while True:
-            wait = 0 if self.pending or d.running else d._idle_timeout()
-            try:
-                got = self.inbox.get(block=wait != 0, timeout=wait)
-                while True:
-                    if got is None:
-                        self._shutdown()
-                        return
-                    if isinstance(got, Job):
-                        self.pending.append(got)
-                    else:
-                        d._arrive(got)
-                    got = self.inbox.get_nowait()
-            except queue.Empty:
-                pass
+            if not take(self.inbox, 0 if self.pending or d.running else d._idle_timeout(), self._take):
+                self._shutdown()
+                return
             try:
                 d._drop_ended()
                 d._admit()
@@ -72,6 +61,12 @@ class ColocatedLoop:
             except Exception as exc:
                 log.exception("colocated step failed; requeueing its sequences")
                 self._fail_all(f"step failed: {exc}")
+
+    def _take(self, item: object) -> None:
+        if isinstance(item, Job):
+            self.pending.append(item)
+        else:
+            self.decode._arrive(item)
 
     def _step(self) -> None:
         """One forward: every running sequence's decode row, then prompt chunks in the budget left."""

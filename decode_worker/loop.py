@@ -51,6 +51,20 @@ class Sequence:
         return self.prompt_len + len(self.generated) - 1
 
 
+def take(inbox: queue.Queue, wait: float | None, handle: Callable[[Any], None]) -> bool:
+    """Hands everything in `inbox` to `handle`, first waiting up to `wait` seconds for an item
+    (0: not at all, None: until one comes). -> False at the stop sentinel (None)."""
+    try:
+        got = inbox.get(block=wait != 0, timeout=wait)
+        while True:
+            if got is None:
+                return False
+            handle(got)
+            got = inbox.get_nowait()
+    except queue.Empty:
+        return True
+
+
 @dataclass
 class LoopStats:
     steps: int = 0
@@ -101,17 +115,9 @@ class DecodeLoop:
 
     def _run(self) -> None:
         while True:
-            wait = self._yield_s() if self.running else self._idle_timeout()
-            try:
-                got = self.inbox.get(block=wait != 0, timeout=wait)
-                while True:
-                    if got is None:
-                        self._shutdown()
-                        return
-                    self._arrive(got)
-                    got = self.inbox.get_nowait()
-            except queue.Empty:
-                pass
+            if not take(self.inbox, self._yield_s() if self.running else self._idle_timeout(), self._arrive):
+                self._shutdown()
+                return
             try:
                 self._drop_ended()
                 self._admit()

@@ -6,18 +6,15 @@ of each request alone, and every KV slot comes back after finishes and cancels."
 
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 import redis
-import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdq.client import Client
-from pdq.model.loader import load_hf_model, resolve_model
 from pdq.up import Cluster
+from tests import oracles
 
 MODEL = "builtin:tiny"
 CHUNK = 8  # prompt tokens per sequence per pass: every prompt below spans several passes
@@ -30,39 +27,15 @@ def cluster():
         yield c
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def rdb(cluster):
-    r = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
-    yield r
-    r.close()
+    with redis.Redis.from_url(cluster.redis_url, decode_responses=True) as r:
+        yield r
 
 
 @pytest.fixture(scope="module")
 def reference():
-    path = resolve_model(MODEL)
-    from transformers import AutoTokenizer
-
-    return load_hf_model(path), AutoTokenizer.from_pretrained(path)
-
-
-def hf_greedy(reference, prompt: str, n: int) -> list[int]:
-    model, tok = reference
-    ids = tok(prompt, add_special_tokens=False, return_tensors="pt").input_ids
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=tok.pad_token_id)
-    return out[0, ids.shape[1]:].tolist()
-
-
-def scrape(url: str) -> dict:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def value(samples: dict, name: str, **labels) -> float:
-    want = set(labels.items())
-    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+    return oracles.reference(MODEL)
 
 
 def workers(rdb: redis.Redis, role: str) -> list[dict]:
@@ -86,7 +59,7 @@ def test_one_process_serves_both_roles_at_one_address(cluster, rdb):
 
 def test_mixed_batch_equals_generate_alone_and_hands_off_in_place(cluster, reference):
     worker = next(c for c in cluster.children if c.name.startswith("decode-"))
-    before = scrape(worker.metrics_url(cluster.host))
+    before = oracles.scrape(worker.metrics_url(cluster.host))
     jobs = [("Hello", 30), ("The quick brown fox jumps over the lazy dog. " * 3, 12),
             ("def add(a, b):\n    return a + b\n" * 4, 25), ("lorem ipsum dolor sit amet " * 6, 8)]
     late = ("a request that joins while the others decode", 10)
@@ -98,15 +71,15 @@ def test_mixed_batch_equals_generate_alone_and_hands_off_in_place(cluster, refer
             streamed = head + list(first)
             results = [f.result() for f in rest]
     first_tokens = [m.token_id for m in streamed if m.HasField("index")]
-    assert first_tokens == hf_greedy(reference, *jobs[0])
+    assert first_tokens == oracles.hf_greedy(reference, *jobs[0])
     for (prompt, n), result in zip(jobs[1:] + [late], results):
         assert result.prompt_tokens > CHUNK  # prefilled over several passes
-        assert result.token_ids == hf_greedy(reference, prompt, n), prompt[:30]
-    after = scrape(worker.metrics_url(cluster.host))
-    local = (value(after, "pdq_kv_transfer_seconds_count", outcome="ok", transport="local")
-             - value(before, "pdq_kv_transfer_seconds_count", outcome="ok", transport="local"))
+        assert result.token_ids == oracles.hf_greedy(reference, prompt, n), prompt[:30]
+    after = oracles.scrape(worker.metrics_url(cluster.host))
+    local = (oracles.value(after, "pdq_kv_transfer_seconds_count", outcome="ok", transport="local")
+             - oracles.value(before, "pdq_kv_transfer_seconds_count", outcome="ok", transport="local"))
     assert local == len(jobs) + 1  # every hand-off stayed in the pool
-    assert value(after, "pdq_kv_transfer_bytes_total") == 0
+    assert oracles.value(after, "pdq_kv_transfer_bytes_total") == 0
 
 
 def test_cancel_and_finish_give_every_slot_back(cluster, rdb):

@@ -2,16 +2,14 @@
 -> decode -> tokens streamed back. Greedy output must equal transformers' own generate()."""
 
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-import torch
 
-from pdq.model.loader import load_hf_model, resolve_model
 from pdq.v1 import generation_pb2 as gen_pb
+from tests import oracles
 
 PROMPTS = [
     "Hello",
@@ -23,19 +21,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def reference():
-    path = resolve_model("builtin")
-    from transformers import AutoTokenizer
-
-    return load_hf_model(path), AutoTokenizer.from_pretrained(path)
-
-
-def hf_greedy(reference, prompt: str, n: int) -> list[int]:
-    model, tok = reference
-    ids = tok(prompt, add_special_tokens=False, return_tensors="pt").input_ids
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=tok.pad_token_id)
-    return out[0, ids.shape[1]:].tolist()
+    return oracles.reference("builtin")
 
 
 def test_greedy_output_equals_transformers_generate_for_concurrent_prompts(client, reference):
@@ -43,7 +29,7 @@ def test_greedy_output_equals_transformers_generate_for_concurrent_prompts(clien
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         results = list(pool.map(lambda a: client.generate(a[0], max_tokens=a[1], ignore_eos=True), zip(PROMPTS, lengths)))
     for prompt, n, result in zip(PROMPTS, lengths, results):
-        assert result.token_ids == hf_greedy(reference, prompt, n), prompt[:30]
+        assert result.token_ids == oracles.hf_greedy(reference, prompt, n), prompt[:30]
         assert result.finish_reason == "length"
         assert result.completion_tokens == n
         assert result.prompt_tokens == len(reference[1](prompt, add_special_tokens=False).input_ids)

@@ -1,23 +1,11 @@
 """Every process serves Prometheus /metrics; a request moves the histograms of each hop."""
 
 import time
-import urllib.request
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-
-def scrape(url: str) -> dict:
-    """{(sample name, frozenset of labels): value}"""
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def value(samples: dict, name: str, **labels) -> float:
-    want = set(labels.items())
-    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+from tests.oracles import scrape, value
 
 
 def scrape_all(cluster) -> dict:

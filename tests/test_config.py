@@ -1,8 +1,10 @@
 """Settings every role shares are validated where a mistake would bite later."""
 
+import argparse
+
 import pytest
 
-from pdq.config import DecodeConfig, GatewayConfig, PrefillConfig, SchedulerConfig
+from pdq.config import DecodeConfig, GatewayConfig, PrefillConfig, SchedulerConfig, from_arguments
 
 
 def test_worker_timeout_is_one_setting_for_every_role():
@@ -39,3 +41,17 @@ def test_yield_to_prefill_is_bounded():
     for bad in (-1, 10_001):
         with pytest.raises(ValueError, match="yield_to_prefill_ms must be in"):
             DecodeConfig(yield_to_prefill_ms=bad)
+
+
+def test_a_colocated_worker_takes_its_prefill_settings_and_its_own_registry_entry():
+    assert not DecodeConfig().colocate
+    for name in ("step_tokens", "prefill_chunk"):
+        with pytest.raises(ValueError, match=f"{name} must be > 0"):
+            DecodeConfig(**{name: 0})
+    cfg = DecodeConfig(colocate=True, worker_id="w1", step_tokens=256, prefill_chunk=64, port=50099)
+    pre = cfg.prefill_config()
+    assert (pre.max_batched_tokens, pre.prefill_chunk, pre.port) == (256, 64, 50099)
+    assert pre.name("prefill") == "w1-prefill" != cfg.name("decode")  # two registry entries, one process
+    assert from_arguments(DecodeConfig, argparse.Namespace(colocate="true")).colocate
+    with pytest.raises(ValueError, match="--colocate: not a boolean"):
+        from_arguments(DecodeConfig, argparse.Namespace(colocate="maybe"))

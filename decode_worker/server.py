@@ -23,9 +23,9 @@ from pdq.worker import CancelListener, Heartbeat, load_runner, reclaim_previous_
 from decode_worker.colocated import ColocatedLoop
 from decode_worker.kv_receive import Arrived, Discard, SlotSink
 from decode_worker.loop import DecodeLoop
+from decode_worker.strategy import Strategy
 from prefill_worker.loop import PrefillLoop
 from prefill_worker.server import PrefillService
-from decode_worker.strategy import Strategy
 
 log = logging.getLogger("pdq.decode")
 

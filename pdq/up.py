@@ -1,9 +1,9 @@
 """`pdq up`: a whole cluster on one machine, for development and demos.
 
 Starts a private Redis server (unless --redis-url is given), the scheduler, N prefill workers,
-M decode workers (or, colocated, M workers serving both roles) and the gateway as separate processes, waits until every one reports SERVING
-on grpc.health.v1, and stops them all on Ctrl-C / SIGTERM (children also die with this
-process, so nothing is left behind).
+M decode workers (or, colocated, M workers serving both roles) and the gateway as separate
+processes, waits until every one reports SERVING on grpc.health.v1, and stops them all on
+Ctrl-C / SIGTERM (children also die with this process, so nothing is left behind).
 """
 
 import os
@@ -134,11 +134,11 @@ class Cluster:
             if self.port == 0:
                 self.port = free_port(self.host)
             env = self._env = dict(os.environ, PDQ_REDIS_URL=self.redis_url, PDQ_MODEL=model_dir, **self.extra_env)
+            prefill = 0 if self.colocate else self.prefill  # colocated workers prefill themselves
             if self.colocate:
-                self.prefill = 0
                 env["PDQ_COLOCATE"] = "true"
-            self._prefill_threads = cpu_share_env(self.prefill, env).get("PDQ_THREADS", "")
-            env.update(cpu_share_env(self.prefill + self.decode, env))
+            self._prefill_threads = cpu_share_env(prefill, env).get("PDQ_THREADS", "")
+            env.update(cpu_share_env(prefill + self.decode, env))
             if self.mtls:
                 self._certs = tempfile.mkdtemp(prefix="pdq-mtls-")
                 ca, cert, key = dev_certificates(Path(self._certs))
@@ -149,7 +149,7 @@ class Cluster:
                 env["PDQ_AUTH_FILE"] = str(auth_file)
             sched_port = free_port(self.host)
             self._spawn("scheduler", "scheduler", sched_port, env, metrics_offset=1)
-            for i in range(self.prefill):
+            for i in range(prefill):
                 self._spawn(f"prefill-{i}", "prefill_worker", free_port(self.host), env,
                             ["--worker-id", f"prefill-{i}-{os.getpid()}"], metrics_offset=10 + i)
             for i in range(self.decode):

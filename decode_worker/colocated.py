@@ -15,10 +15,11 @@ processes fighting for the same cores and runs the decode rows inside the prompt
 
 import logging
 import queue
-import threading
 import time
+from concurrent.futures import Future
 
 from decode_worker.loop import DecodeLoop, take
+from pdq.worker import ModelThread
 from prefill_worker.loop import Job, Outcome, PrefillLoop
 
 log = logging.getLogger("pdq.colocated")
@@ -35,14 +36,16 @@ class ColocatedLoop:
         self.inbox: queue.Queue = queue.Queue()
         prefill.inbox = decode.inbox = self.inbox  # submit() and add() land here
         self.pending: list[Job] = []
-        self._thread = threading.Thread(target=self._run, name="colocated-loop", daemon=True)
+        self._done: Future | None = None  # the running loop's (see start)
 
-    def start(self) -> None:
-        self._thread.start()
+    def start(self, thread: ModelThread | None = None) -> None:
+        """Runs the loop in `thread`, the one that loaded the model (else a thread of its own)."""
+        self._done = (thread or ModelThread("colocated-loop")).submit(self._run)
 
     def stop(self) -> None:
         self.inbox.put(None)
-        self._thread.join()
+        if self._done is not None:
+            self._done.result()
 
     @property
     def busy(self) -> bool:

@@ -9,8 +9,8 @@ step's tokens (and ends) go to Redis in one round trip.
 
 import logging
 import queue
-import threading
 import time
+from concurrent.futures import Future
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +25,7 @@ from pdq.engine.sampling import SamplingParams, sample
 from pdq.output_text import TextOutput
 from pdq.request import State
 from pdq.store import RequestStore, StepItem, now_ms
-from pdq.worker import CancelListener
+from pdq.worker import CancelListener, ModelThread
 
 log = logging.getLogger("pdq.decode")
 
@@ -96,10 +96,11 @@ class DecodeLoop:
         self.stats = LoopStats()
         self.step_metrics = metrics.DecodeStepStats(strategy.name)
         self._first_pending: list[Sequence] = []  # traced sequences whose next token is their first here
-        self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
+        self._done: Future | None = None  # the running loop's (see start)
 
-    def start(self) -> None:
-        self._thread.start()
+    def start(self, thread: ModelThread | None = None) -> None:
+        """Runs the loop in `thread`, the one that loaded the model (else a thread of its own)."""
+        self._done = (thread or ModelThread("decode-loop")).submit(self._run)
 
     def add(self, item: Arrived | Discard) -> None:
         """A received hand-off to decode, or the slot of a failed one to free (see kv_receive)."""
@@ -107,7 +108,8 @@ class DecodeLoop:
 
     def stop(self) -> None:
         self.inbox.put(None)
-        self._thread.join()
+        if self._done is not None:
+            self._done.result()
 
     @property
     def busy(self) -> bool:

@@ -19,7 +19,7 @@ from pdq.registry import WorkerInfo
 from pdq.serving import Server
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
-from pdq.worker import CancelListener, Heartbeat, load_runner, reclaim_previous_life, sync_store
+from pdq.worker import CancelListener, Heartbeat, ModelThread, load_runner, reclaim_previous_life, sync_store
 from decode_worker.colocated import ColocatedLoop
 from decode_worker.kv_receive import Arrived, Discard, SlotSink
 from decode_worker.loop import DecodeLoop
@@ -254,7 +254,8 @@ def build_server(config: DecodeConfig) -> Server:
     async def start() -> None:
         path = await asyncio.to_thread(resolve_model, config.model)
         extra = COLOCATED_EXTRA_SLOTS * config.max_seq_len if config.colocate else 0
-        runner = state["runner"] = await asyncio.to_thread(load_runner, config, config.kv_budget_tokens + extra)
+        model = ModelThread("model")  # loads the model, then runs the loop (see ModelThread)
+        runner = state["runner"] = await model.run(load_runner, config, config.kv_budget_tokens + extra)
         aio_loop = asyncio.get_running_loop()
         strategy = Strategy(config.strategy, config.strategy_batch_size, config.dynamic_window_ms,
                             config.static_flush_ms)
@@ -282,7 +283,7 @@ def build_server(config: DecodeConfig) -> Server:
             prefill.loop = PrefillLoop(runner, store, cancels, tokenizer, eos, config.step_tokens,
                                        config.prefill_chunk, local=lambda item: item.decode_address == address)
             model_loop = state["model"] = ColocatedLoop(prefill.loop, service.loop, config.step_tokens)
-        model_loop.start()
+        model_loop.start(model)
         await reclaim_previous_life(store, worker_id, config.max_attempts)
         state["heartbeat"] = hb = Heartbeat(config, keys, info)
         service.on_change = hb.poke

@@ -11,7 +11,8 @@ import sys
 
 import grpc
 
-from pdq.config import UP_COLOCATE_HELP
+from pdq import cpu
+from pdq.config import UP_COLOCATE_HELP, UP_CONTROL_POLICY_HELP
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -21,7 +22,8 @@ def _up(args: argparse.Namespace) -> int:
 
     env = {"PDQ_KV_TRANSPORT": args.kv_transport} if args.kv_transport else {}
     return run(Cluster(prefill=args.prefill, decode=args.decode, model=args.model, redis_url=args.redis_url,
-                       port=args.port, durable=args.durable, mtls=args.mtls, colocate=args.colocate, extra_env=env))
+                       port=args.port, durable=args.durable, mtls=args.mtls, colocate=args.colocate,
+                       control_policy=args.control_policy, extra_env=env))
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -87,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     up.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     up.add_argument("--colocate", action="store_true", help=UP_COLOCATE_HELP)
+    up.add_argument("--control-policy", choices=cpu.POLICIES, default=os.environ.get("PDQ_UP_CONTROL_POLICY") or "batch",
+                    help=UP_CONTROL_POLICY_HELP)
     up.add_argument("--model", default=os.environ.get("PDQ_MODEL", "builtin"),
                     help="builtin, builtin:tiny, builtin:small, or a Hugging Face checkpoint dir")
     up.add_argument("--redis-url", default=os.environ.get("PDQ_UP_REDIS_URL"),

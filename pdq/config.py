@@ -20,6 +20,9 @@ FAIR_POLICIES = ("vtc", "fifo")
 ORDER_POLICIES = ("fcfs", "sjf", "edf")
 STRATEGIES = ("continuous", "dynamic", "static")
 KV_TRANSPORTS = ("grpc", "tcp")
+UP_CONTROL_POLICY_HELP = ("CPU policy of Redis, the scheduler and the gateway (pdq.cpu): batch (default) lets them run "
+                          "when a core frees up instead of preempting the model's threads when they wake; normal: as "
+                          "any process")
 UP_COLOCATE_HELP = ("each decode worker also prefills, in the same process (decode_worker --colocate): one model and "
                     "KV pool, prompt chunks and decode rows in one forward pass, no KV transfer; no prefill-only "
                     "workers start (--prefill is ignored). For one machine, where the roles would share its cores")

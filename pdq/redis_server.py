@@ -59,14 +59,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class RedisServer:
-    """A redis-server child process. `durable=True` turns on AOF with appendfsync always."""
+    """A redis-server child process. `durable=True` turns on AOF with appendfsync always;
+    `cpu_policy` is its scheduling policy (pdq.cpu)."""
 
-    def __init__(self, directory: str | None = None, port: int = 0, durable: bool = False, host: str = "127.0.0.1"):
+    def __init__(self, directory: str | None = None, port: int = 0, durable: bool = False, host: str = "127.0.0.1",
+                 cpu_policy: str = "normal"):
         self._own_dir = directory is None
         self.host = host  # also listens here (and its url says so), e.g. an address other hosts reach
         self.directory = directory or tempfile.mkdtemp(prefix="pdq-redis-")
         self.port = port or free_port()
         self.durable = durable
+        self.cpu_policy = cpu_policy
         self.process: subprocess.Popen | None = None
 
     @property
@@ -80,7 +83,8 @@ class RedisServer:
         args += ["--appendonly", "yes", "--appendfsync", "always"] if self.durable else ["--appendonly", "no"]
         if self.host != "127.0.0.1":  # asked to listen on a non-loopback address: let clients there in
             args += ["--protected-mode", "no"]
-        self.process = spawn(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.process = spawn(args, cpu_policy=self.cpu_policy, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout_s
         while True:

@@ -100,6 +100,10 @@ class Cluster:
     # of its tokens/s to the gateway's and the clients' bursts, BENCHMARKS.md).
     decode_nice: int | None = field(default_factory=lambda: int(os.environ["PDQ_UP_DECODE_NICE"])
                                     if os.environ.get("PDQ_UP_DECODE_NICE") else None)
+    # CPU policy (pdq.cpu) of the processes that do not run the model: Redis, the scheduler and
+    # the gateway. "batch": they do not preempt the model's threads when they wake, and run when a
+    # core frees up (BENCHMARKS.md, session 7); "normal": as any process.
+    control_policy: str = field(default_factory=lambda: os.environ.get("PDQ_UP_CONTROL_POLICY") or "batch")
     # /metrics ports: 0 = a free port per process; N = gateway N, scheduler N+1, prefill-i N+10+i,
     # decode-i N+20+i (what deploy/prometheus.yml scrapes); -1 = no metrics endpoints
     metrics_port: int = field(default_factory=lambda: int(os.environ.get("PDQ_UP_METRICS_PORT") or 0))
@@ -128,7 +132,7 @@ class Cluster:
             say(f"pdq: preparing model {self.model!r} ...")
             model_dir = str(resolve_model(self.model))  # build/cache once, before the workers load it
             if self.redis_url is None:
-                self.redis = RedisServer(durable=self.durable).start()
+                self.redis = RedisServer(durable=self.durable, cpu_policy=self.control_policy).start()
                 self.redis_url = self.redis.url
                 say(f"pdq: private Redis at {self.redis_url}")
             if self.port == 0:
@@ -170,7 +174,9 @@ class Cluster:
                 "--metrics-port", str(metrics_port), *extra]
         if module == "prefill_worker" and self._prefill_threads:
             env = dict(env, PDQ_THREADS=self._prefill_threads)
-        proc = spawn(args, nice=self.worker_nice if module == "decode_worker" else 0, env=env)
+        model = module in ("prefill_worker", "decode_worker")
+        proc = spawn(args, nice=self.worker_nice if module == "decode_worker" else 0,
+                     cpu_policy="normal" if model else self.control_policy, env=env)
         self.children.append(Child(name, port, proc, metrics_port))
 
     def add_worker(self, role: str, *extra_args: str, timeout_s: float = 300.0) -> Child:

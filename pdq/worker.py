@@ -1,8 +1,11 @@
-"""What prefill and decode workers share: model loading, registry heartbeats, cancel notices."""
+"""What prefill and decode workers share: the model thread, model loading, registry heartbeats,
+cancel notices."""
 
 import asyncio
 import logging
+import queue
 import threading
+from concurrent.futures import Future
 from typing import Any, Callable
 
 import redis
@@ -16,8 +19,52 @@ from pdq.store import RequestStore
 log = logging.getLogger("pdq.worker")
 
 
+class ModelThread:
+    """The one thread that runs a worker's torch work: it loads the model, then runs the model
+    loop (`submit(loop._run)`), in that order.
+
+    libgomp (torch's OpenMP on Linux) keeps a pool of threads for every thread that ever ran a
+    parallel region, and once it manages more threads than there are cores, its idle threads
+    spin ~100 rounds instead of GOMP_SPINCOUNT before they sleep: each parallel region of a
+    forward pass then waits for a sleeping thread to wake. A model loaded in one thread
+    (prepacking weights runs parallel regions) and run in another made decode steps ~25%
+    slower, with 15x the context switches (BENCHMARKS.md, session 7). Calls run one at a time,
+    in order; the thread is a daemon, as the loops' threads always were.
+    """
+
+    def __init__(self, name: str = "model"):
+        self.name = name
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """fn(*args) in this thread, after every call submitted before. -> its future."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
+                self._thread.start()
+        done: Future = Future()
+        self._calls.put((done, fn, args))
+        return done
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """From an event loop: awaits fn(*args) run in this thread."""
+        return await asyncio.wrap_future(self.submit(fn, *args))
+
+    def _serve(self) -> None:
+        while True:
+            done, fn, args = self._calls.get()
+            if done.set_running_or_notify_cancel():
+                try:
+                    done.set_result(fn(*args))
+                except BaseException as exc:
+                    done.set_exception(exc)
+
+
 def load_runner(config: WorkerConfig, kv_budget_tokens: int) -> Any:
-    """Loads the model into a ModelRunner on the configured device, dtype and threads."""
+    """Loads the model into a ModelRunner on the configured device, dtype and threads. Call it
+    in the `ModelThread` that will run the model."""
     import torch
 
     from pdq.engine.runner import ModelRunner

@@ -3,8 +3,8 @@ first token written to Redis and the KV cache exported for the hand-off."""
 
 import logging
 import queue
-import threading
 import time
+from concurrent.futures import Future
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +20,7 @@ from pdq.output_text import TextOutput
 from pdq.request import State
 from pdq.store import RequestStore, StepItem, now_ms
 from pdq.v1 import internal_pb2 as pb
-from pdq.worker import CancelListener
+from pdq.worker import CancelListener, ModelThread
 from prefill_worker.chunking import plan_chunks
 
 log = logging.getLogger("pdq.prefill")
@@ -88,10 +88,11 @@ class PrefillLoop:
         self.max_batched_tokens = max_batched_tokens
         self.prefill_chunk = prefill_chunk
         self.inbox: queue.Queue[Job | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="prefill-loop", daemon=True)
+        self._done: Future | None = None  # the running loop's (see start)
 
-    def start(self) -> None:
-        self._thread.start()
+    def start(self, thread: ModelThread | None = None) -> None:
+        """Runs the loop in `thread`, the one that loaded the model (else a thread of its own)."""
+        self._done = (thread or ModelThread("prefill-loop")).submit(self._run)
 
     def submit(self, job: Job) -> None:
         self.inbox.put(job)
@@ -115,7 +116,8 @@ class PrefillLoop:
 
     def stop(self) -> None:
         self.inbox.put(None)
-        self._thread.join()
+        if self._done is not None:
+            self._done.result()
 
     def _run(self) -> None:
         pending: list[Job] = []

@@ -18,7 +18,7 @@ from pdq.registry import WorkerInfo
 from pdq.serving import GRPC_OPTIONS, Server
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
-from pdq.worker import CancelListener, Heartbeat, load_runner, reclaim_previous_life, sync_store
+from pdq.worker import CancelListener, Heartbeat, ModelThread, load_runner, reclaim_previous_life, sync_store
 from prefill_worker.loop import Job, Outcome, PrefillLoop
 
 log = logging.getLogger("pdq.prefill")
@@ -175,12 +175,13 @@ def build_server(config: PrefillConfig) -> Server:
 
     async def start() -> None:
         path = await asyncio.to_thread(resolve_model, config.model)
-        runner = await asyncio.to_thread(load_runner, config, config.max_batched_tokens + config.max_seq_len * 4)
+        model = ModelThread("prefill-model")  # loads the model, then runs the loop (see ModelThread)
+        runner = await model.run(load_runner, config, config.max_batched_tokens + config.max_seq_len * 4)
         state["runner"] = runner
         state["cancels"] = CancelListener(config.redis_url, keys)
         service.loop = PrefillLoop(runner, sync_store(config), state["cancels"], load_tokenizer(path),
                                    eos_token_ids(path), config.max_batched_tokens, config.prefill_chunk)
-        service.loop.start()
+        service.loop.start(model)
         await reclaim_previous_life(service.loop.store, worker_id, config.max_attempts)
         state["heartbeat"] = Heartbeat(config, keys, info)
         await state["heartbeat"].start()

@@ -27,3 +27,9 @@ def test_decode_workers_run_nicer_unless_colocated_or_told(monkeypatch):
     assert Cluster(colocate=True).worker_nice == 0  # it prefills too: nothing to give way to
     monkeypatch.setenv("PDQ_UP_DECODE_NICE", "2")
     assert Cluster().worker_nice == Cluster(colocate=True).worker_nice == 2
+
+
+def test_the_control_plane_yields_the_cores_unless_told(monkeypatch):
+    assert Cluster().control_policy == "batch"  # Redis, the scheduler and the gateway (pdq.cpu)
+    monkeypatch.setenv("PDQ_UP_CONTROL_POLICY", "normal")
+    assert Cluster().control_policy == "normal"

@@ -97,7 +97,7 @@ class Bench:
         for load in opts.loads:
             self.measure(f"{strategy} @ {load.label}", lambda p: run_service(
                 target, strategy, strategy, self.workload, load, api_keys=keys, timeout_s=opts.request_timeout,
-                on_done=p, cpu_probe=cpu_probe))
+                on_done=p, cpu_probe=cpu_probe, client_policy=opts.client_policy))
 
     def spawned(self, strategy: str) -> None:
         """A fresh cluster for `strategy`, with a key per tenant of the workload (bench.tenancy).
@@ -116,7 +116,8 @@ class Bench:
             for attempt in range(1, START_ATTEMPTS + 1):
                 say(f"pdq bench: starting a cluster for strategy {strategy!r} ...")
                 cluster = Cluster(prefill=opts.prefill, decode=opts.decode, model=opts.model, colocate=opts.colocate,
-                                  redis_url=opts.redis_url, port=0, auth=False, extra_env=env)
+                                  control_policy=opts.control_policy, redis_url=opts.redis_url, port=0, auth=False,
+                                  extra_env=env)
                 try:
                     cluster.start()
                     break
@@ -164,7 +165,8 @@ def config_json(opts: BenchOptions, model_dir: str, workload: Workload) -> dict:
             "strategies": list(opts.strategies), "baselines": list(opts.baselines),
             "loads": [a.offered() for a in opts.loads], "prefill": opts.prefill, "decode": opts.decode,
             "env": opts.env, "slo": Slo(opts.slo_ttft, opts.slo_itl).to_json(), "max_model_len": opts.max_model_len,
-            "repeat": opts.repeat}
+            "repeat": opts.repeat, "colocate": opts.colocate, "control_policy": opts.control_policy,
+            "client_policy": opts.client_policy}
 
 
 def _command_line() -> list[str] | None:

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 from pdq.bench.arrivals import Arrivals, parse_concurrency, parse_rates
 from pdq.bench.workload import WORKLOADS
-from pdq.config import UP_COLOCATE_HELP
+from pdq import cpu
+from pdq.config import UP_COLOCATE_HELP, UP_CONTROL_POLICY_HELP
 
 STRATEGIES = ("static", "dynamic", "continuous")
 BASELINES = ("hf", "engine")
@@ -38,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     up.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     up.add_argument("--colocate", action="store_true", help=UP_COLOCATE_HELP)
+    up.add_argument("--control-policy", choices=cpu.POLICIES, default=os.environ.get("PDQ_UP_CONTROL_POLICY") or "batch",
+                    help=UP_CONTROL_POLICY_HELP)
     up.add_argument("--model", default=os.environ.get("PDQ_MODEL", "builtin"),
                     help="builtin, builtin:tiny, builtin:small or a checkpoint dir; with --target, the model the "
                          "cluster serves (its vocabulary makes the prompts)")
@@ -59,6 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            "of a local `pdq up`); a spawned cluster gets a fresh key per tenant")
     load.add_argument("--tenant-key", action="append", default=[], metavar="TENANT=KEY",
                       help="the API key of one tenant's requests, e.g. flood=sk-... (repeatable)")
+    load.add_argument("--client-policy", choices=cpu.POLICIES, default="batch",
+                      help="CPU policy of this process's client threads (pdq.cpu): batch (default) lets the cluster's "
+                           "model threads keep the cores when a token wakes a client, as clients on other machines "
+                           "would; its timestamps can only come later for it. normal: compete as any process")
     load.add_argument("--repeat", type=int, default=1,
                       help="run everything N times in alternating order; report each run's median repeat (default 1)")
     load.add_argument("--warmup", type=int, default=2, help="small requests sent to each cluster first (default 2)")
@@ -97,6 +104,8 @@ class BenchOptions:
     prefill: int = 1
     decode: int = 1
     colocate: bool = False
+    control_policy: str = "batch"
+    client_policy: str = "batch"
     redis_url: str | None = None
     env: dict = field(default_factory=dict)
     api_keys: dict = field(default_factory=dict)
@@ -149,7 +158,8 @@ class BenchOptions:
         return cls(target=a.target, spawn=a.spawn, strategies=strategies, baselines=tuple(dict.fromkeys(a.baseline)),
                    loads=loads, workload=a.workload, requests=a.requests, seed=a.seed,
                    max_model_len=a.max_model_len, model=a.model, prefill=a.prefill, decode=a.decode,
-                   colocate=a.colocate, redis_url=a.redis_url, env=env, api_keys=keys, warmup=a.warmup, repeat=a.repeat,
+                   colocate=a.colocate, control_policy=a.control_policy, client_policy=a.client_policy,
+                   redis_url=a.redis_url, env=env, api_keys=keys, warmup=a.warmup, repeat=a.repeat,
                    request_timeout=a.request_timeout, slo_ttft=a.slo_ttft, slo_itl=a.slo_itl, json=a.json,
                    plot=a.plot, progress=not a.no_progress)
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import grpc
 import redis
 
+from pdq import cpu
 from pdq.client import Client
 from pdq.up import Cluster
 
@@ -196,13 +197,16 @@ GOALS = (  # (name, value in the report, limit, what it measures): issue 4's goa
 )
 
 
-def measure(model: str, slots: int, n: int, extra_env: dict, colocate: bool = False) -> dict:
-    """Runs every measurement on a cluster of its own. -> the report."""
+def measure(model: str, slots: int, n: int, extra_env: dict, colocate: bool = False,
+            control_policy: str = "batch", client_policy: str = "batch") -> dict:
+    """Runs every measurement on a cluster of its own, the clients' threads (the light tenant's
+    and the flood's) under `client_policy` (pdq.cpu). -> the report."""
     with tempfile.TemporaryDirectory() as tmp:
         auth = Path(tmp) / "keys.json"
         auth.write_text(json.dumps({"keys": [{"key": k, "tenant": t, "role": "client"} for t, k in KEYS.items()]}))
         env = {**extra_env, "PDQ_AUTH_FILE": str(auth), "PDQ_MAX_BATCH_SIZE": str(slots)}
-        with Cluster(model=model, port=0, auth=False, metrics_port=-1, colocate=colocate, extra_env=env) as cluster:
+        with (Cluster(model=model, port=0, auth=False, metrics_port=-1, colocate=colocate, control_policy=control_policy,
+                      extra_env=env) as cluster, cpu.policy(client_policy)):
             bench = Bench(cluster, slots)
             report = {"fairness": bench.fairness(n)}
             alone, alone_split = bench.ttft_light(n)
@@ -226,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     """`pdq bench --scheduler`: prints the report and each goal, met or not; --json writes it."""
     env = dict(kv.split("=", 1) for kv in args.env)
     n = args.requests or 20
-    report = measure(args.model, 8, n, env, args.colocate)
+    report = measure(args.model, 8, n, env, args.colocate, args.control_policy, args.client_policy)
     print(json.dumps(report, indent=2))
     for name, (part, key), (low, high) in GOALS:
         value = report[part][key]

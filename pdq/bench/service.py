@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from pdq import cpu
 from pdq.bench.arrivals import Arrivals
 from pdq.bench.procstat import CpuProbe
 from pdq.bench.record import RequestRecord, RunRecord
@@ -44,11 +45,13 @@ def stream_one(client: Client, req: BenchRequest, rec: RequestRecord, t0: float,
 
 def run_service(target: str, name: str, strategy: str, workload: Workload, arrivals: Arrivals, *,
                 api_keys: dict[str, str | None] | None = None, timeout_s: float = 600.0,
-                on_done: Progress | None = None, cpu_probe: CpuProbe | None = None) -> RunRecord:
+                on_done: Progress | None = None, cpu_probe: CpuProbe | None = None,
+                client_policy: str = "normal") -> RunRecord:
     """Offers `workload` to the gateway at `target` with `arrivals`; returns when every request
     has ended. api_keys: tenant name -> API key (None or missing: the `Client` default,
     $PDQ_API_KEY or the dev key of a local `pdq up`). cpu_probe: the cluster's processes, whose
-    CPU time during the run goes into the record."""
+    CPU time during the run goes into the record. client_policy: the CPU policy (pdq.cpu) of the
+    client threads, for the run."""
     api_keys = api_keys or {}
     tenants = {r.tenant for r in workload.requests}
     clients = {t: Client(target, api_key=api_keys.get(t)) for t in tenants}
@@ -72,7 +75,7 @@ def run_service(target: str, name: str, strategy: str, workload: Workload, arriv
             finished.put(rec)
 
     try:
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bench") as pool:
+        with cpu.policy(client_policy), ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bench") as pool:
             if offsets is None:  # closed loop: each worker sends its next request when one ends
                 order = iter(range(len(reqs)))
                 lock = threading.Lock()
@@ -102,8 +105,8 @@ def run_service(target: str, name: str, strategy: str, workload: Workload, arriv
     finally:
         for c in clients.values():
             c.close()
-    cpu = time.process_time() - cpu0
-    return RunRecord(name, strategy, workload, arrivals, list(records), client_cpu_s=cpu,
+    client_cpu = time.process_time() - cpu0
+    return RunRecord(name, strategy, workload, arrivals, list(records), client_cpu_s=client_cpu,
                      server_cpu_s=cpu_probe.stop() if cpu_probe else None)
 
 

@@ -4,6 +4,7 @@ the K/V in the pool. Greedy output of a mixed batch (prompts chunked into passes
 other sequences' decode rows, a request joining mid-flight) still equals transformers' generate()
 of each request alone, and every KV slot comes back after finishes and cancels."""
 
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +56,19 @@ def test_one_process_serves_both_roles_at_one_address(cluster, rdb):
     assert [c.name for c in cluster.children if "prefill" in c.name] == []
     (prefill,), (decode,) = workers(rdb, "prefill"), workers(rdb, "decode")
     assert prefill["address"] == decode["address"]
+
+
+def test_the_model_process_keeps_the_cores_and_the_rest_run_under_batch(cluster):
+    """pdq up's control plane (Redis, scheduler, gateway) yields the cores to the model's threads
+    (pdq.cpu): every thread of it runs under SCHED_BATCH, every thread of the worker under normal."""
+    def policies(pid: int) -> set[int]:
+        return {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+
+    by_name = {c.name: c.process.pid for c in cluster.children}
+    assert set(by_name) == {"scheduler", "decode-0", "gateway"}
+    assert policies(by_name["decode-0"]) == {os.SCHED_OTHER}
+    for pid in (by_name["scheduler"], by_name["gateway"], cluster.redis.process.pid):
+        assert policies(pid) == {os.SCHED_BATCH}
 
 
 def test_mixed_batch_equals_generate_alone_and_hands_off_in_place(cluster, reference):

@@ -1,0 +1,51 @@
+"""pdq.cpu: a thread under "batch" (SCHED_BATCH) passes it to the threads it starts, gets its
+policy back when the block ends, and a child spawned under it runs under it."""
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from pdq import cpu
+from pdq.child import spawn, stop
+
+
+def policy_of(tid: int) -> int:
+    return os.sched_getscheduler(tid)
+
+
+def test_a_block_puts_the_thread_and_its_new_threads_under_batch_then_restores():
+    assert cpu.current() == "normal"
+    seen = {}
+    with cpu.policy("batch"):
+        assert cpu.current() == "batch"
+        t = threading.Thread(target=lambda: seen.setdefault("policy", policy_of(0)))
+        t.start()
+        t.join()
+    assert seen["policy"] == os.SCHED_BATCH
+    assert cpu.current() == "normal" and policy_of(0) == os.SCHED_OTHER
+    with cpu.policy("normal"):  # "normal" inside "normal" changes nothing
+        assert policy_of(0) == os.SCHED_OTHER
+
+
+def test_an_unknown_policy_is_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="batch"):
+        cpu.apply("idle")
+    with pytest.raises(ValueError, match="CPU policy"):
+        spawn([sys.executable, "-c", "pass"], cpu_policy="realtime")
+
+
+def test_a_spawned_child_runs_under_its_policy_with_every_thread_it_starts():
+    code = ("import threading, time\n"
+            "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+            "print(flush=True)\ntime.sleep(60)")
+    proc = spawn([sys.executable, "-c", code], cpu_policy="batch", stdout=subprocess.PIPE)
+    try:
+        proc.stdout.readline()  # its thread has started
+        tids = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task")]
+        assert len(tids) == 2
+        assert [policy_of(t) for t in tids] == [os.SCHED_BATCH] * 2
+    finally:
+        stop(proc, grace_s=1)

@@ -1,0 +1,49 @@
+"""pdq.worker.ModelThread: a worker loads its model and runs its model loop in one thread (one
+OpenMP thread pool: see its docstring). Calls run one at a time, in order, on that one thread."""
+
+import asyncio
+import threading
+
+import pytest
+
+from decode_worker.loop import DecodeLoop
+from pdq.worker import ModelThread
+
+
+def test_calls_run_in_order_on_one_thread_and_errors_reach_the_caller():
+    thread = ModelThread("t")
+    order = []
+    futures = [thread.submit(lambda i=i: order.append((i, threading.get_ident()))) for i in range(5)]
+    for f in futures:
+        f.result(timeout=10)
+    assert [i for i, _ in order] == list(range(5))
+    assert len({ident for _, ident in order}) == 1 and order[0][1] != threading.get_ident()
+    with pytest.raises(ZeroDivisionError):
+        thread.submit(lambda: 1 / 0).result(timeout=10)
+    assert thread.submit(threading.get_ident).result(timeout=10) == order[0][1]  # still serving
+
+
+def test_an_event_loop_awaits_a_call():
+    thread = ModelThread("t")
+
+    async def main():
+        return await thread.run(lambda a, b: (a + b, threading.current_thread().name), 2, 3)
+
+    assert asyncio.run(main()) == (5, "t")
+
+
+class Recorded(DecodeLoop):
+    ran_on: int | None = None
+
+    def _shutdown(self) -> None:
+        self.ran_on = threading.get_ident()
+        super()._shutdown()
+
+
+def test_a_model_loop_runs_on_the_thread_that_loaded_the_model():
+    thread = ModelThread("model")
+    loaded_on = thread.submit(threading.get_ident).result(timeout=10)  # as `load_runner` would
+    loop = Recorded(None, None, None, None, [], "here", lambda rid: None)
+    loop.start(thread)
+    loop.stop()  # returns once the loop has ended
+    assert loop.ran_on == loaded_on

@@ -1,14 +1,19 @@
-"""A small Python client of the public API (the CLI uses it).
+"""A small Python client of the public API (the CLI uses it), and its asyncio twin.
 
     from pdq.client import Client
     with Client("127.0.0.1:50051") as c:
         print(c.generate("Hello", max_tokens=16).text)
         for chunk in c.generate_stream("Hello"):
             print(chunk.text, end="", flush=True)
+
+    from pdq.client import AsyncClient
+    async with AsyncClient("127.0.0.1:50051") as c:  # many concurrent calls on one event loop
+        async for chunk in c.generate_stream("Hello"):
+            print(chunk.text, end="", flush=True)
 """
 
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -46,18 +51,26 @@ def _timings(t: gen_pb.Timings) -> dict:
     return {"queue_ms": round(t.queue_ms, 1), "ttft_ms": round(t.ttft_ms, 1), "e2e_ms": round(t.e2e_ms, 1)}
 
 
-def connect(target: str, api_key: str | None, tls_ca: str | None, admin: bool = False) -> tuple[grpc.Channel, list]:
-    """A channel to the gateway and the call metadata carrying the API key: `api_key`, else
-    $PDQ_API_KEY, else the dev key (the admin one if `admin`) of a local `pdq up` on that port."""
+def _result(r: gen_pb.GenerateResponse) -> Result:
+    return Result(r.request_id, r.text, list(r.token_ids), finish_name(r.finish_reason),
+                  r.usage.prompt_tokens, r.usage.completion_tokens, _timings(r.timings))
+
+
+def connect(target: str, api_key: str | None, tls_ca: str | None, admin: bool = False,
+            aio: bool = False) -> tuple[grpc.Channel, list]:
+    """A channel to the gateway (a grpc.aio one if `aio`) and the call metadata carrying the API
+    key: `api_key`, else $PDQ_API_KEY, else the dev key (the admin one if `admin`) of a local
+    `pdq up` on that port."""
     from pdq.devkeys import find_dev_key
 
     api_key = api_key or os.environ.get("PDQ_API_KEY") or find_dev_key(target, admin=admin)
     tls_ca = tls_ca or os.environ.get("PDQ_TLS_CA")
+    grpc_ = grpc.aio if aio else grpc
     if tls_ca:
         with open(tls_ca, "rb") as f:
-            channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(f.read()))
+            channel = grpc_.secure_channel(target, grpc.ssl_channel_credentials(f.read()))
     else:
-        channel = grpc.insecure_channel(target)
+        channel = grpc_.insecure_channel(target)
     return channel, [("authorization", f"Bearer {api_key}")] if api_key else []
 
 
@@ -100,9 +113,7 @@ class Client(_Connection):
 
     def generate(self, prompt: str | list[int], timeout: float | None = None, **kw) -> Result:
         """Unary Generate. Raises grpc.RpcError with the server's status on failure."""
-        r = self.stub.Generate(self.request(prompt, **kw), timeout=timeout, metadata=self.metadata)
-        return Result(r.request_id, r.text, list(r.token_ids), finish_name(r.finish_reason),
-                      r.usage.prompt_tokens, r.usage.completion_tokens, _timings(r.timings))
+        return _result(self.stub.Generate(self.request(prompt, **kw), timeout=timeout, metadata=self.metadata))
 
     def generate_stream(self, prompt: str | list[int], timeout: float | None = None,
                         **kw) -> Iterator[gen_pb.GenerateStreamResponse]:
@@ -133,6 +144,45 @@ class Client(_Connection):
             yield from call
         finally:
             call.cancel()
+
+
+class AsyncClient:
+    """`Client`'s calls for asyncio programs, over grpc.aio: one event loop carries many
+    concurrent calls, each a coroutine (or async iterator) instead of a blocked thread. Create
+    and use it inside the running event loop; errors are grpc.aio.AioRpcError (a grpc.RpcError)."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", api_key: str | None = None, tls_ca: str | None = None):
+        self.channel, self.metadata = connect(target, api_key, tls_ca, aio=True)
+        self.stub = gen_grpc.GenerationStub(self.channel)
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def generate(self, prompt: str | list[int], timeout: float | None = None, **kw) -> Result:
+        """Unary Generate (keywords as `Client.request`)."""
+        return _result(await self.stub.Generate(Client.request(prompt, **kw), timeout=timeout, metadata=self.metadata))
+
+    async def generate_stream(self, prompt: str | list[int], timeout: float | None = None,
+                              **kw) -> AsyncIterator[gen_pb.GenerateStreamResponse]:
+        """Streams GenerateStreamResponse messages; closing the iterator cancels the request."""
+        call = self.stub.GenerateStream(Client.request(prompt, **kw), timeout=timeout, metadata=self.metadata)
+        try:
+            async for msg in call:
+                yield msg
+        finally:
+            call.cancel()
+
+    async def submit(self, prompt: str | list[int], **kw) -> str:
+        return (await self.stub.Submit(Client.request(prompt, **kw), metadata=self.metadata)).request_id
+
+    async def cancel(self, request_id: str) -> str:
+        return (await self.stub.Cancel(gen_pb.CancelRequest(request_id=request_id), metadata=self.metadata)).state
 
 
 class OperatorClient(_Connection):

@@ -4,7 +4,8 @@ A sequence whose KV cache has arrived waits until the strategy (`decode_worker.s
 admits it; with `continuous` that is the next step. It leaves the step it finishes, is
 cancelled or times out, and its KV slot is freed then. With the request-level strategies a
 finished sequence keeps its seat until its whole batch is done, as naive servers run. Each
-step's tokens (and ends) go to Redis in one round trip.
+step's tokens (and ends) go to Redis in one command, whose reply is read after the next
+forward pass (`RequestStore.send_step`): Redis applies them while the model runs.
 """
 
 import logging
@@ -24,7 +25,7 @@ from pdq.convert import sampling_from_pb
 from pdq.engine.sampling import SamplingParams, sample
 from pdq.output_text import TextOutput
 from pdq.request import State
-from pdq.store import RequestStore, StepItem, now_ms
+from pdq.store import RequestStore, SentStep, StepItem, now_ms
 from pdq.worker import CancelListener, ModelThread
 
 log = logging.getLogger("pdq.decode")
@@ -96,6 +97,7 @@ class DecodeLoop:
         self.stats = LoopStats()
         self.step_metrics = metrics.DecodeStepStats(strategy.name)
         self._first_pending: list[Sequence] = []  # traced sequences whose next token is their first here
+        self._sent: tuple[SentStep, list[Sequence]] | None = None  # the last step's, reply unread (settle)
         self._done: Future | None = None  # the running loop's (see start)
 
     def start(self, thread: ModelThread | None = None) -> None:
@@ -250,15 +252,32 @@ class DecodeLoop:
         seqs = [s for s in self.running.values() if s.position + 1 < self.runner.max_seq_len or not s.done]
         return seqs, [(s.rid, s.generated[-1], s.position) for s in seqs]
 
+    def settle(self) -> None:
+        """Reads the reply of the step sent last: its running sequences that Redis dropped
+        (cancelled, timed out or failed elsewhere, or a stale epoch) leave now, one step later
+        than a blocking round trip would have let them (the cancel notice usually came first)."""
+        if self._sent is None:
+            return
+        sent, seqs = self._sent
+        self._sent = None
+        for seq, ok in zip(seqs, sent.result()):
+            if not ok and self.running.get(seq.rid) is seq:
+                self._end_span(seq, "dropped", reason="request ended elsewhere (cancelled, timed out or stale)")
+                self._leave(seq)
+
     def after(self, seqs: list[Sequence], logits: torch.Tensor, started: float) -> None:
-        """Samples the step's tokens (`logits`: a row per sequence of `rows()`), streams them to
-        Redis in one round trip, and lets the sequences that ended leave."""
+        """Samples the step's tokens (`logits`: a row per sequence of `rows()`), sends them to
+        Redis in one command, and lets the sequences that ended leave. First it settles the
+        previous step, whose reply came in during this step's forward pass."""
+        self.settle()
         tokens = sample(logits, [s.params for s in seqs], [len(s.generated) for s in seqs])
         self.stats.steps += 1
         self.stats.seq_steps += len(seqs)
         now = time.monotonic()
         items, live, itl = [], [], []
         for seq, token in zip(seqs, tokens):
+            if self.running.get(seq.rid) is not seq:  # it left when the previous step settled
+                continue
             seq.generated.append(token)
             if seq.done:  # a seat kept for a finished sequence: wasted work
                 self.stats.wasted_seq_steps += 1
@@ -275,26 +294,27 @@ class DecodeLoop:
             live.append((seq, reason))
             itl.append((seq.labels, now - seq.last_token_at))
             seq.last_token_at = now
-        kept = self.store.step(items) if items else []
+        sent = self.store.send_step(items) if items else None
         if self._first_pending:
             for seq in self._first_pending:
                 if seq.span is not None:
                     seq.span.add_event("first_token", {"pdq.token_index": len(seq.generated) - 1})
             self._first_pending.clear()
-        for (seq, reason), ok in zip(live, kept):
+        for seq, reason in live:
             if reason:
                 metrics.E2E.labels(*seq.labels).observe(max(0, now_ms() - seq.arrival_ms) / 1000)
                 self._end_span(seq, "finish", reason=reason)
                 self._finish_seat(seq)
-            elif not ok:  # ended elsewhere (cancelled, timed out, stale epoch)
-                self._end_span(seq, "dropped", reason="request ended elsewhere (cancelled, timed out or stale)")
-                self._leave(seq)
+        if sent is not None:
+            self._sent = (sent, [seq for seq, reason in live if not reason])
         self.step_metrics.step(self.stats.seq_steps, self.stats.wasted_seq_steps, len(seqs),
                                time.perf_counter() - started, itl)
         metrics.kv_pool("decode", self.runner.capacity - self.runner.num_free, self.runner.capacity)
         if self.running and all(s.done for s in self.running.values()):
             for seq in list(self.running.values()):
                 self._leave(seq)
+        if not self.running:  # no next forward to overlap with
+            self.settle()
         self._last_step_end = time.monotonic()
 
     def _shutdown(self) -> None:
@@ -303,6 +323,10 @@ class DecodeLoop:
     def _requeue_all(self, why: str) -> None:
         """Gives every held sequence back to the scheduler. A new attempt regenerates the same
         tokens (seeded per index) and Redis drops the indices already streamed."""
+        try:
+            self.settle()  # the last step's tokens are in Redis before their requests go back
+        except Exception as exc:  # Redis failed it (maybe why we are here): requeue regardless
+            log.warning("could not read the last decode step's reply: %s", exc)
         for seq in self.waiting + list(self.running.values()):
             if not seq.done:
                 state = self.store.requeue(seq.rid, seq.epoch, why, self.max_attempts)

@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
+from redis.exceptions import NoScriptError
+
 from pdq.keys import SCRIPTS, Keys
 from pdq.request import State
 from pdq.v1 import internal_pb2 as pb
@@ -129,6 +131,53 @@ class TenantBacklog:
     counter: float
     weight: float | None
     heads: list[QueuedHead]
+
+
+def _step_args(items: list[StepItem], result_ttl_s: int) -> list[Any]:
+    args: list[Any] = [now_ms(), result_ttl_s]
+    for it in items:
+        args += [it.request_id, it.epoch, "" if it.index is None else it.index, it.token_id, it.text,
+                 it.final_state.value if it.final_state else "", it.finish_reason]
+    return args
+
+
+def _kept(reply: list) -> list[bool]:
+    return [bool(x) for x in reply]
+
+
+class SentStep:
+    """A step sent by `RequestStore.send_step` whose reply is not read yet. `result()` reads it
+    once: -> per item True (kept) / False (drop); raises what the call would have raised."""
+
+    def __init__(self, store: "RequestStore", args: list[Any]):
+        self._store, self._args = store, args
+        self._pool = store.client.connection_pool
+        self._conn: Any = self._pool.get_connection()
+        try:
+            self._conn.send_command("EVALSHA", store._scripts["step"].sha, 0, store.keys.prefix, *args)
+        except BaseException:
+            self._release(broken=True)
+            raise
+
+    def result(self) -> list[bool]:
+        if self._conn is None:
+            raise RuntimeError("a step's reply is read once")
+        try:
+            reply = self._conn.read_response()
+        except NoScriptError:  # this Redis had not seen the script: nothing was applied, run it whole
+            self._release()
+            return self._store._apply_step(self._args)
+        except BaseException:
+            self._release(broken=True)
+            raise
+        self._release()
+        return _kept(reply)
+
+    def _release(self, broken: bool = False) -> None:
+        if broken:
+            self._conn.disconnect()  # a reply may be in flight: never hand this socket out again
+        self._pool.release(self._conn)
+        self._conn = None
 
 
 class RequestStore:
@@ -311,11 +360,19 @@ class RequestStore:
 
     def step(self, items: list[StepItem]) -> Any:
         """Appends tokens / ends requests in one round trip. -> per item True (kept) / False (drop)."""
-        args: list[Any] = [now_ms(), self.result_ttl_s]
-        for it in items:
-            args += [it.request_id, it.epoch, "" if it.index is None else it.index, it.token_id, it.text,
-                     it.final_state.value if it.final_state else "", it.finish_reason]
-        return _then(self._run("step", args), lambda r: [bool(x) for x in r])
+        return _then(self._run("step", _step_args(items, self.result_ttl_s)), _kept)
+
+    def send_step(self, items: list[StepItem]) -> "SentStep":
+        """`step` in two halves, sync client only: the command goes out now, on a connection of
+        its own, and `SentStep.result()` reads its reply later. A model loop sends a step's tokens
+        and reads the reply after its next forward pass, so Redis applies them meanwhile instead
+        of the model waiting for the round trip. Commands sent after this one on any connection
+        are applied after it (one Redis applies commands in the order they arrive)."""
+        return SentStep(self, _step_args(items, self.result_ttl_s))
+
+    def _apply_step(self, args: list[Any]) -> list[bool]:
+        """`step` with arguments `_step_args` made (a SentStep's fallback)."""
+        return _kept(self._run("step", args))
 
     def finish(self, rid: str, state: State, reason: str, error: str = "", epoch: int | None = None) -> Any:
         """Ends a request from outside (cancel, timeout, failure). -> state after, None if unknown."""

@@ -66,6 +66,36 @@ def test_claim_step_finish_and_stale_epochs(store):
     assert 0 < store.client.ttl(store.keys.request("r")) <= 60
 
 
+def test_a_sent_step_applies_before_later_commands_and_its_reply_reads_later(store):
+    store.submit(make_spec("r"))
+    claim(store, "r")
+    sent = store.send_step([StepItem("r", 1, 0, 7, "a"), StepItem("r", 0, 1, 8, "b")])
+    # a command sent after it, on another connection, sees its effect: Redis applied it first
+    assert store.finish("r", State.CANCELLED, "cancelled") == State.CANCELLED
+    assert tokens(store, "r") == [(0, 7, "a")]
+    assert sent.result() == [True, False]  # the same answer as step(): kept, stale epoch dropped
+    with pytest.raises(RuntimeError, match="once"):
+        sent.result()
+    assert store.send_step([StepItem("r", 1, 1, 9, "c")]).result() == [False]  # ended: dropped
+
+
+def test_a_sent_step_to_a_redis_without_the_script_runs_it_once(store):
+    store.submit(make_spec("r"))
+    claim(store, "r")
+    store.client.script_flush()
+    assert store.send_step([StepItem("r", 1, 0, 7, "a")]).result() == [True]
+    assert tokens(store, "r") == [(0, 7, "a")]
+
+
+def test_a_sent_step_that_fails_raises_when_read_and_leaves_the_pool_usable(store):
+    store.submit(make_spec("r"))
+    claim(store, "r")
+    sent = store.send_step([StepItem("r", 1, 3, 1, "x")])  # a gap in the indices: the script errors
+    with pytest.raises(Exception, match="gap"):
+        sent.result()
+    assert store.send_step([StepItem("r", 1, 0, 7, "a")]).result() == [True]
+
+
 def test_token_gap_is_an_error(store):
     store.submit(make_spec("r"))
     claim(store, "r")

@@ -1,10 +1,14 @@
-"""The public API beyond Generate: auth, async submit + fetch, resumable streams."""
+"""The public API beyond Generate: auth, async submit + fetch, resumable streams, the asyncio client."""
+
+import asyncio
+import time
 
 import grpc
 import pytest
 
-from pdq.client import Client
+from pdq.client import AsyncClient, Client
 from pdq.v1 import generation_pb2 as gen_pb
+from tests.e2e.conftest import KEYS
 
 
 @pytest.mark.parametrize("key", [None, "not-a-real-key-123"])
@@ -74,3 +78,25 @@ def test_errors_carry_typed_details(client):
 
 def test_tenant_policies_of_the_key_file_reach_the_scheduler(store_client):
     assert float(store_client.hget("pdq:tenant:globex", "weight")) == 2.0
+
+
+def test_the_asyncio_client_streams_what_the_sync_one_gets_and_cancels_on_close(cluster, client, store_client):
+    want = client.generate("async twin", max_tokens=12, ignore_eos=True)
+
+    async def main():
+        async with AsyncClient(cluster.target, api_key=KEYS["acme"]) as c:
+            msgs = [m async for m in c.generate_stream("async twin", max_tokens=12, ignore_eos=True)]
+            stream = c.generate_stream("left early", max_tokens=1500, ignore_eos=True)
+            rid = (await anext(stream)).request_id
+            await anext(stream)  # a token: it is decoding
+            await stream.aclose()  # closing the stream cancels the request
+            return msgs, rid, await c.generate("unary", max_tokens=3, ignore_eos=True)
+
+    msgs, rid, unary = asyncio.run(main())
+    tokens = [m for m in msgs if m.HasField("index")]
+    assert [m.token_id for m in tokens] == want.token_ids and "".join(m.text for m in tokens) == want.text
+    assert msgs[-1].finish_reason == gen_pb.FINISH_REASON_LENGTH and unary.completion_tokens == 3
+    deadline = time.monotonic() + 30
+    while store_client.hget(f"pdq:req:{rid}", "state") != b"CANCELLED":
+        assert time.monotonic() < deadline, "the closed stream's request was not cancelled"
+        time.sleep(0.05)

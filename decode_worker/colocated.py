@@ -16,16 +16,17 @@ processes fighting for the same cores and runs the decode rows inside the prompt
 import logging
 import queue
 import time
-from concurrent.futures import Future
 
 from decode_worker.loop import DecodeLoop, take
-from pdq.worker import ModelThread
+from pdq.worker import ModelLoop
 from prefill_worker.loop import Job, Outcome, PrefillLoop
 
 log = logging.getLogger("pdq.colocated")
 
 
-class ColocatedLoop:
+class ColocatedLoop(ModelLoop):
+    thread_name = "colocated-loop"
+
     def __init__(self, prefill: PrefillLoop, decode: DecodeLoop, step_tokens: int):
         if prefill.runner is not decode.runner:
             raise ValueError("a colocated loop needs one runner for prefill and decode")
@@ -36,16 +37,8 @@ class ColocatedLoop:
         self.inbox: queue.Queue = queue.Queue()
         prefill.inbox = decode.inbox = self.inbox  # submit() and add() land here
         self.pending: list[Job] = []
-        self._done: Future | None = None  # the running loop's (see start)
 
-    def start(self, thread: ModelThread | None = None) -> None:
-        """Runs the loop in `thread`, the one that loaded the model (else a thread of its own)."""
-        self._done = (thread or ModelThread("colocated-loop")).submit(self._run)
 
-    def stop(self) -> None:
-        self.inbox.put(None)
-        if self._done is not None:
-            self._done.result()
 
     @property
     def busy(self) -> bool:

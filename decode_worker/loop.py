@@ -11,7 +11,6 @@ forward pass (`RequestStore.send_step`): Redis applies them while the model runs
 import logging
 import queue
 import time
-from concurrent.futures import Future
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +25,7 @@ from pdq.engine.sampling import SamplingParams, sample
 from pdq.output_text import TextOutput
 from pdq.request import State
 from pdq.store import RequestStore, SentStep, StepItem, now_ms
-from pdq.worker import CancelListener, ModelThread
+from pdq.worker import CancelListener, ModelLoop
 
 log = logging.getLogger("pdq.decode")
 
@@ -73,7 +72,9 @@ class LoopStats:
     wasted_seq_steps: int = 0  # of those, for sequences already finished (padding)
 
 
-class DecodeLoop:
+class DecodeLoop(ModelLoop):
+    thread_name = "decode-loop"
+
     def __init__(self, runner: Any, store: RequestStore, cancels: CancelListener, tokenizer: Any,
                  eos_ids: list[int], worker_address: str, on_leave: Callable[[str], None],
                  strategy: Strategy = Strategy(), threads: Callable[[], int] | None = None, max_attempts: int = 3,
@@ -98,20 +99,12 @@ class DecodeLoop:
         self.step_metrics = metrics.DecodeStepStats(strategy.name)
         self._first_pending: list[Sequence] = []  # traced sequences whose next token is their first here
         self._sent: tuple[SentStep, list[Sequence]] | None = None  # the last step's, reply unread (settle)
-        self._done: Future | None = None  # the running loop's (see start)
 
-    def start(self, thread: ModelThread | None = None) -> None:
-        """Runs the loop in `thread`, the one that loaded the model (else a thread of its own)."""
-        self._done = (thread or ModelThread("decode-loop")).submit(self._run)
 
     def add(self, item: Arrived | Discard) -> None:
         """A received hand-off to decode, or the slot of a failed one to free (see kv_receive)."""
         self.inbox.put(item)
 
-    def stop(self) -> None:
-        self.inbox.put(None)
-        if self._done is not None:
-            self._done.result()
 
     @property
     def busy(self) -> bool:

@@ -62,6 +62,27 @@ class ModelThread:
                     done.set_exception(exc)
 
 
+class ModelLoop:
+    """The life of a model loop (prefill, decode, colocated): `start(thread)` runs its `_run` in
+    `thread`, the ModelThread that loaded the model (else a thread of its own); `stop()` puts the
+    stop sentinel (None) in its `inbox` and returns once `_run` has returned."""
+
+    thread_name = "model-loop"
+    inbox: queue.Queue
+    _done: Future | None = None
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def start(self, thread: ModelThread | None = None) -> None:
+        self._done = (thread or ModelThread(self.thread_name)).submit(self._run)
+
+    def stop(self) -> None:
+        self.inbox.put(None)
+        if self._done is not None:
+            self._done.result()
+
+
 def load_runner(config: WorkerConfig, kv_budget_tokens: int) -> Any:
     """Loads the model into a ModelRunner on the configured device, dtype and threads. Call it
     in the `ModelThread` that will run the model."""

@@ -4,7 +4,6 @@ first token written to Redis and the KV cache exported for the hand-off."""
 import logging
 import queue
 import time
-from concurrent.futures import Future
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +19,7 @@ from pdq.output_text import TextOutput
 from pdq.request import State
 from pdq.store import RequestStore, StepItem, now_ms
 from pdq.v1 import internal_pb2 as pb
-from pdq.worker import CancelListener, ModelThread
+from pdq.worker import CancelListener, ModelLoop
 from prefill_worker.chunking import plan_chunks
 
 log = logging.getLogger("pdq.prefill")
@@ -72,9 +71,11 @@ def most_urgent(jobs: list[Job]) -> list[Job]:
     return [j for j in jobs if j.item.priority == best]
 
 
-class PrefillLoop:
+class PrefillLoop(ModelLoop):
     """`local(item)` says whether an item's decode worker is this very process (a colocated
     worker sharing this runner's pool): its K/V then stays in place (Outcome "local")."""
+
+    thread_name = "prefill-loop"
 
     def __init__(self, runner: Any, store: RequestStore, cancels: CancelListener, tokenizer: Any,
                  eos_ids: list[int], max_batched_tokens: int, prefill_chunk: int,
@@ -88,11 +89,7 @@ class PrefillLoop:
         self.max_batched_tokens = max_batched_tokens
         self.prefill_chunk = prefill_chunk
         self.inbox: queue.Queue[Job | None] = queue.Queue()
-        self._done: Future | None = None  # the running loop's (see start)
 
-    def start(self, thread: ModelThread | None = None) -> None:
-        """Runs the loop in `thread`, the one that loaded the model (else a thread of its own)."""
-        self._done = (thread or ModelThread("prefill-loop")).submit(self._run)
 
     def submit(self, job: Job) -> None:
         self.inbox.put(job)
@@ -114,10 +111,6 @@ class PrefillLoop:
             return False
         return True
 
-    def stop(self) -> None:
-        self.inbox.put(None)
-        if self._done is not None:
-            self._done.result()
 
     def _run(self) -> None:
         pending: list[Job] = []

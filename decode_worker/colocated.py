@@ -38,8 +38,6 @@ class ColocatedLoop(ModelLoop):
         prefill.inbox = decode.inbox = self.inbox  # submit() and add() land here
         self.pending: list[Job] = []
 
-
-
     @property
     def busy(self) -> bool:
         return bool(self.pending or self.decode.busy)

@@ -100,11 +100,9 @@ class DecodeLoop(ModelLoop):
         self._first_pending: list[Sequence] = []  # traced sequences whose next token is their first here
         self._sent: tuple[SentStep, list[Sequence]] | None = None  # the last step's, reply unread (settle)
 
-
     def add(self, item: Arrived | Discard) -> None:
         """A received hand-off to decode, or the slot of a failed one to free (see kv_receive)."""
         self.inbox.put(item)
-
 
     @property
     def busy(self) -> bool:

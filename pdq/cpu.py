@@ -6,8 +6,8 @@ stream, a request to dispatch), the kernel lets it preempt one of those threads 
 other threads then wait at the barrier, so the model loses about twice the CPU the waking
 thread uses. Under Linux's SCHED_BATCH a waking thread does not preempt a running one: it runs
 when a core frees up (an OpenMP thread waiting at a barrier, the model thread waiting on
-Redis) or at the next scheduler tick. It keeps its full weight, so it is never starved, only
-a few milliseconds late at most. `pdq up` starts its gateway, scheduler and Redis under it
+Redis) or when the running thread's time slice ends. It keeps its full weight, so it is never
+starved, only later to run while the model keeps every core busy. `pdq up` starts its gateway, scheduler and Redis under it
 ("batch"), and `pdq bench` runs its clients under it (BENCHMARKS.md has the measurements).
 
 Policies are per thread on Linux and new threads inherit their creator's, so `apply` at a

@@ -27,7 +27,7 @@ class ModelThread:
     parallel region, and once it manages more threads than there are cores, its idle threads
     spin ~100 rounds instead of GOMP_SPINCOUNT before they sleep: each parallel region of a
     forward pass then waits for a sleeping thread to wake. A model loaded in one thread
-    (prepacking weights runs parallel regions) and run in another made decode steps ~25%
+    (prepacking weights runs parallel regions) and run in another made decode steps ~20%
     slower, with 15x the context switches (BENCHMARKS.md, session 7). Calls run one at a time,
     in order; the thread is a daemon, as the loops' threads always were.
     """

@@ -90,7 +90,6 @@ class PrefillLoop(ModelLoop):
         self.prefill_chunk = prefill_chunk
         self.inbox: queue.Queue[Job | None] = queue.Queue()
 
-
     def submit(self, job: Job) -> None:
         self.inbox.put(job)
 
@@ -110,7 +109,6 @@ class PrefillLoop(ModelLoop):
             self._end(job, Outcome("finished", generated=job.generated))
             return False
         return True
-
 
     def _run(self) -> None:
         pending: list[Job] = []

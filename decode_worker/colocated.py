@@ -74,6 +74,8 @@ class ColocatedLoop(ModelLoop):
         if not chunks and not rows:
             return
         logits = self.runner.step(chunks, rows)
+        if d.step_delay_s:  # fault injection: a slow worker
+            time.sleep(d.step_delay_s)
         if chunks:
             self.pending = p.finish(live, chunks, jobs, logits[:len(chunks)], started)
         if rows:

@@ -22,6 +22,7 @@ from decode_worker.strategy import Strategy
 from pdq import metrics, telemetry
 from pdq.convert import sampling_from_pb
 from pdq.engine.sampling import SamplingParams, sample
+from pdq.faults import Faults
 from pdq.output_text import TextOutput
 from pdq.request import State
 from pdq.store import RequestStore, SentStep, StepItem, now_ms
@@ -99,6 +100,8 @@ class DecodeLoop(ModelLoop):
         self.step_metrics = metrics.DecodeStepStats(strategy.name)
         self._first_pending: list[Sequence] = []  # traced sequences whose next token is their first here
         self._sent: tuple[SentStep, list[Sequence]] | None = None  # the last step's, reply unread (settle)
+        # fault injection (PDQ_FAULTS decode_step_delay_ms): every forward pass takes this much longer
+        self.step_delay_s = Faults.from_env().get("decode_step_delay_ms") / 1000
 
     def add(self, item: Arrived | Discard) -> None:
         """A received hand-off to decode, or the slot of a failed one to free (see kv_receive)."""
@@ -236,7 +239,10 @@ class DecodeLoop(ModelLoop):
         if self.threads is not None and (n := self.threads()) != torch.get_num_threads():
             torch.set_num_threads(n)
         seqs, rows = self.rows()
-        self.after(seqs, self.runner.decode(rows), started)
+        logits = self.runner.decode(rows)
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        self.after(seqs, logits, started)
 
     def rows(self) -> tuple[list[Sequence], list[tuple[str, int, int]]]:
         """The sequences of the next step and their decode rows (`ModelRunner.step`)."""

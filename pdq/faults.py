@@ -5,7 +5,7 @@
 kv_corrupt=N   flip a byte in one data chunk of each of the next N KV hand-offs this process sends
 kv_drop=N      leave one data chunk out of each of the next N hand-offs
 kv_delay_ms=X  wait X ms before each hand-off
-decode_step_delay_ms=X  wait X ms in every decode step (a slow worker)
+decode_step_delay_ms=X  wait X ms after every forward pass of a decode (or colocated) worker: a slow worker
 """
 
 import os

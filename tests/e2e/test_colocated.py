@@ -43,6 +43,13 @@ def workers(rdb: redis.Redis, role: str) -> list[dict]:
     return [rdb.hgetall(f"pdq:worker:{w}") for w in rdb.zrange(f"pdq:workers:{role}", 0, -1)]
 
 
+def all_slots_free(rdb: redis.Redis) -> bool:
+    """The colocated pool (its prefill role's entry) and the decode holds are all free."""
+    (prefill,), (decode,) = workers(rdb, "prefill"), workers(rdb, "decode")
+    return (int(prefill["free_slots"]) == int(prefill["capacity"])
+            and int(decode["free_slots"]) == int(decode["capacity"]) and decode["running"] == "0")
+
+
 def wait_for(what: str, check, timeout_s: float = 30.0):
     deadline = time.monotonic() + timeout_s
     while not (got := check()):
@@ -109,9 +116,21 @@ def test_cancel_and_finish_give_every_slot_back(cluster, rdb):
                 pass
         assert err.value.code() == grpc.StatusCode.CANCELLED
         done.join(60)
+    wait_for("every KV slot free again", lambda: all_slots_free(rdb))
 
-    def idle() -> bool:  # the colocated pool (its prefill role's entry) and the decode holds are all free
-        (prefill,), (decode,) = workers(rdb, "prefill"), workers(rdb, "decode")
-        return (int(prefill["free_slots"]) == int(prefill["capacity"])
-                and int(decode["free_slots"]) == int(decode["capacity"]) and decode["running"] == "0")
-    wait_for("every KV slot free again", idle)
+
+def test_a_local_hand_off_after_its_reservation_expired_fails_cleanly_and_frees_the_slot():
+    """The prefill role hands a prompt to the decode role of its own process only under the
+    reservation the scheduler took; one that expired during a long prefill is refused as a
+    PushKV would be: the slot is freed, the attempt fails and the scheduler retries, then FAILS."""
+    env = {"PDQ_PREFILL_CHUNK": "8", "PDQ_STEP_TOKENS": "8", "PDQ_HEARTBEAT_S": "0.05",
+           "PDQ_RESERVATION_TIMEOUT_S": "0.05", "PDQ_FAULTS": "decode_step_delay_ms=50"}  # passes of >= 50 ms
+    with (Cluster(model=MODEL, port=0, colocate=True, auth=False, metrics_port=-1, extra_env=env) as c,
+          redis.Redis.from_url(c.redis_url, decode_responses=True) as rdb, Client(c.target) as client):
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate("a prompt long enough to outlive its reservation", max_tokens=4)  # 6+ passes
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "no KV reservation" in err.value.details()
+        (rid,) = {k.split(":")[2] for k in rdb.keys("pdq:req:*")}
+        state, error = rdb.hmget(f"pdq:req:{rid}", "state", "error")
+        assert state == "FAILED" and "(local): no KV reservation" in error  # after every attempt failed so
+        wait_for("every KV slot free again", lambda: all_slots_free(rdb))

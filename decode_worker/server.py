@@ -73,7 +73,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
     async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
         self.expire()
         rid = request.request_id
-        granted = rid in self.holds or (self.loop is not None and self.free_slots > 0)
+        granted = rid in self.holds or (self.loop is not None and self.free_slots > request.keep_free)
         if granted and rid not in self.holds:
             self.holds[rid] = time.monotonic() + self.config.reservation_timeout_s
             self.on_change()

@@ -190,13 +190,13 @@ class Dispatcher:
             if not self.headroom.allows(cand.tenant, free, capacity, running, weights, active):
                 continue  # the last free slots wait for a tenant below its share
             choice = choose_decode_worker(slots, target_info.address)
-            kv_address = await self._reserve(choice, cand)
+            under = below_share(cand.tenant, capacity, running, weights, active)
+            kv_address = await self._reserve(choice, cand, self.headroom.keep_free(under, free, choice.free_slots))
             if kv_address is None:
                 choice.free_slots = 0
                 continue
             choice.free_slots -= 1
-            priority = prefill_priority(self._tier_rank(cand.tier),
-                                        below_share(cand.tenant, capacity, running, weights, active))
+            priority = prefill_priority(self._tier_rank(cand.tier), under)
             running[cand.tenant] = running.get(cand.tenant, 0) + 1
             self._served[cand.tenant] = time.monotonic()
             placed.append((cand, choice, priority, kv_address))
@@ -252,13 +252,13 @@ class Dispatcher:
         self._served = {t: at for t, at in self._served.items() if at >= cutoff}
         return running, set(running) | queued | set(self._served)
 
-    async def _reserve(self, slots: DecodeSlots, cand: Candidate) -> str | None:
-        """Reserves KV room: -> None when refused, else where the worker takes the hand-off
-        over TCP ("" = PushKV only)."""
+    async def _reserve(self, slots: DecodeSlots, cand: Candidate, keep_free: int = 0) -> str | None:
+        """Reserves KV room, if more than `keep_free` slots are free on the worker: -> None when
+        refused, else where the worker takes the hand-off over TCP ("" = PushKV only)."""
         peer = self._peers[slots.worker_id]
         try:
-            resp = await peer.stub.Reserve(pb.ReserveRequest(request_id=cand.request_id, tokens=cand.kv_tokens),
-                                           timeout=2.0)
+            resp = await peer.stub.Reserve(pb.ReserveRequest(request_id=cand.request_id, tokens=cand.kv_tokens,
+                                                             keep_free=keep_free), timeout=2.0)
         except grpc.aio.AioRpcError as exc:
             log.warning("reserve on %s failed: %s", slots.address, exc.details())
             if exc.code() == grpc.StatusCode.UNAVAILABLE:

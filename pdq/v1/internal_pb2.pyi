@@ -98,14 +98,16 @@ class PrefillBatchResult(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[PrefillItemResult, _Mapping]]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "epoch", "tokens")
+    __slots__ = ("request_id", "epoch", "tokens", "keep_free")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FREE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     epoch: int
     tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+    keep_free: int
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tokens: _Optional[int] = ..., keep_free: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("granted", "free_slots", "kv_address")

@@ -30,6 +30,14 @@ class Headroom:
             return True
         return below_share(tenant, capacity, running, weights, active)
 
+    def keep_free(self, under_share: bool, free: int, worker_free: int) -> int:
+        """The slots a decode worker must still have free to grant a reservation
+        (`ReserveRequest.keep_free`): 0 for a tenant below its share; else what the reserve needs
+        beyond the `free - worker_free` slots free on the other workers. The free counts come
+        from heartbeats, which can lag a worker's last grants; the worker checks against its own
+        count, so a stale heartbeat cannot hand the reserved slot to a tenant at its share."""
+        return 0 if under_share else max(0, self.reserve - (free - worker_free))
+
 
 def below_share(tenant: str, capacity: int, running: dict[str, int], weights: dict[str, float],
                 active: set[str]) -> bool:

@@ -152,3 +152,18 @@ async def test_a_worker_restarted_under_its_old_id_gives_back_what_that_id_held(
             assert not store.client.exists(store.keys.held("decode-fixed"))
     finally:
         store.client.close()
+
+
+async def test_a_reservation_that_must_keep_slots_free_is_refused_once_they_are_the_last(redis_server, prefix):
+    """ReserveRequest.keep_free: the scheduler's reserve for tenants below their share, checked
+    against the worker's own count (2 slots here)."""
+    async with worker(redis_server, prefix) as (service, runner, stub, push):
+        async def reserve(rid: str, keep_free: int) -> pb.ReserveResponse:
+            return await stub.Reserve(pb.ReserveRequest(request_id=rid, tokens=10, keep_free=keep_free), timeout=5)
+
+        assert (await reserve("over-share-1", 1)).granted  # 2 free > 1
+        refused = await reserve("over-share-2", 1)  # 1 free: the last one stays for a tenant below its share
+        assert not refused.granted and refused.free_slots == 1
+        assert (await reserve("over-share-1", 1)).granted  # a request holding a slot keeps it
+        last = await reserve("below-share", 0)
+        assert last.granted and last.free_slots == 0 and service.free_slots == 0

@@ -15,6 +15,15 @@ def test_a_flooding_tenant_leaves_the_last_slot_to_a_tenant_below_its_share():
     assert h.allows("heavy", 2, 8, running, {}, active)  # more free than the reserve: anyone
 
 
+def test_a_worker_keeps_free_what_the_reserve_needs_beyond_the_other_workers_free_slots():
+    h = Headroom(reserve=1)
+    assert h.keep_free(under_share=True, free=1, worker_free=1) == 0  # below its share: the last slot too
+    assert h.keep_free(under_share=False, free=3, worker_free=3) == 1  # one worker: its last slot stays
+    assert h.keep_free(under_share=False, free=3, worker_free=1) == 0  # two free elsewhere: this one may go
+    assert Headroom(reserve=2).keep_free(False, free=3, worker_free=2) == 1
+    assert Headroom(reserve=0).keep_free(False, free=1, worker_free=1) == 0
+
+
 def test_a_tenant_alone_uses_the_whole_pool():
     h = Headroom(reserve=1)
     assert h.allows("heavy", 1, 8, {"heavy": 7}, {}, {"heavy"})

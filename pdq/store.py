@@ -366,8 +366,9 @@ class RequestStore:
         """`step` in two halves, sync client only: the command goes out now, on a connection of
         its own, and `SentStep.result()` reads its reply later. A model loop sends a step's tokens
         and reads the reply after its next forward pass, so Redis applies them meanwhile instead
-        of the model waiting for the round trip. Commands sent after this one on any connection
-        are applied after it (one Redis applies commands in the order they arrive)."""
+        of the model waiting for the round trip. Until the reply is read, a command sent on another
+        connection may be applied before it: a caller that needs the step applied first (a
+        requeue) reads the reply first."""
         return SentStep(self, _step_args(items, self.result_ttl_s))
 
     def _apply_step(self, args: list[Any]) -> list[bool]:

@@ -179,9 +179,11 @@ class AsyncClient:
             call.cancel()
 
     async def submit(self, prompt: str | list[int], **kw) -> str:
+        """Submit: the request id at once (keywords as `Client.request`)."""
         return (await self.stub.Submit(Client.request(prompt, **kw), metadata=self.metadata)).request_id
 
     async def cancel(self, request_id: str) -> str:
+        """Cancels one of the caller's requests. -> its state after the call."""
         return (await self.stub.Cancel(gen_pb.CancelRequest(request_id=request_id), metadata=self.metadata)).state
 
 

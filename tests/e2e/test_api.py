@@ -90,9 +90,11 @@ def test_the_asyncio_client_streams_what_the_sync_one_gets_and_cancels_on_close(
             rid = (await anext(stream)).request_id
             await anext(stream)  # a token: it is decoding
             await stream.aclose()  # closing the stream cancels the request
-            return msgs, rid, await c.generate("unary", max_tokens=3, ignore_eos=True)
+            submitted = await c.submit("queued then cancelled", max_tokens=1500, ignore_eos=True)
+            return msgs, rid, await c.generate("unary", max_tokens=3, ignore_eos=True), await c.cancel(submitted)
 
-    msgs, rid, unary = asyncio.run(main())
+    msgs, rid, unary, cancelled = asyncio.run(main())
+    assert cancelled == "CANCELLED"
     tokens = [m for m in msgs if m.HasField("index")]
     assert [m.token_id for m in tokens] == want.token_ids and "".join(m.text for m in tokens) == want.text
     assert msgs[-1].finish_reason == gen_pb.FINISH_REASON_LENGTH and unary.completion_tokens == 3

@@ -31,11 +31,18 @@ def native(name: str) -> int | None:
     return os.SCHED_BATCH if name == "batch" else os.SCHED_OTHER
 
 
-def apply(name: str, pid: int = 0) -> None:
-    """Puts thread `pid` (0: the calling thread, and the threads it starts later) under policy `name`."""
+def apply(name: str, pid: int = 0) -> bool:
+    """Puts thread `pid` (0: the calling thread, and the threads it starts later) under policy
+    `name`. -> False where the system refuses (a sandbox that filters sched_setscheduler): the
+    thread runs on as it was, which is only slower on a small machine, never wrong."""
     constant = native(name)
-    if constant is not None:
+    if constant is None:
+        return False
+    try:
         os.sched_setscheduler(pid, constant, os.sched_param(0))
+    except OSError:
+        return False
+    return True
 
 
 def current() -> str:

@@ -30,6 +30,13 @@ def test_a_block_puts_the_thread_and_its_new_threads_under_batch_then_restores()
         assert policy_of(0) == os.SCHED_OTHER
 
 
+def test_a_refused_change_leaves_the_thread_as_it_was():
+    assert cpu.apply("batch") and cpu.current() == "batch"
+    assert cpu.apply("normal") and cpu.current() == "normal"
+    assert cpu.apply("batch", pid=2**22 + 12345) is False  # no such thread: refused, nothing raised
+    assert cpu.current() == "normal"
+
+
 def test_an_unknown_policy_is_refused_before_anything_starts():
     with pytest.raises(ValueError, match="batch"):
         cpu.apply("idle")

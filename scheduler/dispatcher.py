@@ -193,9 +193,7 @@ class Dispatcher:
             under = below_share(cand.tenant, capacity, running, weights, active)
             kv_address = await self._reserve(choice, cand, self.headroom.keep_free(under, free, choice.free_slots))
             if kv_address is None:
-                choice.free_slots = 0
                 continue
-            choice.free_slots -= 1
             priority = prefill_priority(self._tier_rank(cand.tier), under)
             running[cand.tenant] = running.get(cand.tenant, 0) + 1
             self._served[cand.tenant] = time.monotonic()
@@ -254,7 +252,9 @@ class Dispatcher:
 
     async def _reserve(self, slots: DecodeSlots, cand: Candidate, keep_free: int = 0) -> str | None:
         """Reserves KV room, if more than `keep_free` slots are free on the worker: -> None when
-        refused, else where the worker takes the hand-off over TCP ("" = PushKV only)."""
+        refused, else where the worker takes the hand-off over TCP ("" = PushKV only). Sets
+        `slots.free_slots` to the worker's own count after the call (0 when unreachable), so
+        the round's next candidates see it, not the heartbeat's."""
         peer = self._peers[slots.worker_id]
         try:
             resp = await peer.stub.Reserve(pb.ReserveRequest(request_id=cand.request_id, tokens=cand.kv_tokens,
@@ -263,7 +263,9 @@ class Dispatcher:
             log.warning("reserve on %s failed: %s", slots.address, exc.details())
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 peer.failed_hb = peer.heartbeat_ms
+            slots.free_slots = 0
             return None
+        slots.free_slots = resp.free_slots
         return resp.kv_address if resp.granted else None
 
     async def _release(self, slots: DecodeSlots, rid: str) -> None:

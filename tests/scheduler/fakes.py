@@ -91,7 +91,7 @@ class FakeDecode(_Worker, pb_grpc.DecodeWorkerServicer):
 
     async def Reserve(self, request, context):  # noqa: N802 (gRPC method names)
         self.expire()
-        granted = request.request_id in self.holds or len(self.holds) < self.slots
+        granted = request.request_id in self.holds or self.slots - len(self.holds) > request.keep_free
         if granted and request.request_id not in self.holds:
             self.holds[request.request_id] = asyncio.get_running_loop().time() + self.reservation_timeout_s
         return pb.ReserveResponse(granted=granted, free_slots=self.slots - len(self.holds))

@@ -7,6 +7,7 @@ from concurrent import futures
 import grpc
 import pytest
 
+from pdq import cpu
 from pdq.bench.arrivals import Arrivals
 from pdq.bench.metrics import summarize
 from pdq.bench.service import run_service
@@ -75,6 +76,15 @@ def test_all_at_once_counts_only_token_messages_and_sends_each_tenants_key(gatew
     assert sorted(fake.keys) == ["", "", "", "Bearer ka", "Bearer ka", "Bearer ka"]
     s = summarize(run)
     assert s["errors"] == 0 and s["length_mismatches"] == 0 and s["client_cpu_pct"] is not None
+
+
+def test_clients_run_under_the_asked_cpu_policy_for_the_run_only(gateway):
+    _, target = gateway
+    seen = []
+    run = run_service(target, "x", "x", workload(2), Arrivals(), client_policy="batch",
+                      on_done=lambda rec: seen.append(cpu.current()))  # called on the clients' event loop
+    assert seen == ["batch", "batch"] and all(r.ok for r in run.requests)
+    assert cpu.current() == "normal"
 
 
 def test_errors_are_recorded_not_raised(gateway):

@@ -45,6 +45,8 @@ class Sequence:
     arrival_ms: int = 0  # the request's arrival (Unix ms), for e2e latency
     last_token_at: float = 0.0  # monotonic time of its previous token, for inter-token latency
     span: Any = None  # this attempt's decode span (None when tracing is off)
+    interval: int = 1  # tokens per write to Redis (RequestSpec.stream_interval)
+    held: list[StepItem] = field(default_factory=list)  # tokens sampled, not written yet
 
     @property
     def position(self) -> int:
@@ -170,6 +172,7 @@ class DecodeLoop(ModelLoop):
         seq.arrival_ms = h.spec.arrival_ms
         seq.last_token_at = seq.arrived  # the first gap here runs from the KV cache's arrival
         seq.span = span
+        seq.interval = max(1, h.spec.stream_interval)
         if not self.store.transition(rid, h.epoch, State.DECODING, decode_worker=self.address):
             self._end_span(seq, "dropped", reason="request ended during the KV hand-off")
             self._leave(seq)  # ended while in transit
@@ -225,11 +228,13 @@ class DecodeLoop(ModelLoop):
                 self._end_span(seq, "dropped", reason="request ended elsewhere (cancelled, timed out or failed)")
                 self._leave(seq)
             elif seq.deadline_ms and now >= seq.deadline_ms:
+                ended += seq.held  # its tokens so far, then its end
                 ended.append(StepItem(seq.rid, seq.epoch, final_state=State.TIMED_OUT, finish_reason="timeout"))
                 self._end_span(seq, "timeout", "deadline exceeded during decode")
                 self._leave(seq)
         if ended:
-            metrics.TIMEOUTS.labels("decode").inc(sum(self.store.step(ended)))
+            metrics.TIMEOUTS.labels("decode").inc(sum(ok for it, ok in zip(ended, self.store.step(ended))
+                                                      if it.final_state is not None))
         if self.running and all(s.done for s in self.running.values()):
             for seq in list(self.running.values()):
                 self._leave(seq)
@@ -255,23 +260,24 @@ class DecodeLoop(ModelLoop):
         than a blocking round trip would have let them (the cancel notice usually came first)."""
         if self._sent is None:
             return
-        sent, seqs = self._sent
+        sent, owners = self._sent
         self._sent = None
-        for seq, ok in zip(seqs, sent.result()):
-            if not ok and self.running.get(seq.rid) is seq:
+        for seq, ok in zip(owners, sent.result()):
+            if not ok and seq is not None and self.running.get(seq.rid) is seq:
                 self._end_span(seq, "dropped", reason="request ended elsewhere (cancelled, timed out or stale)")
                 self._leave(seq)
 
     def after(self, seqs: list[Sequence], logits: torch.Tensor, started: float) -> None:
         """Samples the step's tokens (`logits`: a row per sequence of `rows()`), sends them to
         Redis in one command, and lets the sequences that ended leave. First it settles the
-        previous step, whose reply came in during this step's forward pass."""
+        previous step, whose reply came in during this step's forward pass. A sequence with a
+        stream interval N holds its tokens until the index is a multiple of N or it ends."""
         self.settle()
         tokens = sample(logits, [s.params for s in seqs], [len(s.generated) for s in seqs])
         self.stats.steps += 1
         self.stats.seq_steps += len(seqs)
         now = time.monotonic()
-        items, live, itl = [], [], []
+        items, owners, live, itl = [], [], [], []  # owners: the sequence of each item (None: it ended)
         for seq, token in zip(seqs, tokens):
             if self.running.get(seq.rid) is not seq:  # it left when the previous step settled
                 continue
@@ -286,8 +292,12 @@ class DecodeLoop(ModelLoop):
                       or seq.position + 1 >= self.runner.max_seq_len else "")
             if reason and reason != "stop":
                 delta += seq.text.flush()
-            items.append(StepItem(seq.rid, seq.epoch, len(seq.generated) - 1, token, delta,
-                                  State.COMPLETED if reason else None, reason))
+            index = len(seq.generated) - 1
+            seq.held.append(StepItem(seq.rid, seq.epoch, index, token, delta, State.COMPLETED if reason else None, reason))
+            if reason or index % seq.interval == 0:
+                items += seq.held
+                owners += [None if reason else seq] * len(seq.held)
+                seq.held.clear()
             live.append((seq, reason))
             itl.append((seq.labels, now - seq.last_token_at))
             seq.last_token_at = now
@@ -303,7 +313,7 @@ class DecodeLoop(ModelLoop):
                 self._end_span(seq, "finish", reason=reason)
                 self._finish_seat(seq)
         if sent is not None:
-            self._sent = (sent, [seq for seq, reason in live if not reason])
+            self._sent = (sent, owners)
         self.step_metrics.step(self.stats.seq_steps, self.stats.wasted_seq_steps, len(seqs),
                                time.perf_counter() - started, itl)
         metrics.kv_pool("decode", self.runner.capacity - self.runner.num_free, self.runner.capacity)

@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from gateway.auth import KeyRing, Principal
 from gateway.follower import OutputFollower
 from gateway.results import Collected, follow, response, usage_and_timings
-from gateway.validation import REQUEST_ID, Limits, build_spec, check_request, shown
+from gateway.validation import REQUEST_ID, Limits, build_spec, check_request, check_stream_interval, shown
 from pdq import metrics, mtls, telemetry
 from pdq.config import GatewayConfig
 from pdq.model.tokenizer import load_tokenizer
@@ -169,11 +169,15 @@ class GenerationService(gen_grpc.GenerationServicer):
         except grpc.aio.AioRpcError as exc:
             log.warning("cancel of %s after disconnect failed: %s", rid, exc.details())
 
-    async def stream(self, rid: str, context: grpc.aio.ServicerContext, offset: int = 0, cancel_on_close: bool = True):
-        """GenerateStreamResponse messages of a request from token `offset`, then its end."""
+    async def stream(self, rid: str, context: grpc.aio.ServicerContext, offset: int = 0, cancel_on_close: bool = True,
+                     interval: int = 1):
+        """GenerateStreamResponse messages of a request from token `offset`, then its end. The
+        first token goes alone and at once; later ones up to `interval` to a message, each
+        message ending at an index that is a multiple of `interval` (or at the end)."""
         end = None
         span = telemetry.start("pdq.stream", attributes={"pdq.request_id": rid, "pdq.offset": offset})
-        first = span is not None
+        first = True
+        held: list = []  # tokens not sent yet
         try:
             yield gen_pb.GenerateStreamResponse(request_id=rid)
             async for event in follow(self.store, rid, follower=self.follower):
@@ -181,11 +185,13 @@ class GenerationService(gen_grpc.GenerationServicer):
                     end = event
                     break
                 if event.index >= offset:
-                    if first:
-                        span.add_event("first_token", {"pdq.token_index": event.index})
+                    held.append(event)
+                    if first or event.index % interval == 0:  # as the decode worker writes them
+                        if first and span is not None:
+                            span.add_event("first_token", {"pdq.token_index": event.index})
                         first = False
-                    yield gen_pb.GenerateStreamResponse(request_id=rid, index=event.index,
-                                                        token_id=event.token_id, text=event.text)
+                        yield tokens_message(rid, held)
+                        held = []
         finally:
             if end is not None:
                 telemetry.end(span, "end", event_attributes={"pdq.state": end.state.value})
@@ -193,6 +199,8 @@ class GenerationService(gen_grpc.GenerationServicer):
                 telemetry.end(span, "closed", "stream closed before the request ended")
             if end is None and cancel_on_close:
                 await asyncio.shield(self.cancel_on_exit(rid, context))
+        if held:
+            yield tokens_message(rid, held)
         raise_for_end(end)
         usage, timings = await usage_and_timings(self.store, rid)
         note_usage(usage, end)
@@ -226,7 +234,7 @@ class GenerationService(gen_grpc.GenerationServicer):
     @rpc
     async def GenerateStream(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext):
         rid, _ = await self.submit(request, context, self.keys.authenticate(context))
-        async for msg in self.stream(rid, context):
+        async for msg in self.stream(rid, context, interval=max(1, request.stream_interval)):
             yield msg
 
     @rpc
@@ -251,8 +259,9 @@ class GenerationService(gen_grpc.GenerationServicer):
 
     @rpc
     async def StreamResult(self, request: gen_pb.StreamResultRequest, context: grpc.aio.ServicerContext):
+        interval = check_stream_interval(request.stream_interval)
         rid = await self.resolve(self.keys.authenticate(context), request.request_id)
-        async for msg in self.stream(rid, context, offset=request.offset, cancel_on_close=False):
+        async for msg in self.stream(rid, context, offset=request.offset, cancel_on_close=False, interval=interval):
             yield msg
 
     @rpc
@@ -269,6 +278,13 @@ class GenerationService(gen_grpc.GenerationServicer):
             code = exc.code() if exc.code() == grpc.StatusCode.NOT_FOUND else grpc.StatusCode.UNAVAILABLE
             raise StatusError(code, exc.details()) from None
         return resp.state
+
+
+def tokens_message(rid: str, events: list) -> gen_pb.GenerateStreamResponse:
+    """One stream message carrying the tokens of `events` (consecutive indices)."""
+    ids = [e.token_id for e in events]
+    return gen_pb.GenerateStreamResponse(request_id=rid, index=events[0].index, token_id=ids[0], token_ids=ids,
+                                         text="".join(e.text for e in events))
 
 
 def raise_for_end(end) -> None:

@@ -18,6 +18,7 @@ MAX_PROMPT_CHARS = 1 << 20
 MAX_STOP = 8
 MAX_STOP_CHARS = 256
 MAX_TIMEOUT_MS = 24 * 3600 * 1000
+MAX_STREAM_INTERVAL = 256
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,14 @@ def check_request(req: gen_pb.GenerateRequest, limits: Limits) -> None:
         raise invalid("tier", f"must be one of {', '.join(limits.tiers)}, got {shown(req.tier)}")
     if req.timeout_ms > MAX_TIMEOUT_MS:
         raise invalid("timeout_ms", f"must be at most {MAX_TIMEOUT_MS} (24 h), got {req.timeout_ms}")
+    check_stream_interval(req.stream_interval)
+
+
+def check_stream_interval(n: int) -> int:
+    """-> tokens per stream message (0 means 1)."""
+    if n > MAX_STREAM_INTERVAL:
+        raise invalid("stream_interval", f"must be 0..{MAX_STREAM_INTERVAL} tokens per message, got {n}")
+    return max(1, n)
 
 
 def build_spec(req: gen_pb.GenerateRequest, prompt_ids: list[int], tenant: str, request_id: str,
@@ -96,4 +105,4 @@ def build_spec(req: gen_pb.GenerateRequest, prompt_ids: list[int], tenant: str, 
     sampling = resolve_sampling(req.sampling, len(prompt_ids), limits)
     return pb.RequestSpec(request_id=request_id, tenant=tenant, tier=req.tier or limits.tiers[0],
                           prompt_token_ids=prompt_ids, sampling=sampling, arrival_ms=now_ms,
-                          deadline_ms=deadline_ms)
+                          deadline_ms=deadline_ms, stream_interval=max(1, req.stream_interval))

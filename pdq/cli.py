@@ -31,7 +31,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, request_id=args.request_id,
-              tier=args.tier, timeout_ms=args.timeout_ms)
+              tier=args.tier, timeout_ms=args.timeout_ms, stream_interval=args.stream_interval)
     with Client(args.target, api_key=args.api_key, tls_ca=args.tls_ca) as client:
         try:
             if args.stream and not args.json:
@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--request-id", default="", help="idempotency key")
     gen.add_argument("--tier", default="", help="interactive (default) or batch")
     gen.add_argument("--timeout-ms", type=int, default=0)
+    gen.add_argument("--stream-interval", type=int, default=0, metavar="N",
+                     help="tokens per stream message after the first (1..256; default 1)")
     gen.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                      help="print tokens as they come (default) or all at the end")
     gen.add_argument("--json", action="store_true", help="print one JSON object (id, text, token ids, usage, timings)")

@@ -99,12 +99,14 @@ class Client(_Connection):
     @staticmethod
     def request(prompt: str | list[int], *, max_tokens: int = 0, temperature: float = 0.0, top_k: int = 0,
                 top_p: float = 0.0, seed: int | None = None, stop: list[str] | None = None,
-                ignore_eos: bool = False, request_id: str = "", tier: str = "", timeout_ms: int = 0) -> gen_pb.GenerateRequest:
+                ignore_eos: bool = False, request_id: str = "", tier: str = "", timeout_ms: int = 0,
+                stream_interval: int = 0) -> gen_pb.GenerateRequest:
         sampling = gen_pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                          stop=stop or [], ignore_eos=ignore_eos)
         if seed is not None:
             sampling.seed = seed
-        req = gen_pb.GenerateRequest(sampling=sampling, request_id=request_id, tier=tier, timeout_ms=timeout_ms)
+        req = gen_pb.GenerateRequest(sampling=sampling, request_id=request_id, tier=tier, timeout_ms=timeout_ms,
+                                     stream_interval=stream_interval)
         if isinstance(prompt, str):
             req.prompt = prompt
         else:
@@ -117,7 +119,8 @@ class Client(_Connection):
 
     def generate_stream(self, prompt: str | list[int], timeout: float | None = None,
                         **kw) -> Iterator[gen_pb.GenerateStreamResponse]:
-        """Streams GenerateStreamResponse messages; closing the iterator cancels the request."""
+        """Streams GenerateStreamResponse messages; closing the iterator cancels the request.
+        With stream_interval=N, a message after the first token carries up to N (token_ids)."""
         call = self.stub.GenerateStream(self.request(prompt, **kw), timeout=timeout, metadata=self.metadata)
         try:
             yield from call
@@ -136,9 +139,11 @@ class Client(_Connection):
         return self.stub.GetResult(gen_pb.GetResultRequest(request_id=request_id, wait_ms=wait_ms),
                                    metadata=self.metadata)
 
-    def stream_result(self, request_id: str, offset: int = 0) -> Iterator[gen_pb.GenerateStreamResponse]:
+    def stream_result(self, request_id: str, offset: int = 0,
+                      stream_interval: int = 0) -> Iterator[gen_pb.GenerateStreamResponse]:
         """Follows a request's tokens from index `offset` (resume a broken stream)."""
-        call = self.stub.StreamResult(gen_pb.StreamResultRequest(request_id=request_id, offset=offset),
+        call = self.stub.StreamResult(gen_pb.StreamResultRequest(request_id=request_id, offset=offset,
+                                                                 stream_interval=stream_interval),
                                       metadata=self.metadata)
         try:
             yield from call

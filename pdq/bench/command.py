@@ -97,7 +97,8 @@ class Bench:
         for load in opts.loads:
             self.measure(f"{strategy} @ {load.label}", lambda p: run_service(
                 target, strategy, strategy, self.workload, load, api_keys=keys, timeout_s=opts.request_timeout,
-                on_done=p, cpu_probe=cpu_probe, client_policy=opts.client_policy))
+                on_done=p, cpu_probe=cpu_probe, client_policy=opts.client_policy,
+                stream_interval=opts.stream_interval))
 
     def spawned(self, strategy: str) -> None:
         """A fresh cluster for `strategy`, with a key per tenant of the workload (bench.tenancy).
@@ -166,7 +167,7 @@ def config_json(opts: BenchOptions, model_dir: str, workload: Workload) -> dict:
             "loads": [a.offered() for a in opts.loads], "prefill": opts.prefill, "decode": opts.decode,
             "env": opts.env, "slo": Slo(opts.slo_ttft, opts.slo_itl).to_json(), "max_model_len": opts.max_model_len,
             "repeat": opts.repeat, "colocate": opts.colocate, "control_policy": opts.control_policy,
-            "client_policy": opts.client_policy}
+            "client_policy": opts.client_policy, "stream_interval": opts.stream_interval}
 
 
 def _command_line() -> list[str] | None:

@@ -66,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="CPU policy of this process's client threads (pdq.cpu): batch (default) lets the cluster's "
                            "model threads keep the cores when a token wakes a client, as clients on other machines "
                            "would; its timestamps can only come later for it. normal: compete as any process")
+    load.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                      help="tokens per stream message after the first token (GenerateRequest.stream_interval, "
+                           "1..256; default 1: a message per token)")
     load.add_argument("--repeat", type=int, default=1,
                       help="run everything N times in alternating order; report each run's median repeat (default 1)")
     load.add_argument("--warmup", type=int, default=2, help="small requests sent to each cluster first (default 2)")
@@ -106,6 +109,7 @@ class BenchOptions:
     colocate: bool = False
     control_policy: str = "batch"
     client_policy: str = "batch"
+    stream_interval: int = 1
     redis_url: str | None = None
     env: dict = field(default_factory=dict)
     api_keys: dict = field(default_factory=dict)
@@ -145,6 +149,8 @@ class BenchOptions:
         for name, least in (("prefill", 1), ("decode", 1), ("repeat", 1), ("warmup", 0)):
             if getattr(a, name) < least:
                 raise ValueError(f"--{name} must be >= {least}")
+        if not 1 <= a.stream_interval <= 256:
+            raise ValueError(f"--stream-interval must be 1..256, got {a.stream_interval}")
         for name in ("slo_ttft", "slo_itl", "request_timeout"):
             value = getattr(a, name)
             if value is not None and not value > 0:
@@ -159,7 +165,7 @@ class BenchOptions:
                    loads=loads, workload=a.workload, requests=a.requests, seed=a.seed,
                    max_model_len=a.max_model_len, model=a.model, prefill=a.prefill, decode=a.decode,
                    colocate=a.colocate, control_policy=a.control_policy, client_policy=a.client_policy,
-                   redis_url=a.redis_url, env=env, api_keys=keys, warmup=a.warmup, repeat=a.repeat,
+                   stream_interval=a.stream_interval, redis_url=a.redis_url, env=env, api_keys=keys, warmup=a.warmup, repeat=a.repeat,
                    request_timeout=a.request_timeout, slo_ttft=a.slo_ttft, slo_itl=a.slo_itl, json=a.json,
                    plot=a.plot, progress=not a.no_progress)
 

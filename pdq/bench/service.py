@@ -26,15 +26,17 @@ Progress = Callable[[RequestRecord], None]
 
 
 async def stream_one(client: AsyncClient, req: BenchRequest, rec: RequestRecord, t0: float,
-                     timeout_s: float) -> RequestRecord:
-    """Runs one request to its end, filling `rec` (times relative to t0). Never raises for an RPC error."""
+                     timeout_s: float, stream_interval: int = 1) -> RequestRecord:
+    """Runs one request to its end, filling `rec` (times relative to t0): each token of a
+    message arrives when the message does. Never raises for an RPC error."""
     clock = time.perf_counter
     times = rec.token_times
     try:
         async for msg in client.generate_stream(list(req.prompt_token_ids), timeout=timeout_s,
-                                                max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True):
+                                                max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True,
+                                                stream_interval=stream_interval):
             if msg.HasField("index"):
-                times.append(clock() - t0)
+                times.extend([clock() - t0] * max(1, len(msg.token_ids)))  # a server before token_ids: one
             if msg.finish_reason:
                 rec.finish_reason = finish_name(msg.finish_reason)
     except grpc.RpcError as exc:
@@ -46,20 +48,21 @@ async def stream_one(client: AsyncClient, req: BenchRequest, rec: RequestRecord,
 def run_service(target: str, name: str, strategy: str, workload: Workload, arrivals: Arrivals, *,
                 api_keys: dict[str, str | None] | None = None, timeout_s: float = 600.0,
                 on_done: Progress | None = None, cpu_probe: CpuProbe | None = None,
-                client_policy: str = "normal") -> RunRecord:
+                client_policy: str = "normal", stream_interval: int = 1) -> RunRecord:
     """Offers `workload` to the gateway at `target` with `arrivals`; returns when every request
     has ended. api_keys: tenant name -> API key (None or missing: the `Client` default,
     $PDQ_API_KEY or the dev key of a local `pdq up`). cpu_probe: the cluster's processes, whose
     CPU time during the run goes into the record. client_policy: the CPU policy (pdq.cpu) of
-    this thread and gRPC's, for the run."""
+    this thread and gRPC's, for the run. stream_interval: tokens per stream message after the
+    first (GenerateRequest.stream_interval)."""
     with cpu.policy(client_policy):
         return asyncio.run(_offer(target, name, strategy, workload, arrivals, api_keys or {}, timeout_s,
-                                  on_done, cpu_probe))
+                                  on_done, cpu_probe, stream_interval))
 
 
 async def _offer(target: str, name: str, strategy: str, workload: Workload, arrivals: Arrivals,
                  api_keys: dict[str, str | None], timeout_s: float, on_done: Progress | None,
-                 cpu_probe: CpuProbe | None) -> RunRecord:
+                 cpu_probe: CpuProbe | None, stream_interval: int) -> RunRecord:
     clients = {t: AsyncClient(target, api_key=api_keys.get(t)) for t in {r.tenant for r in workload.requests}}
     reqs = workload.requests
     records: list[RequestRecord | None] = [None] * len(reqs)
@@ -72,7 +75,7 @@ async def _offer(target: str, name: str, strategy: str, workload: Workload, arri
     async def one(i: int, due: float) -> None:
         rec = records[i] = RequestRecord(reqs[i], due)
         try:
-            await stream_one(clients[reqs[i].tenant], reqs[i], rec, t0, timeout_s)
+            await stream_one(clients[reqs[i].tenant], reqs[i], rec, t0, timeout_s, stream_interval)
         except Exception as exc:  # a bug here must not hang the run: record it as the request's error
             rec.error, rec.end = f"client: {exc!r}", time.perf_counter() - t0
         if on_done:

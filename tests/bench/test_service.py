@@ -17,8 +17,9 @@ from pdq.v1 import generation_pb2_grpc as gen_grpc
 
 
 class FakeGateway(gen_grpc.GenerationServicer):
-    """Streams max_tokens tokens 5 ms apart after an empty first message; a prompt starting with
-    id 13 is refused with RESOURCE_EXHAUSTED."""
+    """Streams max_tokens tokens 5 ms apart after an empty first message (stream_interval of them
+    to a message; one token without token_ids, as servers before that field); a prompt starting
+    with id 13 is refused with RESOURCE_EXHAUSTED."""
 
     def __init__(self):
         self.keys: list[str] = []
@@ -36,8 +37,11 @@ class FakeGateway(gen_grpc.GenerationServicer):
         try:
             yield gen_pb.GenerateStreamResponse(request_id="r")
             time.sleep(0.02)
-            for i in range(request.sampling.max_tokens):
-                yield gen_pb.GenerateStreamResponse(request_id="r", index=i, token_id=7, text="")
+            step = max(1, request.stream_interval)  # (no first-token-alone rule here)
+            for i in range(0, request.sampling.max_tokens, step):
+                ids = [7] * min(step, request.sampling.max_tokens - i)
+                yield gen_pb.GenerateStreamResponse(request_id="r", index=i, token_id=7,
+                                                    token_ids=ids if step > 1 else [], text="")
                 time.sleep(0.005)
             yield gen_pb.GenerateStreamResponse(request_id="r", finish_reason=gen_pb.FINISH_REASON_LENGTH)
         finally:
@@ -76,6 +80,15 @@ def test_all_at_once_counts_only_token_messages_and_sends_each_tenants_key(gatew
     assert sorted(fake.keys) == ["", "", "", "Bearer ka", "Bearer ka", "Bearer ka"]
     s = summarize(run)
     assert s["errors"] == 0 and s["length_mismatches"] == 0 and s["client_cpu_pct"] is not None
+
+
+def test_a_message_of_several_tokens_counts_each_arriving_with_it(gateway):
+    _, target = gateway
+    run = run_service(target, "continuous", "continuous", workload(4), Arrivals(), stream_interval=2)
+    for rec in run.requests:
+        assert rec.ok and rec.output_tokens == rec.request.max_tokens
+        times = rec.token_times
+        assert times[0] == times[1] and times[1] < times[2]  # tokens 0 and 1 came in one message
 
 
 def test_clients_run_under_the_asked_cpu_policy_for_the_run_only(gateway):

@@ -47,6 +47,36 @@ def test_stream_sends_every_index_once_in_order_and_ends_with_usage(client):
     unary = client.generate(PROMPTS[1], max_tokens=10, ignore_eos=True)
     assert "".join(m.text for m in tokens) == unary.text
     assert [m.token_id for m in tokens] == unary.token_ids
+    assert all(list(m.token_ids) == [m.token_id] for m in tokens)
+
+
+def test_a_stream_interval_sends_the_first_token_alone_then_groups(client):
+    msgs = list(client.generate_stream(PROMPTS[1], max_tokens=10, ignore_eos=True, stream_interval=4))
+    tokens = [m for m in msgs if m.HasField("index")]
+    assert [(m.index, len(m.token_ids)) for m in tokens] == [(0, 1), (1, 4), (5, 4), (9, 1)]
+    assert all(m.token_id == m.token_ids[0] for m in tokens)
+    unary = client.generate(PROMPTS[1], max_tokens=10, ignore_eos=True)
+    assert [t for m in tokens for t in m.token_ids] == unary.token_ids
+    assert "".join(m.text for m in tokens) == unary.text
+    assert msgs[-1].finish_reason == gen_pb.FINISH_REASON_LENGTH and msgs[-1].usage.completion_tokens == 10
+
+
+def test_the_decode_worker_writes_a_streamed_interval_of_tokens_at_once(client, store_client):
+    """Redis sees a request's tokens in groups of its stream interval: while it decodes, its
+    token count is always 1 (the prefill's) plus a multiple of the interval."""
+    rid = client.submit("hold my tokens", max_tokens=160, ignore_eos=True, stream_interval=8)
+    seen = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        state, n_out = (v.decode() if v else "" for v in store_client.hmget(f"pdq:req:{rid}", "state", "n_out"))
+        if state == "DECODING":
+            seen.append(int(n_out))
+        elif state == "COMPLETED":
+            break
+        time.sleep(0.002)
+    assert state == "COMPLETED" and int(n_out) == 160
+    assert len(set(seen)) >= 2, f"too few samples while decoding: {sorted(set(seen))}"
+    assert all((n - 1) % 8 == 0 for n in seen), sorted(set(seen))
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -56,6 +86,7 @@ def test_stream_sends_every_index_once_in_order_and_ends_with_usage(client):
     (dict(prompt="hi", tier="vip"), "tier"),
     (dict(prompt="hi", request_id="bad id!"), "request_id"),
     (dict(prompt=[10**7]), "prompt_token_ids[0]"),
+    (dict(prompt="hi", stream_interval=257), "stream_interval"),
 ])
 def test_invalid_requests_get_invalid_argument_naming_the_field(client, store_client, kwargs, field):
     before = store_client.dbsize()

@@ -11,18 +11,27 @@ from pdq.v1 import generation_pb2 as gen_pb
 
 
 class Event:
-    """One entry of a request's output stream: a token (index set), or the end (state set)."""
+    """One entry of a request's output stream: tokens from `index` on (index set), or the end
+    (state set). An entry holds one token, or several a worker wrote at once (stream_interval)."""
 
-    __slots__ = ("index", "token_id", "text", "state", "reason", "error")
+    __slots__ = ("index", "token_ids", "texts", "state", "reason", "error")
 
     def __init__(self, fields: dict):
-        f = {_str(k): _str(v) for k, v in fields.items()}
+        f = {_str(k): v for k, v in fields.items()}
         self.index = int(f["i"]) if "i" in f else None
-        self.token_id = int(f.get("t", 0))
-        self.text = f.get("x", "")
-        self.state = State(f["done"]) if "done" in f else None
-        self.reason = f.get("r", "")
-        self.error = f.get("e", "")
+        self.token_ids = [int(t) for t in _str(f["t"]).split(",")] if "t" in f else []
+        raw = f.get("x", b"")
+        raw = raw.encode() if isinstance(raw, str) else raw
+        if len(self.token_ids) > 1 and "l" in f:  # each token's text, by byte length
+            self.texts, at = [], 0
+            for n in map(int, _str(f["l"]).split(",")):
+                self.texts.append(raw[at:at + n].decode())
+                at += n
+        else:
+            self.texts = [raw.decode()] if self.token_ids else []
+        self.state = State(_str(f["done"])) if "done" in f else None
+        self.reason = _str(f.get("r", ""))
+        self.error = _str(f.get("e", ""))
 
 
 async def follow(store: RequestStore, rid: str, wait_ms: int | None = None,
@@ -79,8 +88,8 @@ class Collected:
 
     def add(self, event: Event) -> None:
         if event.index is not None:
-            self.token_ids.append(event.token_id)
-            self.text.append(event.text)
+            self.token_ids += event.token_ids
+            self.text += event.texts
         if event.state is not None:
             self.end = event
 

@@ -177,18 +177,21 @@ class GenerationService(gen_grpc.GenerationServicer):
         end = None
         span = telemetry.start("pdq.stream", attributes={"pdq.request_id": rid, "pdq.offset": offset})
         first = True
-        held: list = []  # tokens not sent yet
+        held: list[tuple[int, int, str]] = []  # (index, token id, text) not sent yet
         try:
             yield gen_pb.GenerateStreamResponse(request_id=rid)
             async for event in follow(self.store, rid, follower=self.follower):
                 if event.state is not None:
                     end = event
                     break
-                if event.index >= offset:
-                    held.append(event)
-                    if first or event.index % interval == 0:  # as the decode worker writes them
+                for k, (token, text) in enumerate(zip(event.token_ids, event.texts)):
+                    index = event.index + k
+                    if index < offset:
+                        continue
+                    held.append((index, token, text))
+                    if first or index % interval == 0:  # as the decode worker writes them
                         if first and span is not None:
-                            span.add_event("first_token", {"pdq.token_index": event.index})
+                            span.add_event("first_token", {"pdq.token_index": index})
                         first = False
                         yield tokens_message(rid, held)
                         held = []
@@ -280,11 +283,11 @@ class GenerationService(gen_grpc.GenerationServicer):
         return resp.state
 
 
-def tokens_message(rid: str, events: list) -> gen_pb.GenerateStreamResponse:
-    """One stream message carrying the tokens of `events` (consecutive indices)."""
-    ids = [e.token_id for e in events]
-    return gen_pb.GenerateStreamResponse(request_id=rid, index=events[0].index, token_id=ids[0], token_ids=ids,
-                                         text="".join(e.text for e in events))
+def tokens_message(rid: str, tokens: list[tuple[int, int, str]]) -> gen_pb.GenerateStreamResponse:
+    """One stream message carrying `tokens`: (index, token id, text), consecutive indices."""
+    ids = [t for _, t, _ in tokens]
+    return gen_pb.GenerateStreamResponse(request_id=rid, index=tokens[0][0], token_id=ids[0], token_ids=ids,
+                                         text="".join(x for _, _, x in tokens))
 
 
 def raise_for_end(end) -> None:

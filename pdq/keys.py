@@ -2,7 +2,10 @@
 
 Layout (prefix `p`, default "pdq"):
   p:req:{id}              hash   the request record (fields below); expires result_ttl_s after it ends
-  p:req:{id}:out          stream its output: one entry per token {i, t, x}, then {done, r, e}
+  p:req:{id}:out          stream its output: entries of tokens {i, t, x, l}, then {done, r, e}
+                          (i: first index; t: token ids, comma-separated; x: their text;
+                          l: each token's text length in bytes, comma-separated; one entry
+                          per token unless a worker wrote several at once: stream_interval)
   p:idem:{tenant}:{k}     string client idempotency key -> request id
   p:q:{tier}:{tenant}     zset   one tenant's queued request ids in one tier, score = its order
                                  (the intra-tenant policy's score, fixed at submit, kept on requeue)
@@ -385,31 +388,50 @@ return 1
 # ARGV: prefix, now, ttl, then per item 7 values:
 #       id, epoch, index ('' = no token), token_id, text, final state ('' = none), finish reason
 # Appends each item's token at its index (a replayed index is ignored) and optionally ends
-# the request. -> per item 1 (written) or 0 (stale epoch / already ended: drop the sequence)
+# the request. Consecutive tokens of one request go into one stream entry. -> per item 1
+# (written) or 0 (stale epoch / already ended: drop the sequence)
 STEP = _LIB + """
 local res = {}
+local g = nil  -- the entry being gathered: {id, rk, first index, ids, texts, lengths, next index}
+local function flush()
+  if g and #g[4] > 0 then
+    redis.call('XADD', key('req', g[1], 'out'), '*', 'i', g[3], 't', table.concat(g[4], ','),
+               'x', table.concat(g[5]), 'l', table.concat(g[6], ','))
+    redis.call('HSET', g[2], 'n_out', g[7])
+    if g[3] == 0 then redis.call('HSET', g[2], 'first_token_ms', ARGV[2]) end
+  end
+  g = nil
+end
 for a = 4, #ARGV, 7 do
   local id = ARGV[a]
+  if g and g[1] ~= id then flush() end
   local rk = key('req', id)
   local h = redis.call('HMGET', rk, 'state', 'epoch', 'n_out')
   if not h[1] or TERMINAL[h[1]] or h[2] ~= ARGV[a + 1] then
+    flush()
     res[#res + 1] = 0
   else
     if ARGV[a + 2] ~= '' then
       local i = tonumber(ARGV[a + 2])
-      local n_out = tonumber(h[3])
+      local n_out = g and g[7] or tonumber(h[3])
       if i == n_out then
-        redis.call('XADD', key('req', id, 'out'), '*', 'i', i, 't', ARGV[a + 3], 'x', ARGV[a + 4])
-        redis.call('HSET', rk, 'n_out', i + 1)
-        if i == 0 then redis.call('HSET', rk, 'first_token_ms', ARGV[2]) end
+        if not g then g = {id, rk, i, {}, {}, {}, i} end
+        g[4][#g[4] + 1] = ARGV[a + 3]
+        g[5][#g[5] + 1] = ARGV[a + 4]
+        g[6][#g[6] + 1] = #ARGV[a + 4]
+        g[7] = i + 1
       elseif i > n_out then
         return redis.error_reply('token index gap: ' .. i .. ' > ' .. n_out)
       end
     end
-    if ARGV[a + 5] ~= '' then finish(id, ARGV[a + 5], ARGV[a + 6], '', ARGV[2], ARGV[3]) end
+    if ARGV[a + 5] ~= '' then
+      flush()
+      finish(id, ARGV[a + 5], ARGV[a + 6], '', ARGV[2], ARGV[3])
+    end
     res[#res + 1] = 1
   end
 end
+flush()
 return res
 """
 

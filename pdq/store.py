@@ -387,7 +387,7 @@ class RequestStore:
     def streamed_tokens(self, rid: str) -> Any:
         """Token ids already written to the output stream, in index order."""
         def tokens(entries: list) -> list[int]:
-            return [int(f[b"t"]) for _, f in entries if b"i" in f]
+            return [int(t) for _, f in entries if b"i" in f for t in f[b"t"].split(b",")]
         return _then(self.client.xrange(self.keys.output(rid)), tokens)
 
     def lookup_idempotent(self, tenant: str, key: str) -> Any:

@@ -96,6 +96,27 @@ def test_a_sent_step_that_fails_raises_when_read_and_leaves_the_pool_usable(stor
     assert store.send_step([StepItem("r", 1, 0, 7, "a")]).result() == [True]
 
 
+def test_consecutive_tokens_of_a_request_go_into_one_entry(store):
+    """A worker that writes several tokens of a request at once (stream_interval) makes one
+    stream entry of them, each token's text length in bytes alongside; replays are dropped."""
+    from gateway.results import Event
+
+    for rid in ("a", "b"):
+        store.submit(make_spec(rid, max_tokens=8))
+        claim(store, rid)
+    assert store.step([StepItem("a", 1, 0, 7, "x")]) == [True]
+    assert store.step([StepItem("a", 1, 0, 7, "x"), StepItem("a", 1, 1, 8, "é"), StepItem("a", 1, 2, 9, "yz"),
+                       StepItem("b", 1, 0, 5, "q"), StepItem("a", 1, 3, 4, "", State.COMPLETED, "length")]) == [True] * 5
+    entries = [{k.decode(): v.decode() for k, v in f.items()} for _, f in store.client.xrange(store.keys.output("a"))]
+    assert entries[:3] == [{"i": "0", "t": "7", "x": "x", "l": "1"}, {"i": "1", "t": "8,9", "x": "éyz", "l": "2,2"},
+                           {"i": "3", "t": "4", "x": "", "l": "0"}]  # b's token came between
+    assert entries[3]["done"] == "COMPLETED" and len(entries) == 4
+    event = Event(store.client.xrange(store.keys.output("a"))[1][1])
+    assert (event.index, event.token_ids, event.texts) == (1, [8, 9], ["é", "yz"])
+    assert store.streamed_tokens("a") == [7, 8, 9, 4] and store.record("a")["n_out"] == "4"
+    assert tokens(store, "b") == [(0, 5, "q")]
+
+
 def test_token_gap_is_an_error(store):
     store.submit(make_spec("r"))
     claim(store, "r")

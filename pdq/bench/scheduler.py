@@ -64,7 +64,8 @@ class Bench:
         return int(self.r.hget(f"pdq:req:{rid}", name) or 0)
 
     def token_times(self, rid: str) -> list[int]:
-        return [int(i.split("-")[0]) for i, f in self.r.xrange(f"pdq:req:{rid}:out") if "i" in f]
+        return [int(i.split("-")[0]) for i, f in self.r.xrange(f"pdq:req:{rid}:out") if "i" in f
+                for _ in f["t"].split(",")]  # an entry's tokens were written at once
 
     def idle(self) -> None:
         wait(lambda: int(self.r.hget("pdq:load", "n") or 0) == 0 and all(

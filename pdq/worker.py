@@ -83,19 +83,26 @@ class ModelLoop:
             self._done.result()
 
 
-def load_runner(config: WorkerConfig, kv_budget_tokens: int) -> Any:
-    """Loads the model into a ModelRunner on the configured device, dtype and threads. Call it
-    in the `ModelThread` that will run the model."""
+def load_runner(config: WorkerConfig, kv_budget_tokens: int, warm_up: tuple[int, int] = (0, 1)) -> Any:
+    """Loads the model into a ModelRunner on the configured device, dtype and threads, then
+    runs a full-size pass to warm it up (`warm_up`: tokens of the pass and the longest chunk,
+    `ModelRunner.warm_up`; 0 tokens: none). Call it in the `ModelThread` that will run the
+    model. Freed memory stays with the process (pdq.memory)."""
     import torch
 
     from pdq.engine.runner import ModelRunner
+    from pdq.memory import keep_freed_memory
     from pdq.model.loader import resolve_model
 
+    keep_freed_memory()
     if config.threads > 0:
         torch.set_num_threads(config.threads)
     dtype = getattr(torch, config.dtype) if config.dtype else None
-    return ModelRunner.from_pretrained(resolve_model(config.model), device=config.device or None, dtype=dtype,
-                                       kv_budget_tokens=kv_budget_tokens, max_seq_len=config.max_seq_len)
+    runner = ModelRunner.from_pretrained(resolve_model(config.model), device=config.device or None, dtype=dtype,
+                                         kv_budget_tokens=kv_budget_tokens, max_seq_len=config.max_seq_len)
+    if warm_up[0] > 0:
+        runner.warm_up(*warm_up)
+    return runner
 
 
 class CancelListener:

@@ -176,7 +176,8 @@ def build_server(config: PrefillConfig) -> Server:
     async def start() -> None:
         path = await asyncio.to_thread(resolve_model, config.model)
         model = ModelThread("prefill-model")  # loads the model, then runs the loop (see ModelThread)
-        runner = await model.run(load_runner, config, config.max_batched_tokens + config.max_seq_len * 4)
+        runner = await model.run(load_runner, config, config.max_batched_tokens + config.max_seq_len * 4,
+                                 (config.max_batched_tokens, config.prefill_chunk))
         state["runner"] = runner
         state["cancels"] = CancelListener(config.redis_url, keys)
         service.loop = PrefillLoop(runner, sync_store(config), state["cancels"], load_tokenizer(path),

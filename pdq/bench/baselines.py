@@ -42,10 +42,14 @@ _omp_policy = ""  # the OpenMP policy torch was loaded with by import_torch()
 
 
 def import_torch() -> str:
-    """Imports torch (see the module doc); returns the OpenMP wait policy in force."""
+    """Imports torch (see the module doc); returns the OpenMP wait policy in force. This
+    process keeps its freed memory from then on, as a worker does (pdq.memory), for every
+    baseline alike."""
     global _omp_policy
+    from pdq.memory import keep_freed_memory
     from pdq.up import OMP_SPIN_COUNT
 
+    keep_freed_memory()
     if "torch" in sys.modules:
         return _omp_policy or "as loaded before (unknown)"
     given = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
@@ -77,6 +81,8 @@ class EngineBaseline:
 
         self.engine = LLMEngine.from_pretrained(str(model_dir), kv_budget_tokens=kv_budget_tokens,
                                                 max_seq_len=max_seq_len)
+        p = self.engine.policy
+        self.engine.runner.warm_up(p.max_batched_tokens, p.prefill_chunk)  # as a worker does at start-up
 
     def notes(self) -> dict:
         p = self.engine.policy

@@ -148,6 +148,27 @@ class ModelRunner:
         """Positions [0, n) of `seq_id` hold K/V."""
         return self.pool.length(seq_id)
 
+    def warm_up(self, step_tokens: int, chunk: int) -> None:
+        """Runs full-size passes on scratch slots and frees them: a prefill pass of
+        `step_tokens` tokens in chunks of at most `chunk`, then a decode step of those
+        sequences, as vLLM's and TGI's start-up runs do. The first passes of that size in a
+        process are otherwise slower (the allocator maps their buffers fresh), and would land
+        on the first users' requests. A pool without room for a scratch slot is left as it is."""
+        chunk = max(1, min(chunk, self.max_seq_len - 1))
+        sizes, left = [], max(1, step_tokens)
+        while left > 0 and len(sizes) < self.num_free:
+            sizes.append(min(chunk, left))
+            left -= sizes[-1]
+        keys = [("warm-up", i) for i in range(len(sizes))]
+        for key in keys:
+            self.allocate(key)
+        try:
+            self.prefill([PrefillItem(key, [0] * n, 0) for key, n in zip(keys, sizes)])
+            self.decode([(key, 0, n) for key, n in zip(keys, sizes)])
+        finally:
+            for key in keys:
+                self.free(key)
+
     # -- forward -----------------------------------------------------------------------------
 
     def prefill(self, items: Sequence[PrefillItem]) -> torch.Tensor:

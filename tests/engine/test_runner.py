@@ -142,3 +142,24 @@ def test_grouped_decode_attention_equals_alone(tiny_llama, make_runner):
     for row, (s, _, _) in enumerate(items):
         torch.testing.assert_close(out[row], refs[s], atol=ATOL, rtol=0)
     assert kv_order.worth_grouping([n + 1 for n in runner.pool.lengths()])  # it ran grouped
+
+
+def test_warm_up_runs_full_size_passes_and_leaves_the_pool_as_it_was(tiny_llama, make_runner):
+    runner = make_runner(tiny_llama, slots=4)
+    ids = tokens(40, 5)
+    before = alone(runner, "x", ids)
+    runner.allocate("held")  # a sequence already in the pool keeps its slot
+    calls = []
+    step = runner.step
+    runner.step = lambda prefill, decode: calls.append(([len(p.token_ids) for p in prefill], len(decode))) or step(prefill, decode)
+    runner.warm_up(300, 64)
+    runner.step = step
+    # 300 tokens in chunks of 64 would take 5 slots: 3 are free, so 3 chunks, then their decode step
+    assert calls == [([64, 64, 64], 0), ([], 3)]
+    assert runner.num_free == 3 and runner.kv_length("held") == 0
+    torch.testing.assert_close(alone(runner, "x", ids), before, atol=ATOL, rtol=0)
+    runner.free("held")
+    for name in "abcd":
+        runner.allocate(name)
+    runner.warm_up(300, 64)  # a full pool: nothing to run on, nothing changes
+    assert runner.num_free == 0

@@ -271,7 +271,8 @@ class DecodeLoop(ModelLoop):
         """Samples the step's tokens (`logits`: a row per sequence of `rows()`), sends them to
         Redis in one command, and lets the sequences that ended leave. First it settles the
         previous step, whose reply came in during this step's forward pass. A sequence with a
-        stream interval N holds its tokens until the index is a multiple of N or it ends."""
+        stream interval N holds its tokens until a step whose count is a multiple of N (every
+        such sequence at once, so the hops downstream wake once per N steps) or its end."""
         self.settle()
         tokens = sample(logits, [s.params for s in seqs], [len(s.generated) for s in seqs])
         self.stats.steps += 1
@@ -294,7 +295,7 @@ class DecodeLoop(ModelLoop):
                 delta += seq.text.flush()
             index = len(seq.generated) - 1
             seq.held.append(StepItem(seq.rid, seq.epoch, index, token, delta, State.COMPLETED if reason else None, reason))
-            if reason or index % seq.interval == 0:
+            if reason or self.stats.steps % seq.interval == 0:  # every N steps, all at once
                 items += seq.held
                 owners += [None if reason else seq] * len(seq.held)
                 seq.held.clear()

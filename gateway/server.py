@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from gateway.auth import KeyRing, Principal
 from gateway.follower import OutputFollower
 from gateway.results import Collected, follow, response, usage_and_timings
-from gateway.validation import REQUEST_ID, Limits, build_spec, check_request, check_stream_interval, shown
+from gateway.validation import REQUEST_ID, Limits, build_spec, check_request, shown
 from pdq import metrics, mtls, telemetry
 from pdq.config import GatewayConfig
 from pdq.model.tokenizer import load_tokenizer
@@ -169,32 +169,28 @@ class GenerationService(gen_grpc.GenerationServicer):
         except grpc.aio.AioRpcError as exc:
             log.warning("cancel of %s after disconnect failed: %s", rid, exc.details())
 
-    async def stream(self, rid: str, context: grpc.aio.ServicerContext, offset: int = 0, cancel_on_close: bool = True,
-                     interval: int = 1):
-        """GenerateStreamResponse messages of a request from token `offset`, then its end. The
-        first token goes alone and at once; later ones up to `interval` to a message, each
-        message ending at an index that is a multiple of `interval` (or at the end)."""
+    async def stream(self, rid: str, context: grpc.aio.ServicerContext, offset: int = 0, cancel_on_close: bool = True):
+        """GenerateStreamResponse messages of a request from token `offset`, then its end: one
+        message per output stream entry, i.e. the tokens a worker wrote at once (one, unless
+        the request has a stream_interval)."""
         end = None
         span = telemetry.start("pdq.stream", attributes={"pdq.request_id": rid, "pdq.offset": offset})
-        first = True
-        held: list[tuple[int, int, str]] = []  # (index, token id, text) not sent yet
+        first = span is not None
         try:
             yield gen_pb.GenerateStreamResponse(request_id=rid)
             async for event in follow(self.store, rid, follower=self.follower):
                 if event.state is not None:
                     end = event
                     break
-                for k, (token, text) in enumerate(zip(event.token_ids, event.texts)):
-                    index = event.index + k
-                    if index < offset:
-                        continue
-                    held.append((index, token, text))
-                    if first or index % interval == 0:  # as the decode worker writes them
-                        if first and span is not None:
-                            span.add_event("first_token", {"pdq.token_index": index})
+                skip = max(0, offset - event.index)
+                if skip < len(event.token_ids):
+                    if first:
+                        span.add_event("first_token", {"pdq.token_index": event.index + skip})
                         first = False
-                        yield tokens_message(rid, held)
-                        held = []
+                    yield gen_pb.GenerateStreamResponse(request_id=rid, index=event.index + skip,
+                                                        token_id=event.token_ids[skip],
+                                                        token_ids=event.token_ids[skip:],
+                                                        text="".join(event.texts[skip:]))
         finally:
             if end is not None:
                 telemetry.end(span, "end", event_attributes={"pdq.state": end.state.value})
@@ -202,8 +198,6 @@ class GenerationService(gen_grpc.GenerationServicer):
                 telemetry.end(span, "closed", "stream closed before the request ended")
             if end is None and cancel_on_close:
                 await asyncio.shield(self.cancel_on_exit(rid, context))
-        if held:
-            yield tokens_message(rid, held)
         raise_for_end(end)
         usage, timings = await usage_and_timings(self.store, rid)
         note_usage(usage, end)
@@ -237,7 +231,7 @@ class GenerationService(gen_grpc.GenerationServicer):
     @rpc
     async def GenerateStream(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext):
         rid, _ = await self.submit(request, context, self.keys.authenticate(context))
-        async for msg in self.stream(rid, context, interval=max(1, request.stream_interval)):
+        async for msg in self.stream(rid, context):
             yield msg
 
     @rpc
@@ -262,9 +256,8 @@ class GenerationService(gen_grpc.GenerationServicer):
 
     @rpc
     async def StreamResult(self, request: gen_pb.StreamResultRequest, context: grpc.aio.ServicerContext):
-        interval = check_stream_interval(request.stream_interval)
         rid = await self.resolve(self.keys.authenticate(context), request.request_id)
-        async for msg in self.stream(rid, context, offset=request.offset, cancel_on_close=False, interval=interval):
+        async for msg in self.stream(rid, context, offset=request.offset, cancel_on_close=False):
             yield msg
 
     @rpc
@@ -281,13 +274,6 @@ class GenerationService(gen_grpc.GenerationServicer):
             code = exc.code() if exc.code() == grpc.StatusCode.NOT_FOUND else grpc.StatusCode.UNAVAILABLE
             raise StatusError(code, exc.details()) from None
         return resp.state
-
-
-def tokens_message(rid: str, tokens: list[tuple[int, int, str]]) -> gen_pb.GenerateStreamResponse:
-    """One stream message carrying `tokens`: (index, token id, text), consecutive indices."""
-    ids = [t for _, t, _ in tokens]
-    return gen_pb.GenerateStreamResponse(request_id=rid, index=tokens[0][0], token_id=ids[0], token_ids=ids,
-                                         text="".join(x for _, _, x in tokens))
 
 
 def raise_for_end(end) -> None:

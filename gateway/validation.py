@@ -88,14 +88,9 @@ def check_request(req: gen_pb.GenerateRequest, limits: Limits) -> None:
         raise invalid("tier", f"must be one of {', '.join(limits.tiers)}, got {shown(req.tier)}")
     if req.timeout_ms > MAX_TIMEOUT_MS:
         raise invalid("timeout_ms", f"must be at most {MAX_TIMEOUT_MS} (24 h), got {req.timeout_ms}")
-    check_stream_interval(req.stream_interval)
-
-
-def check_stream_interval(n: int) -> int:
-    """-> tokens per stream message (0 means 1)."""
-    if n > MAX_STREAM_INTERVAL:
-        raise invalid("stream_interval", f"must be 0..{MAX_STREAM_INTERVAL} tokens per message, got {n}")
-    return max(1, n)
+    if req.stream_interval > MAX_STREAM_INTERVAL:
+        raise invalid("stream_interval", f"must be 0..{MAX_STREAM_INTERVAL} (decode steps per write), "
+                                         f"got {req.stream_interval}")
 
 
 def build_spec(req: gen_pb.GenerateRequest, prompt_ids: list[int], tenant: str, request_id: str,

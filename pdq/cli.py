@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tier", default="", help="interactive (default) or batch")
     gen.add_argument("--timeout-ms", type=int, default=0)
     gen.add_argument("--stream-interval", type=int, default=0, metavar="N",
-                     help="tokens per stream message after the first (1..256; default 1)")
+                     help="decode steps per stream message after the first token (1..256; default 1)")
     gen.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                      help="print tokens as they come (default) or all at the end")
     gen.add_argument("--json", action="store_true", help="print one JSON object (id, text, token ids, usage, timings)")

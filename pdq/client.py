@@ -120,7 +120,8 @@ class Client(_Connection):
     def generate_stream(self, prompt: str | list[int], timeout: float | None = None,
                         **kw) -> Iterator[gen_pb.GenerateStreamResponse]:
         """Streams GenerateStreamResponse messages; closing the iterator cancels the request.
-        With stream_interval=N, a message after the first token carries up to N (token_ids)."""
+        With stream_interval=N, a message after the first token carries the tokens of up to N
+        decode steps (token_ids)."""
         call = self.stub.GenerateStream(self.request(prompt, **kw), timeout=timeout, metadata=self.metadata)
         try:
             yield from call
@@ -139,11 +140,9 @@ class Client(_Connection):
         return self.stub.GetResult(gen_pb.GetResultRequest(request_id=request_id, wait_ms=wait_ms),
                                    metadata=self.metadata)
 
-    def stream_result(self, request_id: str, offset: int = 0,
-                      stream_interval: int = 0) -> Iterator[gen_pb.GenerateStreamResponse]:
+    def stream_result(self, request_id: str, offset: int = 0) -> Iterator[gen_pb.GenerateStreamResponse]:
         """Follows a request's tokens from index `offset` (resume a broken stream)."""
-        call = self.stub.StreamResult(gen_pb.StreamResultRequest(request_id=request_id, offset=offset,
-                                                                 stream_interval=stream_interval),
+        call = self.stub.StreamResult(gen_pb.StreamResultRequest(request_id=request_id, offset=offset),
                                       metadata=self.metadata)
         try:
             yield from call

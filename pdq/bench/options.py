@@ -67,8 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            "model threads keep the cores when a token wakes a client, as clients on other machines "
                            "would; its timestamps can only come later for it. normal: compete as any process")
     load.add_argument("--stream-interval", type=int, default=1, metavar="N",
-                      help="tokens per stream message after the first token (GenerateRequest.stream_interval, "
-                           "1..256; default 1: a message per token)")
+                      help="decode steps between writes of a request's tokens, each sent as one stream message "
+                           "after the first token alone (GenerateRequest.stream_interval, 1..256; default 1: a "
+                           "message per token)")
     load.add_argument("--repeat", type=int, default=1,
                       help="run everything N times in alternating order; report each run's median repeat (default 1)")
     load.add_argument("--warmup", type=int, default=2, help="small requests sent to each cluster first (default 2)")

@@ -53,8 +53,8 @@ def run_service(target: str, name: str, strategy: str, workload: Workload, arriv
     has ended. api_keys: tenant name -> API key (None or missing: the `Client` default,
     $PDQ_API_KEY or the dev key of a local `pdq up`). cpu_probe: the cluster's processes, whose
     CPU time during the run goes into the record. client_policy: the CPU policy (pdq.cpu) of
-    this thread and gRPC's, for the run. stream_interval: tokens per stream message after the
-    first (GenerateRequest.stream_interval)."""
+    this thread and gRPC's, for the run. stream_interval: decode steps per stream message
+    after the first token (GenerateRequest.stream_interval)."""
     with cpu.policy(client_policy):
         return asyncio.run(_offer(target, name, strategy, workload, arrivals, api_keys or {}, timeout_s,
                                   on_done, cpu_probe, stream_interval))

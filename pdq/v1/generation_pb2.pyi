@@ -157,11 +157,9 @@ class GetResultResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., state: _Optional[str] = ..., done: _Optional[bool] = ..., result: _Optional[_Union[GenerateResponse, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class StreamResultRequest(_message.Message):
-    __slots__ = ("request_id", "offset", "stream_interval")
+    __slots__ = ("request_id", "offset")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
-    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     offset: int
-    stream_interval: int
-    def __init__(self, request_id: _Optional[str] = ..., offset: _Optional[int] = ..., stream_interval: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...

@@ -37,6 +37,9 @@ INTERNAL_ID = re.compile(r"^[0-9a-f]{32}$")
 # A client's own deadline fires before the gateway's copy of it (the gateway's starts when the
 # call arrives), so a call that ends this close to its deadline ended because of it.
 DEADLINE_SLACK_S = 0.5
+# A unary Generate's stream interval unless it sets one: its decode worker writes its tokens to
+# Redis every this many steps, and the gateway reads them as often (see stream_interval).
+UNARY_STREAM_INTERVAL = 16
 
 
 def rpc(method):
@@ -109,8 +112,9 @@ class GenerationService(gen_grpc.GenerationServicer):
     # -- the request's life, shared by every RPC ------------------------------------------
 
     async def submit(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext,
-                     principal: Principal, call_deadline: bool = True) -> tuple[str, bool]:
-        """Validates and hands the request to the scheduler. -> (request id, created)."""
+                     principal: Principal, call_deadline: bool = True, interval: int = 1) -> tuple[str, bool]:
+        """Validates and hands the request to the scheduler. -> (request id, created).
+        interval: its stream interval unless the request sets one."""
         check_request(request, self.limits)
         if request.prompt:
             prompt_ids = await asyncio.to_thread(lambda: self.tokenizer.encode(request.prompt, add_special_tokens=False).ids)
@@ -123,7 +127,8 @@ class GenerationService(gen_grpc.GenerationServicer):
             deadline = now + int(remaining * 1000)
         if request.timeout_ms:
             deadline = min(deadline or now + request.timeout_ms, now + request.timeout_ms)
-        spec = build_spec(request, prompt_ids, principal.tenant, uuid.uuid4().hex, now, deadline, self.limits)
+        spec = build_spec(request, prompt_ids, principal.tenant, uuid.uuid4().hex, now, deadline, self.limits,
+                          interval)
         span = telemetry.current()
         if span is not None:  # later hops continue this span's trace, from Redis
             span.set_attributes({**telemetry.request_attributes(spec), "gen_ai.request.model": self.config.model,
@@ -208,7 +213,8 @@ class GenerationService(gen_grpc.GenerationServicer):
 
     @rpc
     async def Generate(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext) -> gen_pb.GenerateResponse:
-        rid, _ = await self.submit(request, context, self.keys.authenticate(context))
+        # nobody watches a unary call's tokens arrive: the worker may write them in groups
+        rid, _ = await self.submit(request, context, self.keys.authenticate(context), interval=UNARY_STREAM_INTERVAL)
         got = Collected()
         span = telemetry.start("pdq.stream", attributes={"pdq.request_id": rid})
         try:

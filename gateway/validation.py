@@ -94,10 +94,11 @@ def check_request(req: gen_pb.GenerateRequest, limits: Limits) -> None:
 
 
 def build_spec(req: gen_pb.GenerateRequest, prompt_ids: list[int], tenant: str, request_id: str,
-               now_ms: int, deadline_ms: int, limits: Limits) -> pb.RequestSpec:
+               now_ms: int, deadline_ms: int, limits: Limits, default_interval: int = 1) -> pb.RequestSpec:
+    """default_interval: the stream interval when the request has none (0)."""
     if not prompt_ids:
         raise invalid("prompt", "is empty after tokenization")
     sampling = resolve_sampling(req.sampling, len(prompt_ids), limits)
     return pb.RequestSpec(request_id=request_id, tenant=tenant, tier=req.tier or limits.tiers[0],
                           prompt_token_ids=prompt_ids, sampling=sampling, arrival_ms=now_ms,
-                          deadline_ms=deadline_ms, stream_interval=max(1, req.stream_interval))
+                          deadline_ms=deadline_ms, stream_interval=req.stream_interval or default_interval)

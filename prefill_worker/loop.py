@@ -99,7 +99,8 @@ class PrefillLoop(ModelLoop):
         so the client sees every token index once. -> False when the job ended here."""
         job.started = True
         prompt = list(job.item.spec.prompt_token_ids)
-        job.generated = self.store.streamed_tokens(job.rid)
+        # a first attempt (epoch 1) has streamed nothing: no Redis round trip in the model thread
+        job.generated = self.store.streamed_tokens(job.rid) if job.item.epoch > 1 else []
         job.prompt = prompt + job.generated[:-1]
         params = job.item.spec.sampling
         if job.generated and (len(job.generated) >= params.max_tokens

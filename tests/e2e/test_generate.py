@@ -64,6 +64,20 @@ def test_a_stream_interval_sends_the_first_token_alone_then_groups(client):
     assert msgs[-1].finish_reason == gen_pb.FINISH_REASON_LENGTH and msgs[-1].usage.completion_tokens == 30
 
 
+def test_a_unary_call_has_its_tokens_written_in_groups_and_a_submitted_one_by_one(client, store_client):
+    def entry_sizes(rid):
+        return [len(f[b"t"].split(b",")) for _, f in store_client.xrange(f"pdq:req:{rid}:out") if b"i" in f]
+
+    unary = client.generate("nobody watches", max_tokens=40, ignore_eos=True, request_id="unary-groups-1")
+    rid = store_client.get("pdq:idem:acme:unary-groups-1").decode()
+    sizes = entry_sizes(rid)
+    assert sum(sizes) == 40 and len(unary.token_ids) == 40
+    assert sizes[0] == 1 and max(sizes) > 1 and len(sizes) <= 2 + 39 // 16 + 1  # every 16 steps (gateway default)
+    submitted = client.submit("somebody may watch", max_tokens=12, ignore_eos=True)  # to stream later
+    assert client.get_result(submitted, wait_ms=30_000).done
+    assert entry_sizes(submitted) == [1] * 12
+
+
 def test_the_decode_worker_writes_a_streamed_interval_of_tokens_at_once(client, store_client):
     """Redis sees a request's tokens in groups of its stream interval: one write per 8 decode
     steps, so while it decodes its token count takes at most 160 / 8 + 2 values."""

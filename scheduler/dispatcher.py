@@ -182,7 +182,7 @@ class Dispatcher:
         else:
             running, active = await self._competition()
         weights = {t: self._weights.get(t, self.config.default_weight) for t in active | {c.tenant for c in batch}}
-        placed: list[tuple[Candidate, DecodeSlots, int, str]] = []
+        plans: list[tuple[Candidate, DecodeSlots, bool, int]] = []  # (candidate, worker, below share, keep_free)
         for cand in batch:
             free = sum(s.free_slots for s in slots)
             if free <= 0:
@@ -191,13 +191,23 @@ class Dispatcher:
                 continue  # the last free slots wait for a tenant below its share
             choice = choose_decode_worker(slots, target_info.address)
             under = below_share(cand.tenant, capacity, running, weights, active)
-            kv_address = await self._reserve(choice, cand, self.headroom.keep_free(under, free, choice.free_slots))
-            if kv_address is None:
-                continue
-            priority = prefill_priority(self._tier_rank(cand.tier), under)
+            plans.append((cand, choice, under, self.headroom.keep_free(under, free, choice.free_slots)))
+            choice.free_slots -= 1  # as if granted: the next candidates see it; the replies correct it
             running[cand.tenant] = running.get(cand.tenant, 0) + 1
+        # the round's reservations all at once (a worker answers them in order): one round trip
+        # for the round instead of one per request, so a request submitted meanwhile waits less
+        replies = await asyncio.gather(*(self._reserve(choice, cand, keep) for cand, choice, _, keep in plans))
+        left: dict[str, int] = {}  # worker -> its own count of free slots after the round
+        placed: list[tuple[Candidate, DecodeSlots, int, str]] = []
+        for (cand, choice, under, _), (kv_address, worker_free) in zip(plans, replies):
+            left[choice.worker_id] = min(left.get(choice.worker_id, worker_free), worker_free)
+            if kv_address is None:
+                running[cand.tenant] -= 1
+                continue
             self._served[cand.tenant] = time.monotonic()
-            placed.append((cand, choice, priority, kv_address))
+            placed.append((cand, choice, prefill_priority(self._tier_rank(cand.tier), under), kv_address))
+        for s in slots:
+            s.free_slots = left.get(s.worker_id, s.free_slots)
         if not placed:
             return False
         claimed = await self.store.claim([(c.request_id, dw.worker_id) for c, dw, _, _ in placed], target_info.worker_id,
@@ -250,11 +260,10 @@ class Dispatcher:
         self._served = {t: at for t, at in self._served.items() if at >= cutoff}
         return running, set(running) | queued | set(self._served)
 
-    async def _reserve(self, slots: DecodeSlots, cand: Candidate, keep_free: int = 0) -> str | None:
-        """Reserves KV room, if more than `keep_free` slots are free on the worker: -> None when
-        refused, else where the worker takes the hand-off over TCP ("" = PushKV only). Sets
-        `slots.free_slots` to the worker's own count after the call (0 when unreachable), so
-        the round's next candidates see it, not the heartbeat's."""
+    async def _reserve(self, slots: DecodeSlots, cand: Candidate, keep_free: int = 0) -> tuple[str | None, int]:
+        """Reserves KV room, if more than `keep_free` slots are free on the worker. -> (None when
+        refused, else where the worker takes the hand-off over TCP, "" = PushKV only; the
+        worker's own count of free slots after the call, 0 when unreachable)."""
         peer = self._peers[slots.worker_id]
         try:
             resp = await peer.stub.Reserve(pb.ReserveRequest(request_id=cand.request_id, tokens=cand.kv_tokens,
@@ -263,10 +272,8 @@ class Dispatcher:
             log.warning("reserve on %s failed: %s", slots.address, exc.details())
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 peer.failed_hb = peer.heartbeat_ms
-            slots.free_slots = 0
-            return None
-        slots.free_slots = resp.free_slots
-        return resp.kv_address if resp.granted else None
+            return None, 0
+        return (resp.kv_address if resp.granted else None), resp.free_slots
 
     async def _release(self, slots: DecodeSlots, rid: str) -> None:
         try:

@@ -63,8 +63,10 @@ class FakeDecode(_Worker, pb_grpc.DecodeWorkerServicer):
     role = "decode"
 
     def __init__(self, store: RequestStore, worker_id: str, slots: int = 4, step_s: float = 0.005,
-                 reservation_timeout_s: float = 2.0):
+                 reservation_timeout_s: float = 2.0, reserve_s: float = 0.0):
         super().__init__(store, worker_id)
+        self.reserve_s = reserve_s  # each Reserve answers this much later (a busy worker)
+        self.reserving = self.max_reserving = 0  # Reserve calls in flight, and the most at once
         pb_grpc.add_DecodeWorkerServicer_to_server(self, self.server)
         self.slots = slots
         self.step_s = step_s
@@ -90,6 +92,16 @@ class FakeDecode(_Worker, pb_grpc.DecodeWorkerServicer):
         self.tasks.append(asyncio.create_task(self._loop()))
 
     async def Reserve(self, request, context):  # noqa: N802 (gRPC method names)
+        self.reserving += 1
+        self.max_reserving = max(self.max_reserving, self.reserving)
+        try:
+            if self.reserve_s:
+                await asyncio.sleep(self.reserve_s)  # the worker's latency, not a synchronization
+            return self._reserve(request)
+        finally:
+            self.reserving -= 1
+
+    def _reserve(self, request) -> pb.ReserveResponse:
         self.expire()
         granted = request.request_id in self.holds or self.slots - len(self.holds) > request.keep_free
         if granted and request.request_id not in self.holds:
@@ -178,6 +190,7 @@ class FakeWorkers:
     prefill: int = 1
     slots: int = 4
     step_s: float = 0.005
+    reserve_s: float = 0.0
     decoders: dict[str, FakeDecode] = field(default_factory=dict)
     prefillers: list[FakePrefill] = field(default_factory=list)
 
@@ -185,7 +198,7 @@ class FakeWorkers:
         self.client = aioredis.Redis.from_url(self.redis_url)
         self.store = RequestStore(self.client, self.prefix, 600)
         for i in range(self.decode):
-            d = FakeDecode(self.store, f"decode-{i}", self.slots, self.step_s)
+            d = FakeDecode(self.store, f"decode-{i}", self.slots, self.step_s, reserve_s=self.reserve_s)
             self.decoders[d.address] = d
             await d.start()
         for i in range(self.prefill):

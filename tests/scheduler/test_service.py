@@ -94,6 +94,20 @@ async def test_every_request_is_served_once_by_the_fake_workers(url, prefix):
         assert (await h.store.load()).get("n", 0) == 0
 
 
+async def test_a_dispatch_round_reserves_its_slots_all_at_once(url, prefix):
+    """One round trip to a decode worker per round, not one per request: a request submitted
+    while a round places others waits for one reply, not for a reply per request."""
+    async with harness(url, prefix, max_batch_size=6) as h:
+        rids = [f"r{k}" for k in range(6)]
+        for rid in rids:
+            await h.submit(spec(rid, max_tokens=3))
+        workers = await h.start_workers(slots=8, reserve_s=0.05)
+        await ended(h, rids)
+        decode = next(iter(workers.decoders.values()))
+        assert decode.max_reserving == 6  # the whole round's reservations were in flight together
+        assert (await h.store.load()).get("n", 0) == 0
+
+
 async def test_interactive_goes_before_batch(url, prefix):
     async with harness(url, prefix, max_batch_size=1) as h:
         for k in range(3):

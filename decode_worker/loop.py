@@ -45,7 +45,7 @@ class Sequence:
     arrival_ms: int = 0  # the request's arrival (Unix ms), for e2e latency
     last_token_at: float = 0.0  # monotonic time of its previous token, for inter-token latency
     span: Any = None  # this attempt's decode span (None when tracing is off)
-    interval: int = 1  # tokens per write to Redis (RequestSpec.stream_interval)
+    interval: int = 1  # decode steps per write to Redis (RequestSpec.stream_interval)
     held: list[StepItem] = field(default_factory=list)  # tokens sampled, not written yet
 
     @property

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import grpc
 
 from pdq.config import TIERS
+from pdq.request import MAX_STREAM_INTERVAL
 from pdq.serving import StatusError
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import internal_pb2 as pb
@@ -18,7 +19,6 @@ MAX_PROMPT_CHARS = 1 << 20
 MAX_STOP = 8
 MAX_STOP_CHARS = 256
 MAX_TIMEOUT_MS = 24 * 3600 * 1000
-MAX_STREAM_INTERVAL = 256
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,8 @@ class State(str, enum.Enum):
         return self in TERMINAL
 
 
+MAX_STREAM_INTERVAL = 256  # GenerateRequest.stream_interval: most decode steps between writes
+
 TERMINAL = frozenset({State.COMPLETED, State.CANCELLED, State.TIMED_OUT, State.FAILED, State.REJECTED})
 
 # finish_reason strings written by workers -> protobuf enum

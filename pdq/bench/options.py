@@ -9,6 +9,7 @@ from pdq.bench.arrivals import Arrivals, parse_concurrency, parse_rates
 from pdq.bench.workload import WORKLOADS
 from pdq import cpu
 from pdq.config import UP_COLOCATE_HELP, UP_CONTROL_POLICY_HELP
+from pdq.request import MAX_STREAM_INTERVAL
 
 STRATEGIES = ("static", "dynamic", "continuous")
 BASELINES = ("hf", "engine")
@@ -68,8 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            "would; its timestamps can only come later for it. normal: compete as any process")
     load.add_argument("--stream-interval", type=int, default=1, metavar="N",
                       help="decode steps between writes of a request's tokens, each sent as one stream message "
-                           "after the first token alone (GenerateRequest.stream_interval, 1..256; default 1: a "
-                           "message per token)")
+                           f"after the first token alone (GenerateRequest.stream_interval, 1..{MAX_STREAM_INTERVAL}; "
+                           "default 1: a message per token)")
     load.add_argument("--repeat", type=int, default=1,
                       help="run everything N times in alternating order; report each run's median repeat (default 1)")
     load.add_argument("--warmup", type=int, default=2, help="small requests sent to each cluster first (default 2)")
@@ -150,8 +151,8 @@ class BenchOptions:
         for name, least in (("prefill", 1), ("decode", 1), ("repeat", 1), ("warmup", 0)):
             if getattr(a, name) < least:
                 raise ValueError(f"--{name} must be >= {least}")
-        if not 1 <= a.stream_interval <= 256:
-            raise ValueError(f"--stream-interval must be 1..256, got {a.stream_interval}")
+        if not 1 <= a.stream_interval <= MAX_STREAM_INTERVAL:
+            raise ValueError(f"--stream-interval must be 1..{MAX_STREAM_INTERVAL}, got {a.stream_interval}")
         for name in ("slo_ttft", "slo_itl", "request_timeout"):
             value = getattr(a, name)
             if value is not None and not value > 0:

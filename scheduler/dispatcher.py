@@ -80,6 +80,12 @@ class Dispatcher:
         self._depth_at = 0.0  # last refresh of the queue depth gauges
         self._depth_labels: set[tuple[str, str]] = set()
         self.on_deadline: Callable[[], None] = lambda: None  # a deadline was set or moved (wakes the janitor)
+        self._queue_empty = False  # the latest snapshot held nothing, and no poke came since
+
+    def poke(self) -> None:
+        """Wakes the loop for work queued meanwhile (a submit, a requeue): it reads the queue at once."""
+        self._queue_empty = False
+        self.wake.set()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="dispatch")
@@ -126,9 +132,11 @@ class Dispatcher:
                 await asyncio.sleep(interval)
 
     async def _listen(self) -> None:
-        """Wakes the loop on every worker heartbeat: a worker heartbeats when its free slots
-        change, so a freed KV slot is used at once, not at the next poll. An operator's deadline
-        change (the deadline channel) calls `on_deadline`."""
+        """Wakes the loop on a worker heartbeat while requests may be queued: a worker heartbeats
+        when its free slots change, so a freed KV slot is used at once, not at the next poll.
+        With the queue empty at the latest read and no poke since, a freed slot has nothing to
+        take (a request queued elsewhere, e.g. a worker's requeue, waits for the next poll). An
+        operator's deadline change (the deadline channel) calls `on_deadline`."""
         keys = self.store.keys
         while not self._stopping:
             pubsub = self.store.client.pubsub(ignore_subscribe_messages=True)
@@ -141,7 +149,7 @@ class Dispatcher:
                     channel = message["channel"]
                     if (channel.decode() if isinstance(channel, bytes) else channel) == keys.deadline_channel:
                         self.on_deadline()
-                    else:
+                    elif not self._queue_empty:
                         self.wake.set()
             except Exception as exc:  # Redis went away: poll meanwhile, then subscribe again
                 log.warning("heartbeat channel: %s", exc)
@@ -242,6 +250,7 @@ class Dispatcher:
         """The next batch in the order of choice, from a bounded snapshot of the queue."""
         size = self.config.max_batch_size
         snapshot = await self.store.snapshot(self.tiers, size, size)
+        self._queue_empty = not any(snapshot.values())
         self._weights = {b.tenant: b.weight for backlogs in snapshot.values() for b in backlogs if b.weight}
         order = schedule(to_tier_queues(snapshot, self.tiers, self.config.default_weight), now_ms(),
                          self.tier_policy, self.fair_policy)
@@ -350,4 +359,4 @@ class Dispatcher:
                                               attributes={"pdq.request_id": rid, "pdq.attempt": item.epoch}),
                               "requeued" if state == "QUEUED" else "failed", failed[rid],
                               event_attributes={"pdq.state": state or "stale", "pdq.error": failed[rid]})
-        self.wake.set()
+        self.poke()

@@ -80,7 +80,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         telemetry.end(span, "idempotent_retry" if got.kind == "existing" else None,
                       attributes={"pdq.enqueue.result": got.kind})
         if got.kind == "created":
-            self.dispatcher.wake.set()
+            self.dispatcher.poke()
             if spec.deadline_ms:
                 self.dispatcher.on_deadline()
         return pb.SubmitResponse(request_id=got.request_id, created=got.kind == "created")
@@ -116,7 +116,7 @@ def build_server(config: SchedulerConfig) -> Server:
     client = aioredis.Redis.from_url(config.redis_url, decode_responses=False)
     store = RequestStore(client, config.key_prefix, config.result_ttl_s)
     dispatcher = Dispatcher(config, store)
-    janitor = Janitor(config, store, dispatcher.wake.set)
+    janitor = Janitor(config, store, dispatcher.poke)
     dispatcher.on_deadline = janitor.poke
     server = Server(config.host, config.port, [pb.DESCRIPTOR.services_by_name["Scheduler"].full_name],
                     mtls=InternalTLS.from_config(config))

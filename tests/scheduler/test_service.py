@@ -108,6 +108,17 @@ async def test_a_dispatch_round_reserves_its_slots_all_at_once(url, prefix):
         assert (await h.store.load()).get("n", 0) == 0
 
 
+async def test_a_freed_decode_slot_takes_the_next_queued_request_without_waiting_for_a_poll(url, prefix):
+    """With requests queued, a worker's heartbeat wakes the dispatcher (its poll is a minute
+    here): the queue drains through one slot. (With the queue empty, heartbeats do not wake it.)"""
+    async with harness(url, prefix, workers=dict(slots=1), dispatch_interval_ms=60_000) as h:
+        rids = [f"r{k}" for k in range(3)]
+        for rid in rids:
+            await h.submit(spec(rid, max_tokens=3))
+        await ended(h, rids)
+        assert (await h.store.load()).get("n", 0) == 0
+
+
 async def test_interactive_goes_before_batch(url, prefix):
     async with harness(url, prefix, max_batch_size=1) as h:
         for k in range(3):

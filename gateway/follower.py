@@ -43,6 +43,7 @@ class OutputFollower:
         self._reader_id: int | None = None
         self._reading = 0  # generation of the XREAD in flight; 0 when none
         self._generation = 0
+        self._waking = 0  # generation of the XREAD a wake was sent for (one wake per XREAD)
         self._changed = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._wakes: set[asyncio.Task] = set()
@@ -55,7 +56,8 @@ class OutputFollower:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
         self._changed.set()
-        if self._reading:
+        if self._reading and self._waking != self._reading:  # streams subscribed meanwhile share its wake
+            self._waking = self._reading
             wake = asyncio.get_running_loop().create_task(self._wake(self._reading))
             self._wakes.add(wake)
             wake.add_done_callback(self._wakes.discard)

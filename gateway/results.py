@@ -94,8 +94,11 @@ class Collected:
             self.end = event
 
 
+USAGE_FIELDS = ("created_ms", "prompt_tokens", "n_out", "dispatched_ms", "first_token_ms", "finished_ms")
+
+
 async def usage_and_timings(store: RequestStore, rid: str) -> tuple[gen_pb.Usage, gen_pb.Timings]:
-    rec = await store.record(rid)
+    rec = await store.record_fields(rid, USAGE_FIELDS)
     created = float(rec.get("created_ms", 0))
 
     def since(name: str) -> float:

@@ -198,6 +198,7 @@ class WorkerConfig(StoreConfig):
     device: str = field(default="", metadata={"help": "cpu, cuda, cuda:N (default: cuda when present)"})
     dtype: str = field(default="", metadata={"help": "float32, float16, bfloat16 (default: float32 on cpu, bfloat16 on cuda)"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = torch default)"})
+    pin_threads: bool = field(default=False, metadata={"help": "on CPU, when torch's threads are as many as this worker's CPUs: pin the model thread and torch's threads one per CPU (pdq.cpu.pin_model_threads); only for a worker alone on its cores (pdq up sets it for a lone colocated worker)"})
     max_seq_len: int = field(default=2048, metadata={"help": "longest sequence (prompt + output) in tokens"})
     heartbeat_s: float = field(default=1.0, metadata={"help": "registry heartbeat period"})
     result_ttl_s: int = field(default=3600, metadata={"help": "how long finished requests stay in Redis"})

@@ -1,4 +1,5 @@
-"""CPU scheduling policy: which processes yield the cores to the model on a small machine.
+"""CPU scheduling policy: which processes yield the cores to the model on a small machine, and
+where a model's threads run (`pin_model_threads`: one per CPU when the model owns them all).
 
 A forward pass runs on every core, one OpenMP thread each, and each parallel region ends at a
 barrier. When a gateway, scheduler, Redis or benchmark client thread wakes up (a token to
@@ -15,9 +16,12 @@ process's start (before it starts threads) covers the whole process. Elsewhere (
 `os.sched_setscheduler`) every policy is "normal" and nothing changes.
 """
 
+import contextlib
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 POLICIES = ("normal", "batch")
 
@@ -61,3 +65,91 @@ def policy(name: str) -> Iterator[None]:
         yield
     finally:
         apply(before)
+
+
+# -- pinning a model's threads -----------------------------------------------------------------
+
+def thread_runtimes() -> dict[int, int]:
+    """Nanoseconds each thread of this process has run (Linux: /proc/self/task/*/schedstat);
+    {} where that is not available."""
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """Threads `pin_model_threads` pinned, (thread id, CPU) each, and the CPUs they had before."""
+
+    threads: tuple[tuple[int, int], ...] = ()
+    cpus: frozenset[int] = frozenset()
+
+
+def pin_model_threads(threads: int, parallel: Callable[[], None]) -> Pinned:
+    """Pins the calling thread (a model's) and the OpenMP threads that run its parallel regions
+    one to a CPU, when they are `threads` in all and the caller may use exactly that many CPUs
+    (the model owns the machine); else changes nothing (an empty Pinned).
+
+    Why: a forward pass runs a parallel region per operator on every core, and a control-plane
+    process that wakes takes a core meanwhile. Unpinned, the kernel then often wakes the OpenMP
+    thread on the model thread's own core, where the two take turns until it moves one of them
+    (BENCHMARKS.md, session 9). Pinned, each keeps its core and waits there for it.
+
+    The OpenMP threads are found by what they do: `parallel` (a parallel torch op, run here for
+    tens of milliseconds) makes them run at least half as long as the caller; the other threads of
+    the process run little then. Linux only; elsewhere, or if the count found is not
+    `threads` - 1, nothing is pinned.
+    """
+    if not hasattr(os, "sched_setaffinity") or threads < 2:
+        return Pinned()
+    cpus = frozenset(os.sched_getaffinity(0))
+    if len(cpus) != threads:
+        return Pinned()
+    me = threading.get_native_id()
+    before = thread_runtimes()
+    parallel()
+    after = thread_runtimes()
+    ran = {tid: after[tid] - before.get(tid, 0) for tid in after}
+    mine = ran.get(me, 0)
+    helpers = sorted(tid for tid, ns in ran.items() if tid != me and mine and ns >= mine / 2)
+    if len(helpers) != threads - 1:
+        return Pinned()
+    pinned = Pinned(tuple(zip([me, *helpers], sorted(cpus))), cpus)
+    try:
+        for tid, cpu in pinned.threads:
+            os.sched_setaffinity(tid, {cpu})
+    except OSError:  # a sandbox that refuses: run unpinned, as before
+        unpin(pinned)
+        return Pinned()
+    return pinned
+
+
+def unpin(pinned: Pinned) -> None:
+    """Lets the threads `pin_model_threads` pinned run on the CPUs they had before."""
+    for tid, _ in pinned.threads:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(tid, pinned.cpus)
+
+
+def pin_torch_threads() -> Pinned:
+    """`pin_model_threads` for torch's CPU threads, from the thread that runs the model."""
+    import time
+
+    import torch
+
+    def parallel() -> None:  # an elementwise op over 4M floats runs on every torch thread
+        x = torch.ones(1 << 22)
+        end = time.perf_counter() + 0.05
+        while time.perf_counter() < end:
+            x.mul_(1.0)
+
+    return pin_model_threads(torch.get_num_threads(), parallel)

@@ -8,7 +8,8 @@ from pdq.v1 import generation_pb2 as gen_pb
 
 
 class State(str, enum.Enum):
-    """A request's life: QUEUED -> PREFILLING -> TRANSFERRING -> DECODING -> one terminal state."""
+    """A request's life: QUEUED -> PREFILLING -> TRANSFERRING -> DECODING -> one terminal state
+    (TRANSFERRING skipped when a colocated worker decodes the prompt it prefilled)."""
 
     QUEUED = "QUEUED"
     PREFILLING = "PREFILLING"

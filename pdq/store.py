@@ -384,6 +384,11 @@ class RequestStore:
         """The request record as {field: str}, with `spec` left as bytes; {} when unknown."""
         return _then(self.client.hgetall(self.keys.request(rid)), _record)
 
+    def record_fields(self, rid: str, names: tuple[str, ...]) -> Any:
+        """Some fields of the request record as {field: str}, those it has (no `spec` bytes)."""
+        return _then(self.client.hmget(self.keys.request(rid), names),
+                     lambda values: {n: _str(v) for n, v in zip(names, values) if v is not None})
+
     def streamed_tokens(self, rid: str) -> Any:
         """Token ids already written to the output stream, in index order."""
         def tokens(entries: list) -> list[int]:

@@ -49,7 +49,8 @@ def cpu_share_env(workers: int, env: dict) -> dict:
     has the cores (prefill first, as one engine runs a prompt's pass before its next decode
     step). (`Cluster` gives prefill workers cores // prefill workers: they go first, decode
     workers run nicer.) Idle OpenMP threads spin OMP_SPIN_COUNT rounds, then sleep, unless
-    OMP_WAIT_POLICY or GOMP_SPINCOUNT is set (see OMP_SPIN_COUNT).
+    OMP_WAIT_POLICY or GOMP_SPINCOUNT is set (see OMP_SPIN_COUNT). A worker alone on the
+    machine pins its threads one per core (PDQ_PIN_THREADS; pdq.cpu.pin_model_threads).
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     out = {}
@@ -61,6 +62,8 @@ def cpu_share_env(workers: int, env: dict) -> dict:
         out["GOMP_SPINCOUNT"] = OMP_SPIN_COUNT
     if workers > 1 and "PDQ_YIELD_TO_PREFILL_MS" not in env:
         out["PDQ_YIELD_TO_PREFILL_MS"] = YIELD_TO_PREFILL_MS
+    if workers == 1 and "PDQ_PIN_THREADS" not in env:
+        out["PDQ_PIN_THREADS"] = "true"
     return out
 
 
@@ -186,7 +189,8 @@ class Cluster:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         i = sum(c.name.startswith(role + "-") for c in self.children)
-        self._spawn(f"{role}-{i}", f"{role}_worker", free_port(self.host), self._env,
+        env = dict(self._env, PDQ_PIN_THREADS="false")  # it shares the cores from now on
+        self._spawn(f"{role}-{i}", f"{role}_worker", free_port(self.host), env,
                     ["--worker-id", f"{role}-{i}-{os.getpid()}", *extra_args], metrics_offset=(10 if role == "prefill" else 20) + i)
         child = self.children[-1]
         self._wait_child(child, time.monotonic() + timeout_s, timeout_s)

@@ -87,7 +87,8 @@ def load_runner(config: WorkerConfig, kv_budget_tokens: int, warm_up: tuple[int,
     """Loads the model into a ModelRunner on the configured device, dtype and threads, then
     runs a full-size pass to warm it up (`warm_up`: tokens of the pass and the longest chunk,
     `ModelRunner.warm_up`; 0 tokens: none). Call it in the `ModelThread` that will run the
-    model. Freed memory stays with the process (pdq.memory)."""
+    model. Freed memory stays with the process (pdq.memory); with `pin_threads`, the model's
+    threads are pinned one per CPU if they are as many as the CPUs (pdq.cpu)."""
     import torch
 
     from pdq.engine.runner import ModelRunner
@@ -102,6 +103,13 @@ def load_runner(config: WorkerConfig, kv_budget_tokens: int, warm_up: tuple[int,
                                          kv_budget_tokens=kv_budget_tokens, max_seq_len=config.max_seq_len)
     if warm_up[0] > 0:
         runner.warm_up(*warm_up)
+    if config.pin_threads and runner.device.type == "cpu":
+        from pdq.cpu import pin_torch_threads
+
+        pinned = pin_torch_threads()
+        if pinned.threads:
+            log.info("model thread and torch threads pinned one per CPU: %s",
+                     ", ".join(f"thread {tid} -> CPU {cpu}" for tid, cpu in pinned.threads))
     return runner
 
 

@@ -255,12 +255,14 @@ class PrefillLoop(ModelLoop):
                 self._handoff(job, [token])
 
     def _handoff(self, job: Job, generated: list[int]) -> None:
-        if not self.store.transition(job.rid, job.item.epoch, State.TRANSFERRING):
-            self._end(job, Outcome("dropped", error="request ended"))
-            return
-        if self.local is not None and self.local(job.item):  # the decode side of this process takes the slot
+        if self.local is not None and self.local(job.item):
+            # the decode side of this process takes the slot as it is: no transfer, so no
+            # TRANSFERRING; it moves the request to DECODING (or drops it if it ended meanwhile)
             job.admitted = False
             self._end(job, Outcome("local", generated=generated, key=job.key))
+            return
+        if not self.store.transition(job.rid, job.item.epoch, State.TRANSFERRING):
+            self._end(job, Outcome("dropped", error="request ended"))
             return
         layers = [(k.cpu(), v.cpu()) for k, v in self.runner.export_kv(job.key, len(job.prompt))]
         self._end(job, Outcome("handoff", generated=generated, layers=layers))

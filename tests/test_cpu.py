@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -56,3 +57,51 @@ def test_a_spawned_child_runs_under_its_policy_with_every_thread_it_starts():
         assert [policy_of(t) for t in tids] == [os.SCHED_BATCH] * 2
     finally:
         stop(proc, grace_s=1)
+
+
+# -- pinning a model's threads (real torch threads, in a thread of their own) ------------------
+
+def in_model_thread(fn):
+    from pdq.worker import ModelThread
+
+    return ModelThread("pin-test").submit(fn).result(timeout=60)
+
+
+def test_the_model_thread_and_torchs_threads_are_pinned_one_per_cpu_then_unpinned():
+    import torch
+
+    cpus = sorted(os.sched_getaffinity(0))
+
+    def pin_and_look():
+        torch.set_num_threads(len(cpus))
+        pinned = cpu.pin_torch_threads()
+        seen = {tid: sorted(os.sched_getaffinity(tid)) for tid, _ in pinned.threads}
+        cpu.unpin(pinned)
+        after = {tid: sorted(os.sched_getaffinity(tid)) for tid, _ in pinned.threads}
+        return threading.get_native_id(), pinned, seen, after
+
+    me, pinned, seen, after = in_model_thread(pin_and_look)
+    if len(cpus) < 2:  # one CPU: nothing to spread over
+        assert pinned.threads == ()
+        return
+    assert [tid for tid, _ in pinned.threads][0] == me  # the caller first, then torch's threads
+    assert len(pinned.threads) == len(cpus)
+    assert seen == {tid: [c] for tid, c in pinned.threads}
+    assert sorted(c for _, c in pinned.threads) == cpus
+    assert after == {tid: cpus for tid, _ in pinned.threads}
+
+
+def test_threads_that_are_not_as_many_as_the_cpus_are_left_alone():
+    cpus = len(os.sched_getaffinity(0))
+    calls = []
+    assert cpu.pin_model_threads(cpus + 1, lambda: calls.append(1)) == cpu.Pinned()
+    assert calls == []  # not even looked for
+    before = os.sched_getaffinity(0)
+    # as many as the CPUs, but no thread ran beside the caller: nothing to pin
+    def alone():  # 50 ms of work in this thread only
+        end = time.perf_counter() + 0.05
+        while time.perf_counter() < end:
+            pass
+
+    assert cpu.pin_model_threads(max(2, cpus), alone) == cpu.Pinned()
+    assert os.sched_getaffinity(0) == before

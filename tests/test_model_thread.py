@@ -47,3 +47,30 @@ def test_a_model_loop_runs_on_the_thread_that_loaded_the_model():
     loop.start(thread)
     loop.stop()  # returns once the loop has ended
     assert loop.ran_on == loaded_on
+
+
+def test_a_worker_that_owns_the_cpus_loads_its_model_with_its_threads_pinned_one_per_cpu():
+    """load_runner with as many torch threads as CPUs (a colocated worker) pins the model thread
+    and torch's threads (pdq.cpu); with pin_threads off, nothing is pinned."""
+    import os
+
+    from pdq.config import WorkerConfig
+    from pdq.cpu import Pinned, thread_runtimes, unpin
+    from pdq.worker import load_runner
+
+    cpus = sorted(os.sched_getaffinity(0))
+
+    def load(pin: bool):
+        load_runner(WorkerConfig(model="builtin:tiny", threads=len(cpus), pin_threads=pin), 4096, (64, 32))
+        me = threading.get_native_id()
+        mine = os.sched_getaffinity(me)
+        narrowed = sorted(t for t in thread_runtimes() if t != me and len(os.sched_getaffinity(t)) < len(cpus))
+        unpin(Pinned(tuple((t, 0) for t in [me, *narrowed]), frozenset(cpus)))
+        return sorted(mine), narrowed
+
+    assert ModelThread("unpinned").submit(load, False).result(timeout=120) == (cpus, [])
+    mine, narrowed = ModelThread("pinned").submit(load, True).result(timeout=120)
+    if len(cpus) < 2:
+        assert (mine, narrowed) == (cpus, [])
+    else:
+        assert len(mine) == 1 and len(narrowed) == len(cpus) - 1  # each torch thread on a CPU of its own

@@ -14,10 +14,13 @@ def test_workers_split_the_cores_and_decode_yields_to_prefill():
     assert env["GOMP_SPINCOUNT"] == OMP_SPIN_COUNT and "OMP_WAIT_POLICY" not in env  # spin briefly, then sleep
     assert cpu_share_env(10 * cores, {})["PDQ_THREADS"] == "1"  # never 0 (torch's default)
     assert "PDQ_YIELD_TO_PREFILL_MS" not in cpu_share_env(1, {})  # a worker alone has nothing to yield to
+    assert cpu_share_env(1, {})["PDQ_PIN_THREADS"] == "true"  # ... and owns the cores: its threads are pinned
+    assert "PDQ_PIN_THREADS" not in cpu_share_env(2, {})  # workers that share the cores are not
 
 
 def test_what_the_user_set_wins():
     assert cpu_share_env(2, {"PDQ_THREADS": "4", "PDQ_YIELD_TO_PREFILL_MS": "0", "OMP_WAIT_POLICY": "PASSIVE"}) == {}
+    assert cpu_share_env(1, {"PDQ_THREADS": "2", "PDQ_PIN_THREADS": "false", "GOMP_SPINCOUNT": "0"}) == {}
     assert "GOMP_SPINCOUNT" not in cpu_share_env(2, {"GOMP_SPINCOUNT": "0"})
 
 

@@ -11,7 +11,10 @@
   a request's length are waste.
 
 Both run on the CPU threads torch gives this process (`torch.get_num_threads()`); the CPU time
-this process spends in a run is the baseline's own (`client_cpu_s` of its record).
+this process spends in a run is the baseline's own (`client_cpu_s` of its record). During a
+run their threads are pinned one per CPU when a worker's would be (`pdq.cpu.pin_torch_threads`:
+as many threads as CPUs), and unpinned after, so that the clients of a service run that
+follows in this process run anywhere.
 
 OpenMP wait policy: the same as the workers `pdq up` starts: unless OMP_WAIT_POLICY or
 GOMP_SPINCOUNT is set, torch is loaded here with GOMP_SPINCOUNT=pdq.up.OMP_SPIN_COUNT (set
@@ -24,7 +27,8 @@ engine 20-30% slower than with libgomp's default, which flattered the service's 
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pdq.bench.arrivals import Arrivals
@@ -64,6 +68,19 @@ def import_torch() -> str:
     return _omp_policy
 
 
+@contextmanager
+def pinned_threads() -> Iterator[bool]:
+    """Pins this thread and torch's threads one per CPU, as a worker that owns the machine does
+    (pdq.cpu), for the block. -> whether they were pinned."""
+    from pdq.cpu import pin_torch_threads, unpin
+
+    pinned = pin_torch_threads()
+    try:
+        yield bool(pinned.threads)
+    finally:
+        unpin(pinned)
+
+
 def _warm_up_requests(workload: Workload) -> Workload:
     first = workload.requests[0].prompt_token_ids[:1]
     return Workload("warm-up", 0, tuple(BenchRequest(i, first * 16, 4) for i in range(2)))
@@ -91,10 +108,16 @@ class EngineBaseline:
 
     def run(self, workload: Workload, arrivals: Arrivals, on_done: Progress | None = None,
             warm_up: bool = True) -> RunRecord:
+        with pinned_threads() as pinned:
+            if warm_up:
+                self._run(_warm_up_requests(workload), Arrivals())
+            record = self._run(workload, arrivals, on_done)
+        record.notes["engine"]["pinned"] = pinned
+        return record
+
+    def _run(self, workload: Workload, arrivals: Arrivals, on_done: Progress | None = None) -> RunRecord:
         from pdq.engine import SamplingParams
 
-        if warm_up:
-            self.run(_warm_up_requests(workload), Arrivals(), warm_up=False)
         engine = self.engine
         reqs = workload.requests
         offsets = arrivals.offsets(len(reqs))
@@ -158,11 +181,17 @@ class HFBaseline:
             self.pad_id = 0
 
     def run(self, workload: Workload, on_done: Progress | None = None, warm_up: bool = True) -> RunRecord:
+        with pinned_threads() as pinned:
+            if warm_up:
+                self._run(_warm_up_requests(workload))
+            record = self._run(workload, on_done)
+        record.notes["hf"]["pinned"] = pinned
+        return record
+
+    def _run(self, workload: Workload, on_done: Progress | None = None) -> RunRecord:
         import torch
         from transformers import StoppingCriteria, StoppingCriteriaList
 
-        if warm_up:
-            self.run(_warm_up_requests(workload), warm_up=False)
         clock = time.perf_counter
         cpu0 = time.process_time()
         t0 = clock()

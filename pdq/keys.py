@@ -35,6 +35,8 @@ Layout (prefix `p`, default "pdq"):
   p:cancel                pubsub channel: ids of requests that just ended, for workers to drop
   p:heartbeats            pubsub channel: ids of workers that just heartbeat (e.g. a KV slot freed)
   p:deadline              pubsub channel: "{id} {deadline_ms}" when an operator moved a deadline
+  p:queued                pubsub channel: ids of requests put back in the queue (a requeue), or ""
+                          when an operator resumed a queue: wakes a scheduler whose queue was empty
 
 Record fields: id, spec (RequestSpec protobuf bytes), tenant, tier, state, epoch, seq, score,
 created_ms, deadline_ms, prompt_tokens, max_tokens, cost (prompt + max_tokens), n_out,
@@ -135,6 +137,10 @@ class Keys:
     @property
     def deadline_channel(self) -> str:
         return f"{self.prefix}:deadline"
+
+    @property
+    def queued_channel(self) -> str:
+        return f"{self.prefix}:queued"
 
     def index(self, tenant: str = "") -> str:
         return f"{self.prefix}:index:{tenant}" if tenant else f"{self.prefix}:index"
@@ -286,6 +292,7 @@ local function requeue(id, err, now, max_attempts, ttl)
   redis.call('HINCRBY', rk, 'epoch', 1)
   redis.call('HSET', rk, 'state', 'QUEUED', 'error', err)
   enqueue(id, h[2], h[3], h[4], h[5])
+  redis.call('PUBLISH', key('queued'), id)
   return 'QUEUED'
 end
 """

@@ -310,7 +310,12 @@ class RequestStore:
         members = ([f"tier:{tier}"] if tier else []) + ([f"tenant:{tenant}"] if tenant else [])
         if not members:
             raise ValueError("pause needs a tier or a tenant")
-        return (self.client.sadd if paused else self.client.srem)(self.keys.paused, *members)
+        if paused:
+            return self.client.sadd(self.keys.paused, *members)
+        pipe = self.client.pipeline(transaction=True)  # resumed: wake a scheduler whose queue looked empty
+        pipe.srem(self.keys.paused, *members)
+        pipe.publish(self.keys.queued_channel, "")
+        return _then(pipe.execute(), lambda replies: replies[0])
 
     def paused(self) -> Any:
         """-> (paused tiers, paused tenants), sorted."""

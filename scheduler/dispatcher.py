@@ -34,6 +34,13 @@ log = logging.getLogger("pdq.scheduler")
 # one ready. Counting tokens, not batches, lets small batches (one slot freed at a time) flow.
 INFLIGHT_BATCHES_PER_PREFILL_WORKER = 2
 
+# The poll period while the queue is empty (at least dispatch_interval_ms). Everything that queues
+# work wakes the loop at once: submits and this scheduler's requeues poke it, and a requeue by
+# anyone else (a worker, another process) or an operator's resume comes on the queued channel.
+# Polling an empty queue every 100 ms took ~1% of a core (a Redis script each time) and woke
+# Redis and the scheduler 20 times a second, each time taking a core from the model's threads.
+IDLE_POLL_S = 1.0
+
 
 @dataclass
 class _Peer:
@@ -96,8 +103,12 @@ class Dispatcher:
         self.wake.set()
         if self._task:
             await self._task
-        if self._listener:
-            await self._listener
+        if self._listener:  # it blocks until a message comes: cancel it (it closes its pubsub)
+            self._listener.cancel()
+            try:
+                await self._listener
+            except asyncio.CancelledError:
+                pass
         tasks = [t for p in self._peers.values() for t in p.tasks]
         if tasks:
             await asyncio.wait(tasks, timeout=self.config.grace_s)
@@ -117,7 +128,7 @@ class Dispatcher:
         interval = self.config.dispatch_interval_ms / 1000
         while not self._stopping:
             try:
-                await asyncio.wait_for(self.wake.wait(), interval)
+                await asyncio.wait_for(self.wake.wait(), max(interval, IDLE_POLL_S) if self._queue_empty else interval)
             except asyncio.TimeoutError:
                 pass
             self.wake.clear()
@@ -135,20 +146,23 @@ class Dispatcher:
         """Wakes the loop on a worker heartbeat while requests may be queued: a worker heartbeats
         when its free slots change, so a freed KV slot is used at once, not at the next poll.
         With the queue empty at the latest read and no poke since, a freed slot has nothing to
-        take (a request queued elsewhere, e.g. a worker's requeue, waits for the next poll). An
-        operator's deadline change (the deadline channel) calls `on_deadline`."""
+        take. A request queued elsewhere (a worker's requeue) or a resumed queue (the queued
+        channel) pokes it. An operator's deadline change (the deadline channel) calls `on_deadline`."""
         keys = self.store.keys
         while not self._stopping:
             pubsub = self.store.client.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(keys.heartbeat_channel, keys.deadline_channel)
+                await pubsub.subscribe(keys.heartbeat_channel, keys.deadline_channel, keys.queued_channel)
                 while not self._stopping:
-                    message = await pubsub.get_message(timeout=0.5)
+                    message = await pubsub.get_message(timeout=None)
                     if not message:
                         continue
                     channel = message["channel"]
-                    if (channel.decode() if isinstance(channel, bytes) else channel) == keys.deadline_channel:
+                    channel = channel.decode() if isinstance(channel, bytes) else channel
+                    if channel == keys.deadline_channel:
                         self.on_deadline()
+                    elif channel == keys.queued_channel:
+                        self.poke()
                     elif not self._queue_empty:
                         self.wake.set()
             except Exception as exc:  # Redis went away: poll meanwhile, then subscribe again

@@ -119,6 +119,45 @@ async def test_a_freed_decode_slot_takes_the_next_queued_request_without_waiting
         assert (await h.store.load()).get("n", 0) == 0
 
 
+async def test_a_request_a_worker_requeues_is_dispatched_again_without_waiting_for_a_poll(url, prefix):
+    """A requeue by someone else than the scheduler (a decode worker that lost a sequence) puts a
+    request in a queue the dispatcher last read as empty: the queued channel wakes it (its poll
+    is a minute here; heartbeats do not wake it while the queue looks empty)."""
+    async with harness(url, prefix, workers=dict(slots=2, step_s=0.05), dispatch_interval_ms=60_000) as h:
+        await h.submit(spec("r1", max_tokens=40))
+
+        async def decoding() -> bool:
+            return await h.state("r1") == "DECODING" and h.server.dispatcher._queue_empty
+
+        await wait_for(decoding)
+        epoch = int((await h.store.record("r1"))["epoch"])
+        assert await h.store.requeue("r1", epoch, "decode worker lost it", 3) == "QUEUED"
+
+        async def dispatched_again() -> bool:
+            rec = await h.store.record("r1")
+            return int(rec["epoch"]) > epoch and rec["state"] != "QUEUED"
+
+        await wait_for(dispatched_again)
+        await ended(h, ["r1"])
+        assert await token_indices(h, "r1") == list(range(40))
+
+
+async def test_a_resumed_queue_is_dispatched_without_waiting_for_a_poll(url, prefix):
+    """Requests of a paused tenant stay queued and out of the snapshot; an operator's resume
+    (which writes Redis, not the scheduler) wakes the dispatcher on the queued channel."""
+    async with harness(url, prefix, workers=dict(slots=2), dispatch_interval_ms=60_000) as h:
+        await h.store.pause(tenant="acme")
+        await h.submit(spec("r1"))
+
+        async def read_as_empty() -> bool:
+            return h.server.dispatcher._queue_empty
+
+        await wait_for(read_as_empty)  # the submit's poke read the queue: nothing to dispatch
+        assert await h.state("r1") == "QUEUED"
+        assert await h.store.pause(tenant="acme", paused=False) == 1
+        await ended(h, ["r1"])
+
+
 async def test_interactive_goes_before_batch(url, prefix):
     async with harness(url, prefix, max_batch_size=1) as h:
         for k in range(3):

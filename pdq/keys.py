@@ -392,53 +392,52 @@ if ARGV[4] == 'DECODING' then redis.call('ZREM', key('leases'), ARGV[2]) end
 return 1
 """
 
-# ARGV: prefix, now, ttl, then per item 7 values:
-#       id, epoch, index ('' = no token), token_id, text, final state ('' = none), finish reason
-# Appends each item's token at its index (a replayed index is ignored) and optionally ends
-# the request. Consecutive tokens of one request go into one stream entry. -> per item 1
+# ARGV: prefix, now, ttl, then per run 9 values (`pdq.store.StepArgs`):
+#       id, epoch, first index ('' = no token), n tokens, token ids ("a,b,c"), their texts joined,
+#       their texts' byte lengths ("1,0,3"), final state ('' = none), finish reason
+# A run is the consecutive tokens of one request, written as one stream entry, then maybe its end.
+# Tokens at indices already written (a replay) are skipped; a gap is an error. -> per run 1
 # (written) or 0 (stale epoch / already ended: drop the sequence)
 STEP = _LIB + """
-local res = {}
-local g = nil  -- the entry being gathered: {id, rk, first index, ids, texts, lengths, next index}
-local function flush()
-  if g and #g[4] > 0 then
-    redis.call('XADD', key('req', g[1], 'out'), '*', 'i', g[3], 't', table.concat(g[4], ','),
-               'x', table.concat(g[5]), 'l', table.concat(g[6], ','))
-    redis.call('HSET', g[2], 'n_out', g[7])
-    if g[3] == 0 then redis.call('HSET', g[2], 'first_token_ms', ARGV[2]) end
-  end
-  g = nil
+local function split(s)
+  local out = {}
+  for v in string.gmatch(s, '[^,]+') do out[#out + 1] = v end
+  return out
 end
-for a = 4, #ARGV, 7 do
+local res = {}
+for a = 4, #ARGV, 9 do
   local id = ARGV[a]
-  if g and g[1] ~= id then flush() end
   local rk = key('req', id)
   local h = redis.call('HMGET', rk, 'state', 'epoch', 'n_out')
   if not h[1] or TERMINAL[h[1]] or h[2] ~= ARGV[a + 1] then
-    flush()
     res[#res + 1] = 0
   else
     if ARGV[a + 2] ~= '' then
-      local i = tonumber(ARGV[a + 2])
-      local n_out = g and g[7] or tonumber(h[3])
-      if i == n_out then
-        if not g then g = {id, rk, i, {}, {}, {}, i} end
-        g[4][#g[4] + 1] = ARGV[a + 3]
-        g[5][#g[5] + 1] = ARGV[a + 4]
-        g[6][#g[6] + 1] = #ARGV[a + 4]
-        g[7] = i + 1
-      elseif i > n_out then
-        return redis.error_reply('token index gap: ' .. i .. ' > ' .. n_out)
+      local first, n, n_out = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(h[3]) or 0
+      if first > n_out then
+        return redis.error_reply('token index gap: ' .. first .. ' > ' .. n_out)
+      end
+      local skip = n_out - first
+      if skip < n then
+        local ids, text, lens = ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]
+        if skip > 0 then  -- a replay that goes past what was written: keep the new tokens only
+          local all_ids, all_lens, at = split(ids), split(lens), 0
+          for k = 1, skip do at = at + tonumber(all_lens[k]) end
+          ids = table.concat(all_ids, ',', skip + 1)
+          lens = table.concat(all_lens, ',', skip + 1)
+          text = string.sub(text, at + 1)
+        end
+        redis.call('XADD', key('req', id, 'out'), '*', 'i', n_out, 't', ids, 'x', text, 'l', lens)
+        redis.call('HSET', rk, 'n_out', first + n)
+        if n_out == 0 then redis.call('HSET', rk, 'first_token_ms', ARGV[2]) end
       end
     end
-    if ARGV[a + 5] ~= '' then
-      flush()
-      finish(id, ARGV[a + 5], ARGV[a + 6], '', ARGV[2], ARGV[3])
+    if ARGV[a + 7] ~= '' then
+      finish(id, ARGV[a + 7], ARGV[a + 8], '', ARGV[2], ARGV[3])
     end
     res[#res + 1] = 1
   end
 end
-flush()
 return res
 """
 

@@ -60,13 +60,12 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         spec.CopyFrom(request.spec)
         if not spec.request_id or not spec.tenant or not spec.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "spec needs request_id, tenant and prompt_token_ids")
-        policy = await self.store.tenant_policy(spec.tenant)
+        policy, seq = await self.store.policy_and_seq(spec.tenant)  # one round trip (a refused request wastes a seq)
         tier = resolve_tier(spec.tier, policy.tier, self.config.tier_names)
         if tier is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"tier: must be one of {', '.join(self.config.tier_names)}, got {spec.tier!r}")
         spec.tier = tier
-        seq = await self.store.next_seq()
         score = self.order(seq, len(spec.prompt_token_ids), spec.sampling.max_tokens, spec.deadline_ms)
         span = telemetry.start("pdq.enqueue", attributes={"pdq.request_id": spec.request_id, "pdq.tenant": spec.tenant,
                                                           "pdq.tier": tier, "pdq.seq": seq})

@@ -117,6 +117,22 @@ def test_consecutive_tokens_of_a_request_go_into_one_entry(store):
     assert tokens(store, "b") == [(0, 5, "q")]
 
 
+def test_a_step_answers_every_item_whatever_runs_it_was_sent_in(store):
+    """Items go to Redis as runs (a request's consecutive tokens, then maybe its end); the
+    answer is still one per item: a stale run drops all its items, a replayed run writes nothing."""
+    for rid in ("a", "b"):
+        store.submit(make_spec(rid, max_tokens=8))
+        claim(store, rid)
+    items = [StepItem("a", 1, 0, 7, "x"), StepItem("a", 1, 1, 8, "y"), StepItem("b", 0, 0, 5, "q"),
+             StepItem("b", 0, 1, 6, "r"), StepItem("b", 1, 0, 5, "q")]
+    assert store.step(items) == [True, True, False, False, True]
+    assert store.step(items[:2]) == [True, True]  # all replayed: nothing new
+    assert store.step([StepItem("a", 1, final_state=State.CANCELLED, finish_reason="cancelled"),
+                       StepItem("b", 1, 1, 6, "r")]) == [True, True]
+    assert store.streamed_tokens("a") == [7, 8] and store.record("a")["state"] == "CANCELLED"
+    assert store.streamed_tokens("b") == [5, 6] and store.record("b")["n_out"] == "2"
+
+
 def test_token_gap_is_an_error(store):
     store.submit(make_spec("r"))
     claim(store, "r")

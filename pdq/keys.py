@@ -261,8 +261,9 @@ local function unlist_later(id, tenant, now, ttl)
 end
 
 -- Records the one terminal state of a live request, closes its output stream, frees its queue
--- entry, leases and deadline, settles its charge, sets expiry and tells the workers.
-local function finish(id, state, reason, err, now, ttl)
+-- entry, leases and deadline, settles its charge, sets expiry and tells the workers (unless
+-- `quiet`: the worker ending it in its own step, the only one holding this attempt).
+local function finish(id, state, reason, err, now, ttl, quiet)
   local rk = key('req', id)
   local h = redis.call('HMGET', rk, 'state', 'tier', 'tenant', 'cost')
   if h[1] == 'QUEUED' then unqueue(id, h[2], h[3], h[4]) end
@@ -276,7 +277,7 @@ local function finish(id, state, reason, err, now, ttl)
   unlist_later(id, h[3], now, ttl)
   redis.call('EXPIRE', rk, ttl)
   redis.call('EXPIRE', ok, ttl)
-  redis.call('PUBLISH', key('cancel'), id)
+  if not quiet then redis.call('PUBLISH', key('cancel'), id) end
 end
 
 -- Ends a live, non-queued request's attempt: back to its old place in its tenant's queue under
@@ -433,7 +434,7 @@ for a = 4, #ARGV, 9 do
       end
     end
     if ARGV[a + 7] ~= '' then
-      finish(id, ARGV[a + 7], ARGV[a + 8], '', ARGV[2], ARGV[3])
+      finish(id, ARGV[a + 7], ARGV[a + 8], '', ARGV[2], ARGV[3], true)
     end
     res[#res + 1] = 1
   end

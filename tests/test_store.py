@@ -153,6 +153,22 @@ def test_cancel_a_queued_request_frees_its_queue_entry(store):
     assert [m["data"] for m in msgs] == [b"r"]
 
 
+def test_a_request_its_worker_ends_in_a_step_is_not_announced_on_the_cancel_channel(store):
+    """The cancel channel tells workers to drop requests that ended elsewhere; a worker that ends
+    its own request in a step holds the only attempt, so nobody is told (every worker's listener
+    would wake for each finished request)."""
+    for rid in ("done", "gone"):
+        store.submit(make_spec(rid))
+        claim(store, rid)
+    pubsub = store.client.pubsub()
+    pubsub.subscribe(store.keys.cancel_channel)
+    assert store.step([StepItem("done", 1, 0, 7, "a", State.COMPLETED, "length")]) == [True]
+    assert store.finish("gone", State.CANCELLED, "cancelled") == State.CANCELLED
+    msgs = [m for m in iter(lambda: pubsub.get_message(timeout=1), None) if m["type"] == "message"]
+    assert [m["data"] for m in msgs] == [b"gone"]
+    assert store.record("done")["state"] == "COMPLETED"
+
+
 def test_requeue_keeps_the_place_under_a_new_epoch_then_fails_when_attempts_are_spent(store):
     store.submit(make_spec("first"))
     store.submit(make_spec("second"))

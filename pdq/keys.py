@@ -32,7 +32,8 @@ Layout (prefix `p`, default "pdq"):
   p:worker:{id}           hash   worker facts: role, address, free_slots, ...
   p:drained               set    worker ids an operator drained: no new work until undrained (the
                                  worker's own heartbeat never clears it; reaping the worker does)
-  p:cancel                pubsub channel: ids of requests that just ended, for workers to drop
+  p:cancel                pubsub channel: ids of requests that just ended elsewhere (cancel, timeout,
+                          failure; not a worker's own end in its step), for workers to drop
   p:heartbeats            pubsub channel: ids of workers that just heartbeat (e.g. a KV slot freed)
   p:deadline              pubsub channel: "{id} {deadline_ms}" when an operator moved a deadline
   p:queued                pubsub channel: ids of requests put back in the queue (a requeue), or ""

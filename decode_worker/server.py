@@ -187,9 +187,10 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         self.loop.add(Arrived(header, key))
         return None
 
-    def left(self, rid: str) -> None:
-        """A sequence left the batch (called on the event loop)."""
-        self.holds.pop(rid, None)
+    def left(self, rids: list[str]) -> None:
+        """Sequences left the batch (called on the event loop)."""
+        for rid in rids:
+            self.holds.pop(rid, None)
         self.on_change()
 
 
@@ -276,7 +277,7 @@ def build_server(config: DecodeConfig) -> Server:
         store, tokenizer, eos = sync_store(config), load_tokenizer(path), eos_token_ids(path)
         alone = not config.colocate  # the thread and pacing knobs are for sharing cores with a prefill process
         service.loop = DecodeLoop(runner, store, cancels, tokenizer, eos, address,
-                                  lambda rid: aio_loop.call_soon_threadsafe(service.left, rid), strategy,
+                                  lambda rids: aio_loop.call_soon_threadsafe(service.left, rids), strategy,
                                   service.threads if alone and config.burst_threads and config.threads else None,
                                   config.max_attempts, service.prefilling, config.yield_to_prefill_ms if alone else 0.0)
         model_loop = state["model"] = service.loop

@@ -14,6 +14,8 @@ import pytest
 import redis
 
 from pdq.client import Client
+from pdq.config import TIERS
+from pdq.store import RequestStore
 from pdq.up import Cluster
 from tests import oracles
 
@@ -116,6 +118,28 @@ def test_cancel_and_finish_give_every_slot_back(cluster, rdb):
                 pass
         assert err.value.code() == grpc.StatusCode.CANCELLED
         done.join(60)
+    wait_for("every KV slot free again", lambda: all_slots_free(rdb))
+
+
+def test_requests_that_end_in_one_step_all_give_their_slots_back(cluster, rdb):
+    """Sequences that finish in the same decode step (one Redis write: one finished_ms) free
+    their K/V before that write and release their holds in one notice after it: all of it."""
+    store = RequestStore(redis.Redis.from_url(cluster.redis_url))
+    for tier in TIERS:  # queue them all, then let one dispatch take them together
+        store.pause(tier=tier)
+    try:
+        with Client(cluster.target) as client:
+            rids = [client.submit("one step", max_tokens=5, ignore_eos=True) for _ in range(4)]
+            for tier in TIERS:
+                store.pause(tier=tier, paused=False)
+            done = [client.get_result(rid, wait_ms=30_000) for rid in rids]
+    finally:
+        for tier in TIERS:
+            store.pause(tier=tier, paused=False)
+        store.client.close()
+    assert all(d.done and d.state == "COMPLETED" and len(d.result.token_ids) == 5 for d in done)
+    finished = [rdb.hget(f"pdq:req:{rid}", "finished_ms") for rid in rids]
+    assert len(set(finished)) == 1, f"not one step: {finished}"
     wait_for("every KV slot free again", lambda: all_slots_free(rdb))
 
 

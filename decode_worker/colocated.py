@@ -27,7 +27,7 @@ log = logging.getLogger("pdq.colocated")
 class ColocatedLoop(ModelLoop):
     thread_name = "colocated-loop"
 
-    def __init__(self, prefill: PrefillLoop, decode: DecodeLoop, step_tokens: int):
+    def __init__(self, prefill: PrefillLoop, decode: DecodeLoop, step_tokens: int, gather_ms: float = 0.0):
         if prefill.runner is not decode.runner:
             raise ValueError("a colocated loop needs one runner for prefill and decode")
         self.prefill = prefill
@@ -37,6 +37,8 @@ class ColocatedLoop(ModelLoop):
         self.inbox: queue.Queue = queue.Queue()
         prefill.inbox = decode.inbox = self.inbox  # submit() and add() land here
         self.pending: list[Job] = []
+        self.gather_s = gather_ms / 1000
+        self._coming = False  # the latest batch taken said more was coming (PrefillBatch.more_coming)
 
     @property
     def busy(self) -> bool:
@@ -45,7 +47,11 @@ class ColocatedLoop(ModelLoop):
     def _run(self) -> None:
         d = self.decode
         while True:
-            if not take(self.inbox, 0 if self.pending or d.running else d._idle_timeout(), self._take):
+            idle = not (self.pending or d.running)
+            if not take(self.inbox, d._idle_timeout() if idle else 0, self._take):
+                self._shutdown()
+                return
+            if idle and self.pending and not self._gather():
                 self._shutdown()
                 return
             try:
@@ -56,8 +62,24 @@ class ColocatedLoop(ModelLoop):
                 log.exception("colocated step failed; requeueing its sequences")
                 self._fail_all(f"step failed: {exc}")
 
+    def _gather(self) -> bool:
+        """The first pass after idling waits, at most gather_s, while the scheduler says more
+        batches are coming and the prompts taken do not fill the pass: a burst then starts with
+        a full pass instead of its first prompt alone, which would run while the rest arrive
+        (their arrival takes the cores meanwhile) and leave one pass more. -> False at stop."""
+        end = time.monotonic() + self.gather_s
+        while self._coming and sum(len(j.item.spec.prompt_token_ids) for j in self.pending) < self.step_tokens:
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            self._coming = False  # until a batch taken now says otherwise
+            if not take(self.inbox, left, self._take):
+                return False
+        return True
+
     def _take(self, item: object) -> None:
         if isinstance(item, Job):
+            self._coming = item.more_coming
             self.pending.append(item)
         else:
             self.decode._arrive(item)

@@ -284,7 +284,7 @@ def build_server(config: DecodeConfig) -> Server:
         if prefill is not None:
             prefill.loop = PrefillLoop(runner, store, cancels, tokenizer, eos, config.step_tokens,
                                        config.prefill_chunk, local=lambda item: item.decode_address == address)
-            model_loop = state["model"] = ColocatedLoop(prefill.loop, service.loop, config.step_tokens)
+            model_loop = state["model"] = ColocatedLoop(prefill.loop, service.loop, config.step_tokens, config.gather_ms)
         model_loop.start(model)
         await reclaim_previous_life(store, worker_id, config.max_attempts)
         state["heartbeat"] = hb = Heartbeat(config, keys, info)

@@ -251,10 +251,15 @@ class DecodeConfig(WorkerConfig):
                                                             "kept in place (for a machine prefill and decode would share)"})
     step_tokens: int = field(default=1024, metadata={"help": "with colocate: tokens per forward pass, every decode row first, then prompt chunks"})
     prefill_chunk: int = field(default=512, metadata={"help": "with colocate: longest prompt chunk per forward pass"})
+    gather_ms: float = field(default=50.0, metadata={"help": "with colocate: with nothing running, a first forward pass waits up to this long "
+                                                               "for the batches the scheduler says are coming (PrefillBatch.more_coming), "
+                                                               "until they fill step_tokens; a lone request never waits; 0: never"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _positive("kv_budget_tokens", self.kv_budget_tokens)
+        if not 0 <= self.gather_ms <= 10_000:
+            raise ValueError(f"gather_ms must be in [0, 10000], got {self.gather_ms}")
         _positive("step_tokens", self.step_tokens)
         _positive("prefill_chunk", self.prefill_chunk)
         _positive("strategy_batch_size", self.strategy_batch_size)

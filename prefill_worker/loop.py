@@ -49,6 +49,7 @@ class Job:
     admitted: bool = False
     started: bool = False
     span: Any = None  # this attempt's prefill span (None when tracing is off)
+    more_coming: bool = False  # its batch's PrefillBatch.more_coming: the scheduler is sending more
 
     @property
     def rid(self) -> str:

@@ -67,7 +67,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                                        attributes={**telemetry.request_attributes(item.spec),
                                                    "pdq.attempt": item.epoch, "pdq.batch_id": request.batch_id,
                                                    "pdq.worker": self.config.name("prefill")})
-            self.loop.submit(Job(item, done, span=span))
+            self.loop.submit(Job(item, done, span=span, more_coming=request.more_coming))
         try:
             results = await asyncio.gather(*(self._finish(item, fut) for item, fut in zip(request.items, futures)))
         finally:

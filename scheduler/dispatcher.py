@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -88,10 +88,14 @@ class Dispatcher:
         self._depth_labels: set[tuple[str, str]] = set()
         self.on_deadline: Callable[[], None] = lambda: None  # a deadline was set or moved (wakes the janitor)
         self._queue_empty = False  # the latest snapshot held nothing, and no poke came since
+        self._pokes = 0  # work queued since start (submits, requeues): did any come while a batch was placed?
+        self._cut = False  # the latest batch left queued requests out (size or token limit)
 
-    def poke(self) -> None:
-        """Wakes the loop for work queued meanwhile (a submit, a requeue): it reads the queue at once."""
+    def poke(self, queued: bool = True) -> None:
+        """Wakes the loop for work queued meanwhile (a submit, a requeue; queued=False: room freed
+        up, nothing new): it reads the queue at once."""
         self._queue_empty = False
+        self._pokes += queued
         self.wake.set()
 
     def start(self) -> None:
@@ -184,6 +188,7 @@ class Dispatcher:
 
     async def dispatch_once(self) -> bool:
         """Sends at most one batch. -> True when a batch went out (call again)."""
+        pokes = self._pokes
         batch = await self.next_batch()  # first: an idle scheduler costs one Redis call per period
         if not batch:
             return False
@@ -253,7 +258,8 @@ class Dispatcher:
         metrics.BATCH_SIZE.labels("dispatch").observe(len(items))
         metrics.BATCH_TOKENS.labels("dispatch").observe(prompt_tokens)
         metrics.TOKEN_BUDGET_USE.labels("dispatch").observe(min(1.0, prompt_tokens / self.config.max_batched_tokens))
-        batch_msg = pb.PrefillBatch(batch_id=uuid.uuid4().hex[:12], items=items)
+        batch_msg = pb.PrefillBatch(batch_id=uuid.uuid4().hex[:12], items=items,
+                                    more_coming=self._cut or self._pokes != pokes)
         target.inflight += prompt_tokens
         task = asyncio.create_task(self._run_batch(target, batch_msg, reserved))
         target.tasks.add(task)
@@ -268,7 +274,19 @@ class Dispatcher:
         self._weights = {b.tenant: b.weight for backlogs in snapshot.values() for b in backlogs if b.weight}
         order = schedule(to_tier_queues(snapshot, self.tiers, self.config.default_weight), now_ms(),
                          self.tier_policy, self.fair_policy)
-        return form_batch(order, size, self.config.max_batched_tokens)
+        seen = 0
+
+        def counted() -> Iterator[Candidate]:
+            nonlocal seen
+            for cand in order:
+                seen += 1
+                yield cand
+        batch = form_batch(counted(), size, self.config.max_batched_tokens)
+        # queued requests left out: form_batch stopped before the end of the snapshot, or the
+        # snapshot itself held all it may of a tenant (the queue may go on behind those)
+        self._cut = (seen > len(batch) or next(order, None) is not None
+                     or any(len(b.heads) >= size for backlogs in snapshot.values() for b in backlogs))
+        return batch
 
     def _tier_rank(self, tier: str) -> int:
         return self.tiers.index(tier) if tier in self.tiers else len(self.tiers)
@@ -373,4 +391,4 @@ class Dispatcher:
                                               attributes={"pdq.request_id": rid, "pdq.attempt": item.epoch}),
                               "requeued" if state == "QUEUED" else "failed", failed[rid],
                               event_attributes={"pdq.state": state or "stale", "pdq.error": failed[rid]})
-        self.poke()
+        self.poke(queued=bool(failed))  # its prompt tokens are no longer in flight; failed ones went back

@@ -76,12 +76,14 @@ class PrefillItem(_message.Message):
     def __init__(self, spec: _Optional[_Union[RequestSpec, _Mapping]] = ..., epoch: _Optional[int] = ..., decode_address: _Optional[str] = ..., priority: _Optional[int] = ..., decode_kv_address: _Optional[str] = ...) -> None: ...
 
 class PrefillBatch(_message.Message):
-    __slots__ = ("batch_id", "items")
+    __slots__ = ("batch_id", "items", "more_coming")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    MORE_COMING_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     items: _containers.RepeatedCompositeFieldContainer[PrefillItem]
-    def __init__(self, batch_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[PrefillItem, _Mapping]]] = ...) -> None: ...
+    more_coming: bool
+    def __init__(self, batch_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[PrefillItem, _Mapping]]] = ..., more_coming: _Optional[bool] = ...) -> None: ...
 
 class PrefillItemResult(_message.Message):
     __slots__ = ("request_id", "ok", "error")

@@ -154,10 +154,12 @@ class FakePrefill(_Worker, pb_grpc.PrefillWorkerServicer):
         self.decoders = decoders  # address -> worker
         self.prefill_s = prefill_s
         self.batches: list[list[str]] = []
+        self.more_coming: list[bool] = []  # PrefillBatch.more_coming of each batch
         self.priorities: dict[str, int] = {}  # PrefillItem.priority of every request received
 
     async def Prefill(self, request, context):
         self.batches.append([it.spec.request_id for it in request.items])
+        self.more_coming.append(request.more_coming)
         self.priorities.update({it.spec.request_id: it.priority for it in request.items})
         await asyncio.sleep(self.prefill_s)
         # The fake join sets DECODING before the sequence runs (a real decode worker sets it only

@@ -169,6 +169,19 @@ async def test_interactive_goes_before_batch(url, prefix):
         assert h.workers.prefillers[0].batches == [["i0"], ["i1"], ["i2"], ["b0"], ["b1"], ["b2"]]
 
 
+async def test_a_batch_that_leaves_queued_requests_out_says_more_is_coming(url, prefix):
+    """PrefillBatch.more_coming (an idle colocated worker waits for the rest of a burst): set on
+    a batch its size cut short, not on the one that takes the last queued request."""
+    async with harness(url, prefix, max_batch_size=2) as h:
+        for k in range(5):
+            await h.submit(spec(f"r{k}"))
+        await h.start_workers(slots=8)
+        await ended(h, [f"r{k}" for k in range(5)])
+        prefill = h.workers.prefillers[0]
+        assert prefill.batches == [["r0", "r1"], ["r2", "r3"], ["r4"]]
+        assert prefill.more_coming == [True, True, False]
+
+
 async def test_a_flooding_tenant_gets_no_more_than_its_share(url, prefix):
     """Two equal-weight tenants, one with 10x the other's requests, both backlogged: while both
     wait, each is served half of the tokens."""

@@ -251,7 +251,7 @@ class DecodeConfig(WorkerConfig):
                                                             "kept in place (for a machine prefill and decode would share)"})
     step_tokens: int = field(default=1024, metadata={"help": "with colocate: tokens per forward pass, every decode row first, then prompt chunks"})
     prefill_chunk: int = field(default=512, metadata={"help": "with colocate: longest prompt chunk per forward pass"})
-    gather_ms: float = field(default=50.0, metadata={"help": "with colocate: with nothing running, a first forward pass waits up to this long "
+    gather_ms: float = field(default=100.0, metadata={"help": "with colocate: with nothing running, a first forward pass waits up to this long "
                                                                "for the batches the scheduler says are coming (PrefillBatch.more_coming), "
                                                                "until they fill step_tokens; a lone request never waits; 0: never"})
 

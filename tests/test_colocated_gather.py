@@ -33,7 +33,7 @@ class ScriptedInbox(queue.Queue):
         raise queue.Empty
 
 
-def colocated(script, gather_ms=50.0) -> ColocatedLoop:
+def colocated(script, gather_ms=100.0) -> ColocatedLoop:
     runner = object()
     loop = ColocatedLoop(SimpleNamespace(runner=runner), SimpleNamespace(runner=runner), STEP_TOKENS, gather_ms)
     loop.inbox = ScriptedInbox(script)
@@ -61,7 +61,7 @@ def test_the_batches_said_to_be_coming_are_taken_until_one_says_it_is_the_last()
     loop._take(job("a", 8, more_coming=True))
     assert loop._gather()
     assert pending(loop) == ["a", "b", "c"]  # d is for the pass after
-    assert len(loop.inbox.waits) == 2 and all(0 < w <= 0.05 for w in loop.inbox.waits)
+    assert len(loop.inbox.waits) == 2 and all(0 < w <= 0.1 for w in loop.inbox.waits)
 
 
 def test_prompts_that_fill_the_pass_do_not_wait_for_more():

@@ -89,7 +89,6 @@ class Dispatcher:
         self.on_deadline: Callable[[], None] = lambda: None  # a deadline was set or moved (wakes the janitor)
         self._queue_empty = False  # the latest snapshot held nothing, and no poke came since
         self._pokes = 0  # work queued since start (submits, requeues): did any come while a batch was placed?
-        self._cut = False  # the latest batch left queued requests out (size or token limit)
 
     def poke(self, queued: bool = True) -> None:
         """Wakes the loop for work queued meanwhile (a submit, a requeue; queued=False: room freed
@@ -189,7 +188,7 @@ class Dispatcher:
     async def dispatch_once(self) -> bool:
         """Sends at most one batch. -> True when a batch went out (call again)."""
         pokes = self._pokes
-        batch = await self.next_batch()  # first: an idle scheduler costs one Redis call per period
+        batch, cut = await self.next_batch()  # first: an idle scheduler costs one Redis call per period
         if not batch:
             return False
         prefill = await self._workers("prefill")
@@ -259,15 +258,16 @@ class Dispatcher:
         metrics.BATCH_TOKENS.labels("dispatch").observe(prompt_tokens)
         metrics.TOKEN_BUDGET_USE.labels("dispatch").observe(min(1.0, prompt_tokens / self.config.max_batched_tokens))
         batch_msg = pb.PrefillBatch(batch_id=uuid.uuid4().hex[:12], items=items,
-                                    more_coming=self._cut or self._pokes != pokes)
+                                    more_coming=cut or self._pokes != pokes)
         target.inflight += prompt_tokens
         task = asyncio.create_task(self._run_batch(target, batch_msg, reserved))
         target.tasks.add(task)
         task.add_done_callback(target.tasks.discard)
         return True
 
-    async def next_batch(self) -> list[Candidate]:
-        """The next batch in the order of choice, from a bounded snapshot of the queue."""
+    async def next_batch(self) -> tuple[list[Candidate], bool]:
+        """The next batch in the order of choice, from a bounded snapshot of the queue, and
+        whether it left queued requests out (its size or token limit)."""
         size = self.config.max_batch_size
         snapshot = await self.store.snapshot(self.tiers, size, size)
         self._queue_empty = not any(snapshot.values())
@@ -284,9 +284,9 @@ class Dispatcher:
         batch = form_batch(counted(), size, self.config.max_batched_tokens)
         # queued requests left out: form_batch stopped before the end of the snapshot, or the
         # snapshot itself held all it may of a tenant (the queue may go on behind those)
-        self._cut = (seen > len(batch) or next(order, None) is not None
-                     or any(len(b.heads) >= size for backlogs in snapshot.values() for b in backlogs))
-        return batch
+        cut = (seen > len(batch) or next(order, None) is not None
+               or any(len(b.heads) >= size for backlogs in snapshot.values() for b in backlogs))
+        return batch, cut
 
     def _tier_rank(self, tier: str) -> int:
         return self.tiers.index(tier) if tier in self.tiers else len(self.tiers)

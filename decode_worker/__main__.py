@@ -1,8 +1,12 @@
 """python -m decode_worker [flags]: runs the pdq decode worker (flags and PDQ_* env vars; see --help)."""
 
-from pdq.config import DecodeConfig
-from pdq.serving import run_service
-from decode_worker.server import build_server
+from pdq.memory import keep_freed_memory
+
+keep_freed_memory()  # before any import starts a thread: one malloc arena for the process (pdq.memory)
+
+from pdq.config import DecodeConfig  # noqa: E402
+from pdq.serving import run_service  # noqa: E402
+from decode_worker.server import build_server  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

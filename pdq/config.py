@@ -11,6 +11,8 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from pdq.memory import DEFAULT_HEAP_RESERVE_MB
+
 T = TypeVar("T")
 
 TIERS = ("interactive", "batch")
@@ -200,6 +202,7 @@ class WorkerConfig(StoreConfig):
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = torch default)"})
     pin_threads: bool = field(default=False, metadata={"help": "on CPU, when torch's threads are as many as this worker's CPUs: pin the model thread and torch's threads one per CPU (pdq.cpu.pin_model_threads); only for a worker alone on its cores (pdq up sets it for a lone colocated worker)"})
     max_seq_len: int = field(default=2048, metadata={"help": "longest sequence (prompt + output) in tokens"})
+    heap_reserve_mb: int = field(default=DEFAULT_HEAP_RESERVE_MB, metadata={"help": "MB of heap to fault in at start-up, after the warm-up pass, and keep (pdq.memory.reserve_heap): the first bursts' passes then take no page faults (0 = none)"})
     heartbeat_s: float = field(default=1.0, metadata={"help": "registry heartbeat period"})
     result_ttl_s: int = field(default=3600, metadata={"help": "how long finished requests stay in Redis"})
     grace_s: float = field(default=5.0, metadata={"help": "seconds to finish work on shutdown"})
@@ -208,6 +211,8 @@ class WorkerConfig(StoreConfig):
         super().__post_init__()
         _positive("max_seq_len", self.max_seq_len)
         _positive("heartbeat_s", self.heartbeat_s)
+        if self.heap_reserve_mb < 0:
+            raise ValueError(f"heap_reserve_mb must be >= 0, got {self.heap_reserve_mb}")
         if self.heartbeat_s * 2 > self.worker_timeout_s:
             raise ValueError(f"heartbeat_s ({self.heartbeat_s}) must be at most half of worker_timeout_s "
                              f"({self.worker_timeout_s}), or a live worker would be taken for dead")

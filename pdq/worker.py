@@ -86,13 +86,14 @@ class ModelLoop:
 def load_runner(config: WorkerConfig, kv_budget_tokens: int, warm_up: tuple[int, int] = (0, 1)) -> Any:
     """Loads the model into a ModelRunner on the configured device, dtype and threads, then
     runs a full-size pass to warm it up (`warm_up`: tokens of the pass and the longest chunk,
-    `ModelRunner.warm_up`; 0 tokens: none). Call it in the `ModelThread` that will run the
-    model. Freed memory stays with the process (pdq.memory); with `pin_threads`, the model's
-    threads are pinned one per CPU if they are as many as the CPUs (pdq.cpu)."""
+    `ModelRunner.warm_up`; 0 tokens: none) and faults in `heap_reserve_mb` of heap on CPU. Call
+    it in the `ModelThread` that will run the model. Freed memory stays with the process
+    (pdq.memory); with `pin_threads`, the model's threads are pinned one per CPU if they are as
+    many as the CPUs (pdq.cpu)."""
     import torch
 
     from pdq.engine.runner import ModelRunner
-    from pdq.memory import keep_freed_memory
+    from pdq.memory import keep_freed_memory, reserve_heap
     from pdq.model.loader import resolve_model
 
     keep_freed_memory()
@@ -103,6 +104,8 @@ def load_runner(config: WorkerConfig, kv_budget_tokens: int, warm_up: tuple[int,
                                          kv_budget_tokens=kv_budget_tokens, max_seq_len=config.max_seq_len)
     if warm_up[0] > 0:
         runner.warm_up(*warm_up)
+    if runner.device.type == "cpu" and config.heap_reserve_mb:
+        reserve_heap(config.heap_reserve_mb << 20)
     if config.pin_threads and runner.device.type == "cpu":
         from pdq.cpu import pin_torch_threads
 

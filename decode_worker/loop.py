@@ -110,6 +110,11 @@ class DecodeLoop(ModelLoop):
         """A received hand-off to decode, or the slot of a failed one to free (see kv_receive)."""
         self.inbox.put(item)
 
+    def arrive(self, item: Arrived) -> None:
+        """`add`, from the thread that runs this loop (a colocated worker's own hand-off): the
+        sequence waits to join at the next step, without a trip through the inbox."""
+        self._arrive(item)
+
     @property
     def busy(self) -> bool:
         return bool(self.running or self.waiting)

@@ -2,6 +2,7 @@
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 
@@ -47,6 +48,8 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         self.expect: dict = {}
         self.on_change = lambda: None
         self.kv_address = ""  # the TCP data plane's host:port, when it runs
+        # holds changes on the event loop, and on a colocated worker's model thread (adopt_here)
+        self._lock = threading.Lock()
 
     def prefilling(self) -> bool:
         """Whether a request reserved here is being prefilled (its KV has not arrived yet).
@@ -65,23 +68,30 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
     def expire(self) -> None:
         """Drops reservations that got no hand-off within reservation_timeout_s."""
         now = time.monotonic()
-        for rid, expiry in list(self.holds.items()):
-            if expiry is not None and expiry < now and rid not in self.receiving:
-                log.warning("reservation of %s expired unused", rid)
-                del self.holds[rid]
+        with self._lock:
+            for rid, expiry in list(self.holds.items()):
+                if expiry is not None and expiry < now and rid not in self.receiving:
+                    log.warning("reservation of %s expired unused", rid)
+                    del self.holds[rid]
 
     async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
         self.expire()
         rid = request.request_id
-        granted = rid in self.holds or (self.loop is not None and self.free_slots > request.keep_free)
-        if granted and rid not in self.holds:
-            self.holds[rid] = time.monotonic() + self.config.reservation_timeout_s
+        with self._lock:
+            fresh = rid not in self.holds and self.loop is not None and self.free_slots > request.keep_free
+            granted = rid in self.holds or fresh
+            if fresh:
+                self.holds[rid] = time.monotonic() + self.config.reservation_timeout_s
+        if fresh:
             self.on_change()
         return pb.ReserveResponse(granted=granted, free_slots=self.free_slots, kv_address=self.kv_address)
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
-        if self.holds.get(request.request_id, 0) is not None:  # reserved, not running: drop it
-            self.holds.pop(request.request_id, None)
+        with self._lock:
+            dropped = self.holds.get(request.request_id, 0) is not None  # reserved, not running
+            if dropped:
+                self.holds.pop(request.request_id, None)
+        if dropped:
             self.on_change()
         return pb.ReleaseResponse()
 
@@ -159,7 +169,8 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         if span is not None:
             span.set_attributes({"pdq.request_id": h.spec.request_id, "pdq.attempt": h.epoch,
                                  "pdq.kv.bytes": asm.total, "pdq.kv.tokens": h.num_tokens})
-        self.holds[h.spec.request_id] = None
+        with self._lock:
+            self.holds[h.spec.request_id] = None
         self.loop.add(arrived)
 
     async def _discard(self, sink: SlotSink) -> None:
@@ -175,22 +186,29 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
 
     def adopt(self, header: pb.KVHeader, key: object) -> str | None:
         """A hand-off from the prefill role of this process (colocated): the K/V is already in
-        the shared pool under slot `key`. -> None once the sequence is queued to join the batch,
-        else why not (the slot is freed). Runs on the event loop, as PushKV does."""
-        try:
-            self._admit(header)
-        except NoReservation as exc:
+        the shared pool under slot `key`. Runs on the model thread, right after the pass that
+        completed the prompt: the sequence is added to the decode loop's waiting list at once,
+        so the next pass decodes it, as one engine would (through the event loop it missed
+        that pass). -> None once it waits to join the batch, else why not (the slot is freed)."""
+        rid = header.spec.request_id
+        with self._lock:
+            error = ("decode worker is not started" if self.loop is None
+                     else f"no KV reservation for {rid} (expired or released)" if self.holds.get(rid) is None
+                     else None)
+            if error is None:
+                self.holds[rid] = None
+        if error is not None:
             if self.loop is not None:
-                self.loop.add(Discard(key))
-            return str(exc)
-        self.holds[header.spec.request_id] = None
-        self.loop.add(Arrived(header, key))
+                self.loop.runner.free(key)
+            return error
+        self.loop.arrive(Arrived(header, key))
         return None
 
     def left(self, rids: list[str]) -> None:
         """Sequences left the batch (called on the event loop)."""
-        for rid in rids:
-            self.holds.pop(rid, None)
+        with self._lock:
+            for rid in rids:
+                self.holds.pop(rid, None)
         self.on_change()
 
 
@@ -234,7 +252,6 @@ def build_server(config: DecodeConfig) -> Server:
     prefill_config = config.prefill_config() if config.colocate else None
     prefill = PrefillService(prefill_config) if prefill_config else None
     if prefill is not None:
-        prefill.adopt = service.adopt
         pb_grpc.add_PrefillWorkerServicer_to_server(prefill, server.grpc)
     keys = Keys(config.key_prefix)
     worker_id = config.name("decode")
@@ -282,8 +299,8 @@ def build_server(config: DecodeConfig) -> Server:
                                   config.max_attempts, service.prefilling, config.yield_to_prefill_ms if alone else 0.0)
         model_loop = state["model"] = service.loop
         if prefill is not None:
-            prefill.loop = PrefillLoop(runner, store, cancels, tokenizer, eos, config.step_tokens,
-                                       config.prefill_chunk, local=lambda item: item.decode_address == address)
+            prefill.loop = PrefillLoop(runner, store, cancels, tokenizer, eos, config.step_tokens, config.prefill_chunk,
+                                       local=lambda item: item.decode_address == address, adopt=service.adopt)
             model_loop = state["model"] = ColocatedLoop(prefill.loop, service.loop, config.step_tokens, config.gather_ms)
         model_loop.start(model)
         await reclaim_previous_life(store, worker_id, config.max_attempts)

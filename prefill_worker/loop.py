@@ -28,9 +28,10 @@ log = logging.getLogger("pdq.prefill")
 @dataclass
 class Outcome:
     """What became of one item: `kind` is "handoff" (layers set), "local" (a colocated worker's
-    hand-off to itself: the K/V stays in the shared pool under slot `key`, which the decode side
-    now owns), "finished" (the request ended at its first token), "dropped" (it ended elsewhere:
-    cancel, deadline) or "error"."""
+    hand-off to itself, done on the model thread: the K/V stayed in the shared pool under slot
+    `key` and the decode side took it, unless `error` says why not, and then freed it),
+    "finished" (the request ended at its first token), "dropped" (it ended elsewhere: cancel,
+    deadline) or "error"."""
 
     kind: str
     generated: list[int] = field(default_factory=list)  # tokens so far, the last one not in `layers`
@@ -74,15 +75,18 @@ def most_urgent(jobs: list[Job]) -> list[Job]:
 
 class PrefillLoop(ModelLoop):
     """`local(item)` says whether an item's decode worker is this very process (a colocated
-    worker sharing this runner's pool): its K/V then stays in place (Outcome "local")."""
+    worker sharing this runner's pool): its K/V then stays in place, and `adopt(header, key)`
+    hands the slot to the decode side on this thread (-> None, else why not; Outcome "local")."""
 
     thread_name = "prefill-loop"
 
     def __init__(self, runner: Any, store: RequestStore, cancels: CancelListener, tokenizer: Any,
                  eos_ids: list[int], max_batched_tokens: int, prefill_chunk: int,
-                 local: Callable[[pb.PrefillItem], bool] | None = None):
+                 local: Callable[[pb.PrefillItem], bool] | None = None,
+                 adopt: Callable[[pb.KVHeader, Any], str | None] | None = None):
         self.runner = runner
         self.local = local
+        self.adopt = adopt
         self.store = store
         self.cancels = cancels
         self.tokenizer = tokenizer
@@ -260,7 +264,10 @@ class PrefillLoop(ModelLoop):
             # the decode side of this process takes the slot as it is: no transfer, so no
             # TRANSFERRING; it moves the request to DECODING (or drops it if it ended meanwhile)
             job.admitted = False
-            self._end(job, Outcome("local", generated=generated, key=job.key))
+            header = pb.KVHeader(spec=job.item.spec, epoch=job.item.epoch, generated_token_ids=generated,
+                                 num_tokens=len(job.prompt) + len(generated) - 1)
+            error = self.adopt(header, job.key) if self.adopt else "no decode role in this process"
+            self._end(job, Outcome("local", generated=generated, key=job.key, error=error or ""))
             return
         if not self.store.transition(job.rid, job.item.epoch, State.TRANSFERRING):
             self._end(job, Outcome("dropped", error="request ended"))

@@ -3,8 +3,6 @@
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
 
 import grpc
 
@@ -34,8 +32,6 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._tls = mtls.InternalTLS.from_config(config)
         self._tcp = kv_tcp.Pusher(self._tls)
-        # A colocated worker's decode role (`DecodeService.adopt`): takes "local" hand-offs.
-        self.adopt: Callable[[pb.KVHeader, Any], str | None] | None = None
 
     def _decode_stub(self, address: str) -> pb_grpc.DecodeWorkerStub:
         if address not in self._channels:
@@ -125,21 +121,17 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         return pb.PrefillItemResult(request_id=rid, ok=True)
 
     def _local(self, item: pb.PrefillItem, outcome: Outcome) -> pb.PrefillItemResult:
-        """A colocated worker's hand-off to itself: the decode role takes the pool slot as it
-        is (no bytes move), under the same reservation check as a hand-off from elsewhere."""
+        """A colocated worker's hand-off to itself, done on the model thread
+        (`DecodeService.adopt`): the decode role took the pool slot as it is (no bytes move),
+        under the same reservation check as a hand-off from elsewhere. Reports it."""
         rid = item.spec.request_id
         tokens = len(item.spec.prompt_token_ids) + len(outcome.generated) - 1
         span = telemetry.start("pdq.kv_transfer", item.spec.traceparent, kind=telemetry.SpanKind.CLIENT,
                                attributes={"pdq.request_id": rid, "pdq.attempt": item.epoch, "pdq.kv.bytes": 0,
                                            "pdq.kv.tokens": tokens, "server.address": item.decode_address,
                                            "pdq.kv.transport": "local"})
-        started = time.perf_counter()
-        header = pb.KVHeader(spec=item.spec, epoch=item.epoch, num_tokens=tokens,
-                             generated_token_ids=outcome.generated)
-        error = self.adopt(header, outcome.key) if self.adopt else "no decode role in this process"
-        if error:
-            error = f"KV hand-off to {item.decode_address} (local): {error}"
-        metrics.KV_TRANSFER.labels("error" if error else "ok", "local").observe(time.perf_counter() - started)
+        error = f"KV hand-off to {item.decode_address} (local): {outcome.error}" if outcome.error else ""
+        metrics.KV_TRANSFER.labels("error" if error else "ok", "local").observe(0.0)
         telemetry.end(span, "failed" if error else None, error)
         return pb.PrefillItemResult(request_id=rid, ok=not error, error=error or "")
 

@@ -97,7 +97,7 @@ def load_runner(config: WorkerConfig, kv_budget_tokens: int, warm_up: tuple[int,
     from pdq.model.loader import resolve_model
 
     keep_freed_memory()
-    if config.threads > 0:
+    if config.threads > 0 and config.threads != torch.get_num_threads():
         torch.set_num_threads(config.threads)
     dtype = getattr(torch, config.dtype) if config.dtype else None
     runner = ModelRunner.from_pretrained(resolve_model(config.model), device=config.device or None, dtype=dtype,

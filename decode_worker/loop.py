@@ -110,10 +110,11 @@ class DecodeLoop(ModelLoop):
         """A received hand-off to decode, or the slot of a failed one to free (see kv_receive)."""
         self.inbox.put(item)
 
-    def arrive(self, item: Arrived) -> None:
+    def arrive(self, item: Arrived, moved: bool | None = None) -> None:
         """`add`, from the thread that runs this loop (a colocated worker's own hand-off): the
-        sequence waits to join at the next step, without a trip through the inbox."""
-        self._arrive(item)
+        sequence waits to join at the next step, without a trip through the inbox. `moved`:
+        whether the request was moved to DECODING already (None: it is moved here)."""
+        self._arrive(item, moved)
 
     @property
     def busy(self) -> bool:
@@ -148,7 +149,7 @@ class DecodeLoop(ModelLoop):
         oldest = (time.monotonic() - self.waiting[0].arrived) * 1000
         return max(0.001, self.strategy.wait_hint_ms(oldest) / 1000)
 
-    def _arrive(self, kv: Arrived | Discard) -> None:
+    def _arrive(self, kv: Arrived | Discard, moved: bool | None = None) -> None:
         if isinstance(kv, Discard):
             self.runner.free(kv.key)
             if kv.done.set_running_or_notify_cancel():  # False: the waiter gave up (cancelled)
@@ -179,7 +180,9 @@ class DecodeLoop(ModelLoop):
         seq.last_token_at = seq.arrived  # the first gap here runs from the KV cache's arrival
         seq.span = span
         seq.interval = max(1, h.spec.stream_interval)
-        if not self.store.transition(rid, h.epoch, State.DECODING, decode_worker=self.address):
+        if moved is None:
+            moved = self.store.transition(rid, h.epoch, State.DECODING, decode_worker=self.address)
+        if not moved:
             self._end_span(seq, "dropped", reason="request ended during the KV hand-off")
             self._leave(seq)  # ended while in transit
             return

@@ -184,12 +184,14 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         except asyncio.TimeoutError:
             log.warning("KV slot of a failed hand-off not freed within 10 s (decode loop stopped?)")
 
-    def adopt(self, header: pb.KVHeader, key: object) -> str | None:
+    def adopt(self, header: pb.KVHeader, key: object, moved: bool | None = None) -> str | None:
         """A hand-off from the prefill role of this process (colocated): the K/V is already in
         the shared pool under slot `key`. Runs on the model thread, right after the pass that
         completed the prompt: the sequence is added to the decode loop's waiting list at once,
         so the next pass decodes it, as one engine would (through the event loop it missed
-        that pass). -> None once it waits to join the batch, else why not (the slot is freed)."""
+        that pass). `moved`: whether the prefill side already moved the request to DECODING
+        (None: this does). -> None once it waits to join the batch, else why not (the slot is
+        freed)."""
         rid = header.spec.request_id
         with self._lock:
             error = ("decode worker is not started" if self.loop is None
@@ -201,7 +203,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             if self.loop is not None:
                 self.loop.runner.free(key)
             return error
-        self.loop.arrive(Arrived(header, key))
+        self.loop.arrive(Arrived(header, key), moved)
         return None
 
     def left(self, rids: list[str]) -> None:

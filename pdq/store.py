@@ -403,6 +403,31 @@ class RequestStore:
         step = _step_args(items, self.result_ttl_s)
         return _then(self._run("step", step.args), step.kept)
 
+    def step_and_transition(self, items: list[StepItem], moves: list[tuple[str, int, State, dict]]
+                            ) -> tuple[list[bool], list[bool]]:
+        """`step(items)`, then `transition(rid, epoch, state, **fields)` of each move, applied in
+        that order in one round trip (sync client only): a colocated prefill's first tokens and
+        the DECODING moves of the prompts its decode side takes. -> (step's kept, per move
+        whether it moved). A command whose script this Redis had not seen was not applied; it
+        runs again (loading it), after those before it."""
+        step = _step_args(items, self.result_ttl_s)
+        calls = [("step", step.args)]
+        for rid, epoch, state, extra in moves:
+            args: list[Any] = [rid, epoch, state.value]
+            for name, value in extra.items():
+                args += [name, value]
+            calls.append(("transition", args))
+        pipe = self.client.pipeline(transaction=False)
+        for name, args in calls:  # EVALSHA without redis-py's per-execute SCRIPT EXISTS round trip
+            pipe.evalsha(self._scripts[name].sha, 0, self.keys.prefix, *args)
+        replies = pipe.execute(raise_on_error=False)
+        for i, reply in enumerate(replies):
+            if isinstance(reply, NoScriptError):
+                replies[i] = self._run(*calls[i])
+            elif isinstance(reply, Exception):
+                raise reply
+        return step.kept(replies[0]), [bool(r) for r in replies[1:]]
+
     def send_step(self, items: list[StepItem]) -> "SentStep":
         """`step` in two halves, sync client only: the command goes out now, on a connection of
         its own, and `SentStep.result()` reads its reply later. A model loop sends a step's tokens

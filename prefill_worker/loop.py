@@ -75,15 +75,17 @@ def most_urgent(jobs: list[Job]) -> list[Job]:
 
 class PrefillLoop(ModelLoop):
     """`local(item)` says whether an item's decode worker is this very process (a colocated
-    worker sharing this runner's pool): its K/V then stays in place, and `adopt(header, key)`
-    hands the slot to the decode side on this thread (-> None, else why not; Outcome "local")."""
+    worker sharing this runner's pool): its K/V then stays in place, and `adopt(header, key,
+    moved)` hands the slot to the decode side on this thread (-> None, else why not; Outcome
+    "local"); `moved` says whether the request is already DECODING (moved with its first token,
+    in one round trip), or None."""
 
     thread_name = "prefill-loop"
 
     def __init__(self, runner: Any, store: RequestStore, cancels: CancelListener, tokenizer: Any,
                  eos_ids: list[int], max_batched_tokens: int, prefill_chunk: int,
                  local: Callable[[pb.PrefillItem], bool] | None = None,
-                 adopt: Callable[[pb.KVHeader, Any], str | None] | None = None):
+                 adopt: Callable[[pb.KVHeader, Any, bool | None], str | None] | None = None):
         self.runner = runner
         self.local = local
         self.adopt = adopt
@@ -240,7 +242,12 @@ class PrefillLoop(ModelLoop):
             items.append(StepItem(job.rid, job.item.epoch, 0, token, delta,
                                   State.COMPLETED if reason else None, reason))
             results.append((job, token, reason))
-        kept = self.store.step(items)
+        # the DECODING moves of prompts this process's decode side takes go in the same round trip
+        local = [(job, token) for job, token, reason in results if not reason and self._local(job)]
+        kept, moved = self.store.step_and_transition(
+            items, [(job.rid, job.item.epoch, State.DECODING, {"decode_worker": job.item.decode_address})
+                    for job, _ in local])
+        moved_by_job = {id(job): ok for (job, _), ok in zip(local, moved)}
         now = now_ms()
         for (job, token, reason), ok in zip(results, kept):
             if ok:  # once per request: its first token (a resumed request never samples here)
@@ -257,16 +264,21 @@ class PrefillLoop(ModelLoop):
             elif reason:
                 self._end(job, Outcome("finished", generated=[token]))
             else:
-                self._handoff(job, [token])
+                self._handoff(job, [token], moved_by_job.get(id(job)))
 
-    def _handoff(self, job: Job, generated: list[int]) -> None:
+    def _local(self, job: Job) -> bool:
+        return self.local is not None and self.adopt is not None and self.local(job.item)
+
+    def _handoff(self, job: Job, generated: list[int], moved: bool | None = None) -> None:
+        """moved: for a local hand-off, whether the request was moved to DECODING already (None:
+        not tried; the decode side does it)."""
         if self.local is not None and self.local(job.item):
             # the decode side of this process takes the slot as it is: no transfer, so no
             # TRANSFERRING; it moves the request to DECODING (or drops it if it ended meanwhile)
             job.admitted = False
             header = pb.KVHeader(spec=job.item.spec, epoch=job.item.epoch, generated_token_ids=generated,
                                  num_tokens=len(job.prompt) + len(generated) - 1)
-            error = self.adopt(header, job.key) if self.adopt else "no decode role in this process"
+            error = self.adopt(header, job.key, moved) if self.adopt else "no decode role in this process"
             self._end(job, Outcome("local", generated=generated, key=job.key, error=error or ""))
             return
         if not self.store.transition(job.rid, job.item.epoch, State.TRANSFERRING):

@@ -189,3 +189,29 @@ def test_transition_checks_epoch(store):
     assert store.transition("r", 1, State.DECODING, decode_worker="d1") is True
     rec = store.record("r")
     assert rec["state"] == "DECODING" and rec["decode_worker"] == "d1"
+
+
+def test_first_tokens_and_decoding_moves_go_in_one_round_trip_in_order(store):
+    for rid in ("a", "b", "c"):
+        store.submit(make_spec(rid))
+        claim(store, rid)
+    store.transition("a", 1, State.PREFILLING)
+    store.transition("b", 1, State.PREFILLING)
+    store.finish("c", State.CANCELLED, "cancelled")  # ended elsewhere: its token is dropped, it does not move
+    kept, moved = store.step_and_transition(
+        [StepItem("a", 1, 0, 7, "x"), StepItem("b", 1, 0, 8, "y"), StepItem("c", 1, 0, 9, "z")],
+        [("a", 1, State.DECODING, {"decode_worker": "d:1"}), ("c", 1, State.DECODING, {"decode_worker": "d:1"})])
+    assert kept == [True, True, False] and moved == [True, False]
+    assert store.record("a")["state"] == "DECODING" and store.record("a")["decode_worker"] == "d:1"
+    assert store.record("b")["state"] == "PREFILLING"  # not asked to move
+    assert tokens(store, "a") == [(0, 7, "x")] and tokens(store, "c") == []
+
+
+def test_step_and_transition_on_a_redis_without_the_scripts_runs_each_once(store):
+    store.submit(make_spec("r"))
+    claim(store, "r")
+    store.client.script_flush()
+    kept, moved = store.step_and_transition([StepItem("r", 1, 0, 7, "x")],
+                                            [("r", 1, State.DECODING, {"decode_worker": "d:1"})])
+    assert (kept, moved) == ([True], [True])
+    assert tokens(store, "r") == [(0, 7, "x")] and store.record("r")["state"] == "DECODING"

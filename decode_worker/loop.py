@@ -254,7 +254,8 @@ class DecodeLoop(ModelLoop):
     def _step(self) -> None:
         started = time.perf_counter()
         if self.threads is not None and (n := self.threads()) != torch.get_num_threads():
-            torch.set_num_threads(n)
+            from pdq.worker import set_torch_threads
+            set_torch_threads(n)
         seqs, rows = self.rows()
         logits = self.runner.decode(rows)
         if self.step_delay_s:

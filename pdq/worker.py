@@ -83,6 +83,31 @@ class ModelLoop:
             self._done.result()
 
 
+def set_torch_threads(n: int) -> None:
+    """torch.set_num_threads(n), with MKL's dynamic threading left on. torch turns it off there
+    (so that Intel's OpenMP keeps its threads across MKL calls; torch's CPU wheels use GNU
+    OpenMP, whose pool stays anyway), and MKL then runs every small matrix product (a decode
+    step's attention) on all threads: a decode worker with 1 thread (2 while nothing of its is
+    being prefilled) made the separate-worker service 5-7% slower (BENCHMARKS.md, session 12).
+    Best effort: where torch carries no MKL, only the count changes. Call it from the thread
+    that runs the model: torch sets its threads up in each thread at the first call there, and
+    once a count was set that turns MKL's dynamic threading off again."""
+    import ctypes
+    import os
+
+    import torch
+
+    torch.get_num_threads()  # this thread's set-up now, not at its next parallel op
+    torch.set_num_threads(n)
+    try:
+        mkl = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        set_dynamic = mkl.MKL_Set_Dynamic
+    except (OSError, AttributeError):
+        return
+    set_dynamic.argtypes, set_dynamic.restype = [ctypes.c_int], None
+    set_dynamic(1)
+
+
 def load_runner(config: WorkerConfig, kv_budget_tokens: int, warm_up: tuple[int, int] = (0, 1)) -> Any:
     """Loads the model into a ModelRunner on the configured device, dtype and threads, then
     runs a full-size pass to warm it up (`warm_up`: tokens of the pass and the longest chunk,
@@ -98,7 +123,7 @@ def load_runner(config: WorkerConfig, kv_budget_tokens: int, warm_up: tuple[int,
 
     keep_freed_memory()
     if config.threads > 0 and config.threads != torch.get_num_threads():
-        torch.set_num_threads(config.threads)
+        set_torch_threads(config.threads)
     dtype = getattr(torch, config.dtype) if config.dtype else None
     runner = ModelRunner.from_pretrained(resolve_model(config.model), device=config.device or None, dtype=dtype,
                                          kv_budget_tokens=kv_budget_tokens, max_seq_len=config.max_seq_len)

@@ -44,11 +44,20 @@ class ColocatedLoop(ModelLoop):
     def busy(self) -> bool:
         return bool(self.pending or self.decode.busy)
 
+    def _wait_s(self) -> float | None:
+        """How long the next take may block: not at all while prompts are pending or sequences
+        run; while sequences wait to be admitted (a hand-off this thread took after its pass),
+        what the strategy hints; with nothing at all, until an item comes (None)."""
+        d = self.decode
+        if self.pending or d.running:
+            return 0
+        return d._idle_timeout()
+
     def _run(self) -> None:
         d = self.decode
         while True:
-            idle = not (self.pending or d.running)
-            if not take(self.inbox, d._idle_timeout() if idle else 0, self._take):
+            idle = not (self.pending or d.running or d.waiting)
+            if not take(self.inbox, self._wait_s(), self._take):
                 self._shutdown()
                 return
             if idle and self.pending and not self._gather():

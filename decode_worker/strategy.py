@@ -49,5 +49,7 @@ class Strategy:
 
     def wait_hint_ms(self, oldest_wait_ms: float) -> float:
         """How long the loop may sleep before `admit` could change its answer with no arrival."""
+        if self.name == "continuous":  # it admits everything at once: no reason to wait
+            return 0.0
         limit = self.window_ms if self.name == "dynamic" else self.flush_ms
         return max(0.0, limit - oldest_wait_ms)

@@ -31,3 +31,10 @@ def test_static_waits_for_a_full_batch_until_the_flush_time():
 def test_unknown_strategy_is_rejected():
     with pytest.raises(ValueError, match="strategy must be one of"):
         Strategy("magic")
+
+
+def test_continuous_never_hints_a_wait():
+    """A sequence waiting under `continuous` is admitted at the next step: the loop must not sleep
+    on it (a colocated worker once slept the static flush time, 2 s, before a lone request's
+    first decode step)."""
+    assert Strategy("continuous", flush_ms=2000).wait_hint_ms(oldest_wait_ms=0) == 0

@@ -48,7 +48,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         self.expect: dict = {}
         self.on_change = lambda: None
         self.kv_address = ""  # the TCP data plane's host:port, when it runs
-        # holds changes on the event loop, and on a colocated worker's model thread (adopt_here)
+        # holds changes on the event loop, and on a colocated worker's model thread (adopt)
         self._lock = threading.Lock()
 
     def prefilling(self) -> bool:
@@ -192,13 +192,14 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         that pass). `moved`: whether the prefill side already moved the request to DECODING
         (None: this does). -> None once it waits to join the batch, else why not (the slot is
         freed)."""
-        rid = header.spec.request_id
         with self._lock:
-            error = ("decode worker is not started" if self.loop is None
-                     else f"no KV reservation for {rid} (expired or released)" if self.holds.get(rid) is None
-                     else None)
-            if error is None:
-                self.holds[rid] = None
+            try:
+                self._admit(header)
+            except NoReservation as exc:
+                error = str(exc)
+            else:
+                error = None
+                self.holds[header.spec.request_id] = None
         if error is not None:
             if self.loop is not None:
                 self.loop.runner.free(key)

@@ -19,6 +19,7 @@ none (BENCHMARKS.md, session 12).
 
 import ctypes
 import ctypes.util
+import functools
 import sys
 
 M_TRIM_THRESHOLD = -1
@@ -28,6 +29,12 @@ MMAP_THRESHOLD = 1 << 30  # blocks below this come from the heap (glibc's own ce
 TRIM_THRESHOLD = 2**31 - 1  # the largest mallopt takes: the top of the heap is never given back
 RESERVE_BLOCK = 32 << 20  # bytes reserve_heap allocates at a time
 DEFAULT_HEAP_RESERVE_MB = 256  # WorkerConfig.heap_reserve_mb, and the bench's in-process baselines
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """glibc (or the C library there is), loaded once. Raises OSError where none is found."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 
 
 def keep_freed_memory() -> bool:
@@ -41,8 +48,7 @@ def keep_freed_memory() -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = _libc().mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
@@ -60,8 +66,7 @@ def reserve_heap(nbytes: int) -> int:
     blocks would go back to the system)."""
     if nbytes <= 0 or not keep_freed_memory():
         return 0
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    malloc, free = libc.malloc, libc.free
+    malloc, free = _libc().malloc, _libc().free
     malloc.argtypes, malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
     free.argtypes, free.restype = [ctypes.c_void_p], None
     blocks, touched = [], 0

@@ -2,6 +2,7 @@
 cancel notices."""
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -83,6 +84,22 @@ class ModelLoop:
             self._done.result()
 
 
+@functools.cache
+def _mkl_set_dynamic() -> Callable[[int], None] | None:
+    """MKL_Set_Dynamic from torch's own library, looked up once; None where torch has no MKL."""
+    import ctypes
+    import os
+
+    import torch
+
+    try:
+        fn = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")).MKL_Set_Dynamic
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int], None
+    return fn
+
+
 def set_torch_threads(n: int) -> None:
     """torch.set_num_threads(n), with MKL's dynamic threading left on. torch turns it off there
     (so that Intel's OpenMP keeps its threads across MKL calls; torch's CPU wheels use GNU
@@ -92,20 +109,13 @@ def set_torch_threads(n: int) -> None:
     Best effort: where torch carries no MKL, only the count changes. Call it from the thread
     that runs the model: torch sets its threads up in each thread at the first call there, and
     once a count was set that turns MKL's dynamic threading off again."""
-    import ctypes
-    import os
-
     import torch
 
     torch.get_num_threads()  # this thread's set-up now, not at its next parallel op
     torch.set_num_threads(n)
-    try:
-        mkl = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        set_dynamic = mkl.MKL_Set_Dynamic
-    except (OSError, AttributeError):
-        return
-    set_dynamic.argtypes, set_dynamic.restype = [ctypes.c_int], None
-    set_dynamic(1)
+    set_dynamic = _mkl_set_dynamic()
+    if set_dynamic is not None:
+        set_dynamic(1)
 
 
 def load_runner(config: WorkerConfig, kv_budget_tokens: int, warm_up: tuple[int, int] = (0, 1)) -> Any:

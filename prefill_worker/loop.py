@@ -243,7 +243,7 @@ class PrefillLoop(ModelLoop):
                                   State.COMPLETED if reason else None, reason))
             results.append((job, token, reason))
         # the DECODING moves of prompts this process's decode side takes go in the same round trip
-        local = [(job, token) for job, token, reason in results if not reason and self._local(job)]
+        local = [(job, token) for job, token, reason in results if not reason and self.adopt and self._local(job)]
         kept, moved = self.store.step_and_transition(
             items, [(job.rid, job.item.epoch, State.DECODING, {"decode_worker": job.item.decode_address})
                     for job, _ in local])
@@ -267,12 +267,13 @@ class PrefillLoop(ModelLoop):
                 self._handoff(job, [token], moved_by_job.get(id(job)))
 
     def _local(self, job: Job) -> bool:
-        return self.local is not None and self.adopt is not None and self.local(job.item)
+        """Whether the job's decode worker is this process (its K/V stays in place)."""
+        return self.local is not None and self.local(job.item)
 
     def _handoff(self, job: Job, generated: list[int], moved: bool | None = None) -> None:
         """moved: for a local hand-off, whether the request was moved to DECODING already (None:
         not tried; the decode side does it)."""
-        if self.local is not None and self.local(job.item):
+        if self._local(job):
             # the decode side of this process takes the slot as it is: no transfer, so no
             # TRANSFERRING; it moves the request to DECODING (or drops it if it ended meanwhile)
             job.admitted = False

@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from pdq.config import DecodeConfig, GatewayConfig, PrefillConfig, SchedulerConfig, from_arguments
+from pdq.config import DecodeConfig, GatewayConfig, PrefillConfig, SchedulerConfig, add_arguments, from_arguments
 
 
 def test_worker_timeout_is_one_setting_for_every_role():
@@ -55,3 +55,12 @@ def test_a_colocated_worker_takes_its_prefill_settings_and_its_own_registry_entr
     assert from_arguments(DecodeConfig, argparse.Namespace(colocate="true")).colocate
     with pytest.raises(ValueError, match="--colocate: not a boolean"):
         from_arguments(DecodeConfig, argparse.Namespace(colocate="maybe"))
+
+
+def test_a_heap_reserve_is_a_size_from_the_flag_or_env():
+    assert DecodeConfig().heap_reserve_mb == 256 and PrefillConfig(heap_reserve_mb=0).heap_reserve_mb == 0
+    with pytest.raises(ValueError, match="heap_reserve_mb must be >= 0"):
+        DecodeConfig(heap_reserve_mb=-1)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, DecodeConfig)
+    assert from_arguments(DecodeConfig, parser.parse_args(["--heap-reserve-mb", "64"])).heap_reserve_mb == 64

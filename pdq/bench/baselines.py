@@ -34,7 +34,7 @@ from pathlib import Path
 from pdq.bench.arrivals import Arrivals
 from pdq.bench.record import RequestRecord, RunRecord
 from pdq.bench.workload import BenchRequest, Workload
-from pdq.memory import DEFAULT_HEAP_RESERVE_MB
+from pdq.memory import DEFAULT_HEAP_RESERVE_MB, reserve_heap
 
 ENGINE_KV_BUDGET_TOKENS = 65536  # = the decode worker's default pool
 ENGINE_MAX_SEQ_LEN = 2048  # = the workers' default max_seq_len
@@ -101,8 +101,6 @@ class EngineBaseline:
                                                 max_seq_len=max_seq_len)
         p = self.engine.policy
         self.engine.runner.warm_up(p.max_batched_tokens, p.prefill_chunk)  # as a worker does at start-up
-        from pdq.memory import reserve_heap
-
         reserve_heap(DEFAULT_HEAP_RESERVE_MB << 20)  # as a worker does: its first run takes no page faults
 
     def notes(self) -> dict:

@@ -86,7 +86,7 @@ class Dispatcher:
         self._requeued_ms: dict[str, int] = {}  # requests this dispatcher requeued -> when (their queue wait starts)
         self._depth_at = 0.0  # last refresh of the queue depth gauges
         self._depth_labels: set[tuple[str, str]] = set()
-        self.on_deadline: Callable[[], None] = lambda: None  # a deadline was set or moved (wakes the janitor)
+        self.on_deadline: Callable[[int], None] = lambda deadline_ms=0: None  # a deadline set or moved (wakes the janitor)
         self._queue_empty = False  # the latest snapshot held nothing, and no poke came since
         self._pokes = 0  # work queued since start (submits, requeues): did any come while a batch was placed?
 

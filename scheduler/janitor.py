@@ -4,9 +4,11 @@ It ends live requests past their deadline (TIMED_OUT, in any state; a worker run
 it at its next step, told on the cancel channel) when the earliest deadline comes: it sleeps
 until then, and is poked when a request with a deadline is submitted or an operator moves one,
 so an idle scheduler does not poll Redis (on a shared machine its polling took CPU from the
-model). Every quarter of `worker_timeout_s` it reaps workers that stopped heartbeating (their
-attempts go back to the queue under a new epoch, or FAIL when spent) and requeues requests whose
-prefill lease expired. All of it is Redis scripts, so a restarted scheduler simply carries on.
+model). A submitted deadline no earlier than the end of the sleep under way changes nothing
+(the sweep at its end sees it), so a burst of submits does not sweep once per request. Every
+quarter of `worker_timeout_s` it reaps workers that stopped heartbeating (their attempts go back
+to the queue under a new epoch, or FAIL when spent) and requeues requests whose prefill lease
+expired. All of it is Redis scripts, so a restarted scheduler simply carries on.
 """
 
 import asyncio
@@ -46,6 +48,7 @@ class Janitor:
         self._stopping = asyncio.Event()
         self._poke = asyncio.Event()
         self._last_reap = 0.0
+        self._wake_ms: int | None = None  # when the sleep under way ends (Unix ms); None: not sleeping
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="janitor")
@@ -55,8 +58,11 @@ class Janitor:
         if self._task:
             await self._task
 
-    def poke(self) -> None:
-        """A deadline was set or moved: look again (it may be earlier than the one slept for)."""
+    def poke(self, deadline_ms: int = 0) -> None:
+        """A deadline was set or moved: look again (it may be earlier than the one slept for).
+        deadline_ms: the new deadline, when known (a submit); 0: unknown (an operator moved one)."""
+        if deadline_ms and self._wake_ms is not None and deadline_ms >= self._wake_ms:
+            return  # the sweep at the end of this sleep sees it
         self._poke.set()
 
     async def _loop(self) -> None:
@@ -72,9 +78,11 @@ class Janitor:
             if self._poke.is_set():
                 continue
             stop, poke = asyncio.ensure_future(self._stopping.wait()), asyncio.ensure_future(self._poke.wait())
+            self._wake_ms = now_ms() + int(wait * 1000)
             try:
                 await asyncio.wait((stop, poke), timeout=wait, return_when=asyncio.FIRST_COMPLETED)
             finally:
+                self._wake_ms = None
                 stop.cancel()
                 poke.cancel()
 

@@ -81,7 +81,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         if got.kind == "created":
             self.dispatcher.poke()
             if spec.deadline_ms:
-                self.dispatcher.on_deadline()
+                self.dispatcher.on_deadline(spec.deadline_ms)
         return pb.SubmitResponse(request_id=got.request_id, created=got.kind == "created")
 
     async def Cancel(self, request: pb.InternalCancelRequest, context: grpc.aio.ServicerContext) -> pb.InternalCancelResponse:

@@ -276,6 +276,31 @@ async def test_the_janitor_sleeps_until_a_deadline_and_is_woken_by_new_ones(url,
             assert int(rec["finished_ms"]) - int(rec["deadline_ms"]) < 10_000  # not a 60 s sleep later
 
 
+async def test_a_burst_with_later_deadlines_does_not_wake_the_janitor_per_request(url, prefix, monkeypatch):
+    """Deadlines later than the janitor's sleep leave it asleep (its next sweep sees them); an
+    earlier one still wakes it at once."""
+    monkeypatch.setattr(janitor, "MAX_SLEEP_S", 60.0)
+    sweeps = 0
+    sweep = janitor.Janitor.sweep
+
+    async def counted(self):
+        nonlocal sweeps
+        sweeps += 1
+        await sweep(self)
+    monkeypatch.setattr(janitor.Janitor, "sweep", counted)
+    async with harness(url, prefix, worker_timeout_s=60.0) as h:
+        jan = h.server.janitor
+        await wait_for(lambda: _true(jan._wake_ms is not None))  # asleep after its first sweep
+        before = sweeps
+        for i in range(10):
+            await h.submit(spec(f"far{i}", deadline_ms=now_ms() + 3_600_000))
+        assert sweeps == before and jan._wake_ms is not None
+        await h.submit(spec("soon", deadline_ms=now_ms() + 100))
+        await ended(h, ["soon"], ("TIMED_OUT",))
+        assert sweeps > before
+        assert {await h.state(f"far{i}") for i in range(10)} == {"QUEUED"}
+
+
 # -- dead workers and leases ------------------------------------------------------------------------
 
 async def test_a_dead_decode_workers_requests_finish_on_another_with_every_token_once(url, prefix):

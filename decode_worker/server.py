@@ -75,16 +75,29 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
                     del self.holds[rid]
 
     async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
+        return self._reserve([request])[0]
+
+    async def ReserveMany(self, request: pb.ReserveManyRequest,
+                          context: grpc.aio.ServicerContext) -> pb.ReserveManyResponse:
+        return pb.ReserveManyResponse(items=self._reserve(request.items))
+
+    def _reserve(self, requests) -> list[pb.ReserveResponse]:
+        """Answers reservations in order; one heartbeat for all the slots they took."""
         self.expire()
-        rid = request.request_id
+        out, took = [], False
+        expiry = time.monotonic() + self.config.reservation_timeout_s
         with self._lock:
-            fresh = rid not in self.holds and self.loop is not None and self.free_slots > request.keep_free
-            granted = rid in self.holds or fresh
-            if fresh:
-                self.holds[rid] = time.monotonic() + self.config.reservation_timeout_s
-        if fresh:
+            for request in requests:
+                rid = request.request_id
+                fresh = rid not in self.holds and self.loop is not None and self.free_slots > request.keep_free
+                if fresh:
+                    self.holds[rid] = expiry
+                took |= fresh
+                out.append(pb.ReserveResponse(granted=rid in self.holds, free_slots=self.free_slots,
+                                              kv_address=self.kv_address))
+        if took:
             self.on_change()
-        return pb.ReserveResponse(granted=granted, free_slots=self.free_slots, kv_address=self.kv_address)
+        return out
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         with self._lock:

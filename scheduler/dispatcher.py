@@ -220,9 +220,7 @@ class Dispatcher:
             plans.append((cand, choice, under, self.headroom.keep_free(under, free, choice.free_slots)))
             choice.free_slots -= 1  # as if granted: the next candidates see it; the replies correct it
             running[cand.tenant] = running.get(cand.tenant, 0) + 1
-        # the round's reservations all at once (a worker answers them in order): one round trip
-        # for the round instead of one per request, so a request submitted meanwhile waits less
-        replies = await asyncio.gather(*(self._reserve(choice, cand, keep) for cand, choice, _, keep in plans))
+        replies = await self._reserve_round([(choice, cand, keep) for cand, choice, _, keep in plans])
         left: dict[str, int] = {}  # worker -> its own count of free slots after the round
         placed: list[tuple[Candidate, DecodeSlots, int, str]] = []
         for (cand, choice, under, _), (kv_address, worker_free) in zip(plans, replies):
@@ -301,20 +299,32 @@ class Dispatcher:
         self._served = {t: at for t, at in self._served.items() if at >= cutoff}
         return running, set(running) | queued | set(self._served)
 
-    async def _reserve(self, slots: DecodeSlots, cand: Candidate, keep_free: int = 0) -> tuple[str | None, int]:
-        """Reserves KV room, if more than `keep_free` slots are free on the worker. -> (None when
-        refused, else where the worker takes the hand-off over TCP, "" = PushKV only; the
-        worker's own count of free slots after the call, 0 when unreachable)."""
-        peer = self._peers[slots.worker_id]
-        try:
-            resp = await peer.stub.Reserve(pb.ReserveRequest(request_id=cand.request_id, tokens=cand.kv_tokens,
-                                                             keep_free=keep_free), timeout=2.0)
-        except grpc.aio.AioRpcError as exc:
-            log.warning("reserve on %s failed: %s", slots.address, exc.details())
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                peer.failed_hb = peer.heartbeat_ms
-            return None, 0
-        return (resp.kv_address if resp.granted else None), resp.free_slots
+    async def _reserve_round(self, wanted: list[tuple[DecodeSlots, Candidate, int]]) -> list[tuple[str | None, int]]:
+        """Reserves KV room for a round's requests: each on its worker if more than its
+        `keep_free` slots are free there. One call per worker for the round (ReserveMany, answered
+        in order), so a request submitted meanwhile waits for one reply, not one per request.
+        -> per item, in order: (None when refused, else where the worker takes the hand-off over
+        TCP, "" = PushKV only; the worker's own count of free slots after it, 0 when unreachable)."""
+        by_worker: dict[str, list[int]] = {}
+        for i, (slots, _, _) in enumerate(wanted):
+            by_worker.setdefault(slots.worker_id, []).append(i)
+        out: list[tuple[str | None, int]] = [(None, 0)] * len(wanted)
+
+        async def one(worker_id: str, indices: list[int]) -> None:
+            peer, address = self._peers[worker_id], wanted[indices[0]][0].address
+            items = [pb.ReserveRequest(request_id=wanted[i][1].request_id, tokens=wanted[i][1].kv_tokens,
+                                       keep_free=wanted[i][2]) for i in indices]
+            try:
+                resp = await peer.stub.ReserveMany(pb.ReserveManyRequest(items=items), timeout=2.0)
+            except grpc.aio.AioRpcError as exc:
+                log.warning("reserve on %s failed: %s", address, exc.details())
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    peer.failed_hb = peer.heartbeat_ms
+                return
+            for i, r in zip(indices, resp.items):
+                out[i] = (r.kv_address if r.granted else None), r.free_slots
+        await asyncio.gather(*(one(w, idx) for w, idx in by_worker.items()))
+        return out
 
     async def _release(self, slots: DecodeSlots, rid: str) -> None:
         try:

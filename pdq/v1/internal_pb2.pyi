@@ -123,6 +123,18 @@ class ReserveResponse(_message.Message):
     kv_address: str
     def __init__(self, granted: _Optional[bool] = ..., free_slots: _Optional[int] = ..., kv_address: _Optional[str] = ...) -> None: ...
 
+class ReserveManyRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ReserveRequest]
+    def __init__(self, items: _Optional[_Iterable[_Union[ReserveRequest, _Mapping]]] = ...) -> None: ...
+
+class ReserveManyResponse(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ReserveResponse]
+    def __init__(self, items: _Optional[_Iterable[_Union[ReserveResponse, _Mapping]]] = ...) -> None: ...
+
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "epoch")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -242,6 +242,11 @@ class DecodeWorkerStub:
                 request_serializer=pdq_dot_v1_dot_internal__pb2.ReserveRequest.SerializeToString,
                 response_deserializer=pdq_dot_v1_dot_internal__pb2.ReserveResponse.FromString,
                 _registered_method=True)
+        self.ReserveMany = channel.unary_unary(
+                '/pdq.v1.DecodeWorker/ReserveMany',
+                request_serializer=pdq_dot_v1_dot_internal__pb2.ReserveManyRequest.SerializeToString,
+                response_deserializer=pdq_dot_v1_dot_internal__pb2.ReserveManyResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/pdq.v1.DecodeWorker/Release',
                 request_serializer=pdq_dot_v1_dot_internal__pb2.ReleaseRequest.SerializeToString,
@@ -262,6 +267,16 @@ class DecodeWorkerServicer:
         """Reserves KV room for a request before its prefill starts, so a hand-off
         never arrives to a full pool. A reservation not used within the
         worker's reservation timeout is released by the worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReserveMany(self, request, context):
+        """Reserve for several requests in one call: each item is answered in order,
+        as its own Reserve would be after the items before it (a grant leaves one
+        free slot fewer for the next item's keep_free). The scheduler reserves a
+        dispatch round's requests on a worker with one call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -294,6 +309,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Reserve,
                     request_deserializer=pdq_dot_v1_dot_internal__pb2.ReserveRequest.FromString,
                     response_serializer=pdq_dot_v1_dot_internal__pb2.ReserveResponse.SerializeToString,
+            ),
+            'ReserveMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReserveMany,
+                    request_deserializer=pdq_dot_v1_dot_internal__pb2.ReserveManyRequest.FromString,
+                    response_serializer=pdq_dot_v1_dot_internal__pb2.ReserveManyResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -334,6 +354,33 @@ class DecodeWorker:
             '/pdq.v1.DecodeWorker/Reserve',
             pdq_dot_v1_dot_internal__pb2.ReserveRequest.SerializeToString,
             pdq_dot_v1_dot_internal__pb2.ReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReserveMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdq.v1.DecodeWorker/ReserveMany',
+            pdq_dot_v1_dot_internal__pb2.ReserveManyRequest.SerializeToString,
+            pdq_dot_v1_dot_internal__pb2.ReserveManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

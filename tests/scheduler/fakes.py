@@ -65,8 +65,8 @@ class FakeDecode(_Worker, pb_grpc.DecodeWorkerServicer):
     def __init__(self, store: RequestStore, worker_id: str, slots: int = 4, step_s: float = 0.005,
                  reservation_timeout_s: float = 2.0, reserve_s: float = 0.0):
         super().__init__(store, worker_id)
-        self.reserve_s = reserve_s  # each Reserve answers this much later (a busy worker)
-        self.reserving = self.max_reserving = 0  # Reserve calls in flight, and the most at once
+        self.reserve_s = reserve_s  # each Reserve(Many) answers this much later (a busy worker)
+        self.reserve_calls: list[int] = []  # the items of each Reserve(Many) call
         pb_grpc.add_DecodeWorkerServicer_to_server(self, self.server)
         self.slots = slots
         self.step_s = step_s
@@ -92,14 +92,13 @@ class FakeDecode(_Worker, pb_grpc.DecodeWorkerServicer):
         self.tasks.append(asyncio.create_task(self._loop()))
 
     async def Reserve(self, request, context):  # noqa: N802 (gRPC method names)
-        self.reserving += 1
-        self.max_reserving = max(self.max_reserving, self.reserving)
-        try:
-            if self.reserve_s:
-                await asyncio.sleep(self.reserve_s)  # the worker's latency, not a synchronization
-            return self._reserve(request)
-        finally:
-            self.reserving -= 1
+        return (await self.ReserveMany(pb.ReserveManyRequest(items=[request]), context)).items[0]
+
+    async def ReserveMany(self, request, context):  # noqa: N802
+        self.reserve_calls.append(len(request.items))
+        if self.reserve_s:
+            await asyncio.sleep(self.reserve_s)  # the worker's latency, not a synchronization
+        return pb.ReserveManyResponse(items=[self._reserve(r) for r in request.items])
 
     def _reserve(self, request) -> pb.ReserveResponse:
         self.expire()

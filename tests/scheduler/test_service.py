@@ -95,8 +95,8 @@ async def test_every_request_is_served_once_by_the_fake_workers(url, prefix):
 
 
 async def test_a_dispatch_round_reserves_its_slots_all_at_once(url, prefix):
-    """One round trip to a decode worker per round, not one per request: a request submitted
-    while a round places others waits for one reply, not for a reply per request."""
+    """One call to a decode worker per round (ReserveMany), not one per request: a request
+    submitted while a round places others waits for one reply, not for a reply per request."""
     async with harness(url, prefix, max_batch_size=6) as h:
         rids = [f"r{k}" for k in range(6)]
         for rid in rids:
@@ -104,7 +104,7 @@ async def test_a_dispatch_round_reserves_its_slots_all_at_once(url, prefix):
         workers = await h.start_workers(slots=8, reserve_s=0.05)
         await ended(h, rids)
         decode = next(iter(workers.decoders.values()))
-        assert decode.max_reserving == 6  # the whole round's reservations were in flight together
+        assert decode.reserve_calls == [6]  # the whole round's reservations in one call
         assert (await h.store.load()).get("n", 0) == 0
 
 

@@ -16,7 +16,7 @@ from gateway.server import GenerationService, rpc
 from gateway.validation import MAX_TIMEOUT_MS, invalid, shown
 from pdq import metrics
 from pdq.config import GatewayConfig
-from pdq.registry import WorkerInfo, live_workers, set_drained
+from pdq.registry import ROLES, WorkerInfo, live_workers, set_drained
 from pdq.request import State
 from pdq.serving import StatusError
 from pdq.store import RequestStore, TenantPolicy, now_ms
@@ -26,7 +26,6 @@ from pdq.v1 import operator_pb2_grpc as op_grpc
 NAME = re.compile(r"^[^\s\x00-\x1f]{1,128}$")  # tenant and worker names: 1..128 visible characters
 MAX_PAGE_SIZE = 1000
 DEFAULT_PAGE_SIZE = 100
-ROLES = ("prefill", "decode")
 
 
 def request_info(rec: dict) -> op_pb.RequestInfo:
@@ -97,10 +96,8 @@ class OperatorService(op_grpc.OperatorServicer):
         return await self.generation.resolve(self.admin(context), request_id)
 
     async def workers(self) -> list[WorkerInfo]:
-        out = []
-        for role in ROLES:
-            out += await live_workers(self.store.client, self.store.keys, role, self.config.worker_timeout_s)
-        return out
+        live = await live_workers(self.store, ROLES, self.config.worker_timeout_s)
+        return [w for role in ROLES for w in live[role]]
 
     # -- requests --------------------------------------------------------------------------
 

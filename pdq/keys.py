@@ -617,8 +617,25 @@ if #redis.call('ZREVRANGEBYSCORE', idx, top, '-inf', 'LIMIT', 0, 1) == 0 then re
 return {out, last}
 """
 
+# ARGV: prefix, cutoff (ms), role1, role2, ...
+# The registry in one round trip: per role, the workers that heartbeat at or after the cutoff,
+# each with its hash (empty once it expired); then the ids an operator drained.
+# -> {{{id, {field, value, ...}}, ...} per role..., {drained ids}}
+WORKERS = _LIB + """
+local out = {}
+for r = 3, #ARGV do
+  local rows = {}
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', key('workers', ARGV[r]), ARGV[2], '+inf')) do
+    rows[#rows + 1] = {id, redis.call('HGETALL', key('worker', id))}
+  end
+  out[#out + 1] = rows
+end
+out[#out + 1] = redis.call('SMEMBERS', key('drained'))
+return out
+"""
+
 SCRIPTS = {"submit": SUBMIT, "claim": CLAIM, "requeue": REQUEUE, "transition": TRANSITION,
            "step": STEP, "finish": FINISH, "expire_deadlines": EXPIRE_DEADLINES,
            "reap_worker": REAP_WORKER, "expire_leases": EXPIRE_LEASES, "snapshot": SNAPSHOT,
            "cancel_tenant": CANCEL_TENANT, "set_deadline": SET_DEADLINE,
-           "list_requests": LIST_REQUESTS}
+           "list_requests": LIST_REQUESTS, "workers": WORKERS}

@@ -11,7 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdq.keys import Keys
-from pdq.store import _str, _then, now_ms
+from pdq.store import RequestStore, _str, _then, now_ms
+
+
+ROLES = ("prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -70,27 +73,16 @@ def set_drained(client: Any, keys: Keys, worker_id: str, drained: bool) -> Any:
     return (client.sadd if drained else client.srem)(keys.drained, worker_id)
 
 
-def live_workers(client: Any, keys: Keys, role: str, timeout_s: float) -> Any:
-    """Workers of `role` that sent a heartbeat within timeout_s (async client)."""
-    async def run() -> list[WorkerInfo]:
-        cutoff = now_ms() - int(timeout_s * 1000)
-        ids = [_str(i) for i in await client.zrangebyscore(keys.workers(role), cutoff, "+inf")]
-        if not ids:
-            return []
-        pipe = client.pipeline(transaction=False)
-        pipe.smembers(keys.drained)
-        for wid in ids:
-            pipe.hgetall(keys.worker(wid))
-        drained, *raws = await pipe.execute()
-        drained = {_str(d) for d in drained}
-        out = []
-        for wid, raw in zip(ids, raws):
-            h = {_str(k): _str(v) for k, v in raw.items()}
-            if "address" not in h:
-                continue
-            out.append(WorkerInfo(worker_id=wid, role=role, address=h["address"],
+def live_workers(store: RequestStore, roles: tuple[str, ...], timeout_s: float) -> Any:
+    """The workers of each of `roles` that sent a heartbeat within timeout_s, in one round trip
+    (async store). -> {role: [WorkerInfo]}"""
+    def parse(got: tuple[dict[str, list[tuple[str, dict[str, str]]]], set[str]]) -> dict[str, list[WorkerInfo]]:
+        rows, drained = got
+        return {role: [WorkerInfo(worker_id=wid, role=role, address=h["address"],
                                   free_slots=int(h.get("free_slots", 0)), capacity=int(h.get("capacity", 0)),
-                                  running=int(h.get("running", 0)), draining=h.get("draining") == "1" or wid in drained,
-                                  heartbeat_ms=int(h.get("heartbeat_ms", 0))))
-        return out
-    return run()
+                                  running=int(h.get("running", 0)),
+                                  draining=h.get("draining") == "1" or wid in drained,
+                                  heartbeat_ms=int(h.get("heartbeat_ms", 0)))
+                       for wid, h in rows[role] if "address" in h]
+                for role in roles}
+    return _then(store.workers(roles, now_ms() - int(timeout_s * 1000)), parse)

@@ -290,6 +290,18 @@ class RequestStore:
         args = [now_ms(), max_attempts, self.result_ttl_s, limit]
         return _then(self._run("expire_leases", args), lambda r: (int(r[0]), int(r[1])))
 
+    def workers(self, roles: tuple[str, ...], cutoff_ms: int) -> Any:
+        """The registry in one round trip: the workers of each role that heartbeat at or after
+        cutoff_ms, and the ids an operator drained.
+        -> ({role: [(worker id, {field: value})]}, {drained ids})"""
+        def parse(raw: list) -> tuple[dict[str, list[tuple[str, dict[str, str]]]], set[str]]:
+            out = {}
+            for role, rows in zip(roles, raw):
+                out[role] = [(_str(wid), {_str(flat[i]): _str(flat[i + 1]) for i in range(0, len(flat), 2)})
+                             for wid, flat in rows]
+            return out, {_str(d) for d in raw[len(roles)]}
+        return _then(self._run("workers", [cutoff_ms, *roles]), parse)
+
     def load(self) -> Any:
         """Queued work: {"n": requests, "tokens": tokens, "n:{tenant}": ..., "tokens:{tenant}": ...},
         and "running", "running:{tenant}": requests claimed and not ended."""

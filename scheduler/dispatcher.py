@@ -19,7 +19,7 @@ import grpc
 
 from pdq import metrics, mtls, telemetry
 from pdq.config import SchedulerConfig
-from pdq.registry import WorkerInfo, live_workers
+from pdq.registry import ROLES, WorkerInfo, live_workers
 from pdq.serving import GRPC_OPTIONS
 from pdq.store import RequestStore, TenantBacklog, now_ms, spec_from_bytes
 from pdq.v1 import internal_pb2 as pb
@@ -174,16 +174,20 @@ class Dispatcher:
             finally:
                 await pubsub.aclose()
 
-    async def _workers(self, role: str) -> list[WorkerInfo]:
-        infos = await live_workers(self.store.client, self.store.keys, role, self.config.worker_timeout_s)
-        metrics.LIVE_WORKERS.labels(role).set(len(infos))
+    async def _workers(self) -> tuple[list[WorkerInfo], list[WorkerInfo]]:
+        """The prefill and the decode workers that may take work now (one Redis round trip)."""
+        live = await live_workers(self.store, ROLES, self.config.worker_timeout_s)
         out = []
-        for w in infos:
-            peer = self._peer(w)
-            peer.heartbeat_ms = w.heartbeat_ms
-            if not w.draining and w.heartbeat_ms > peer.failed_hb:
-                out.append(w)
-        return out
+        for role in ROLES:
+            metrics.LIVE_WORKERS.labels(role).set(len(live[role]))
+            usable = []
+            for w in live[role]:
+                peer = self._peer(w)
+                peer.heartbeat_ms = w.heartbeat_ms
+                if not w.draining and w.heartbeat_ms > peer.failed_hb:
+                    usable.append(w)
+            out.append(usable)
+        return out[0], out[1]
 
     async def dispatch_once(self) -> bool:
         """Sends at most one batch. -> True when a batch went out (call again)."""
@@ -191,8 +195,7 @@ class Dispatcher:
         batch, cut = await self.next_batch()  # first: an idle scheduler costs one Redis call per period
         if not batch:
             return False
-        prefill = await self._workers("prefill")
-        decode = await self._workers("decode")
+        prefill, decode = await self._workers()
         if not prefill or not decode:
             return False
         target_info = min(prefill, key=lambda w: (self._peers[w.worker_id].inflight, w.worker_id))
@@ -349,8 +352,7 @@ class Dispatcher:
         if time.monotonic() - self._depth_at < 1.0:
             return
         self._depth_at = time.monotonic()
-        for role in ("prefill", "decode"):  # refreshes the live worker gauges
-            await self._workers(role)
+        await self._workers()  # refreshes the live worker gauges
         client, keys = self.store.client, self.store.keys
         labels = []
         for tier in self.tiers:

@@ -18,12 +18,11 @@ from collections.abc import Callable
 
 from pdq import metrics
 from pdq.config import SchedulerConfig
-from pdq.registry import dead_workers, forget
+from pdq.registry import ROLES, dead_workers, forget
 from pdq.store import RequestStore, now_ms
 
 log = logging.getLogger("pdq.scheduler")
 
-ROLES = ("prefill", "decode")
 # Longest sleep between sweeps: a deadline set without a poke (another scheduler's submit)
 # is still enforced within this.
 MAX_SLEEP_S = 1.0

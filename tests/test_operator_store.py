@@ -86,15 +86,23 @@ def test_set_deadline_tells_the_workers(redis_server, redis_client, prefix):
 def test_an_operator_drain_survives_the_workers_heartbeats(redis_server, prefix):
     async def run():
         client = aioredis.Redis.from_url(redis_server.url)
-        keys = Keys(prefix)
+        store = RequestStore(client, prefix)
+        keys = store.keys
         info = WorkerInfo("d1", "decode", "127.0.0.1:1", free_slots=4, capacity=4)
+
+        async def draining() -> list[bool]:
+            live = await live_workers(store, ("prefill", "decode"), 10)
+            assert live["prefill"] == []
+            assert [(w.worker_id, w.address, w.free_slots, w.capacity) for w in live["decode"]] == [
+                ("d1", "127.0.0.1:1", 4, 4)]
+            return [w.draining for w in live["decode"]]
         try:
             await heartbeat(client, keys, info, 5)
             await set_drained(client, keys, "d1", True)
             await heartbeat(client, keys, info, 5)  # the worker says draining=False
-            assert [w.draining for w in await live_workers(client, keys, "decode", 10)] == [True]
+            assert await draining() == [True]
             await set_drained(client, keys, "d1", False)
-            assert [w.draining for w in await live_workers(client, keys, "decode", 10)] == [False]
+            assert await draining() == [False]
             await set_drained(client, keys, "d1", True)
             await forget(client, keys, "d1", "decode")  # reaped: the drain goes with it
             assert not await client.exists(keys.drained)

@@ -34,7 +34,8 @@ Layout (prefix `p`, default "pdq"):
                                  worker's own heartbeat never clears it; reaping the worker does)
   p:cancel                pubsub channel: ids of requests that just ended elsewhere (cancel, timeout,
                           failure; not a worker's own end in its step), for workers to drop
-  p:heartbeats            pubsub channel: ids of workers that just heartbeat (e.g. a KV slot freed)
+  p:heartbeats            pubsub channel: ids of workers that just heartbeat (e.g. a KV slot freed),
+                         while requests are queued
   p:deadline              pubsub channel: "{id} {deadline_ms}" when an operator moved a deadline
   p:queued                pubsub channel: ids of requests put back in the queue (a requeue), or ""
                           when an operator resumed a queue: wakes a scheduler whose queue was empty
@@ -617,6 +618,20 @@ if #redis.call('ZREVRANGEBYSCORE', idx, top, '-inf', 'LIMIT', 0, 1) == 0 then re
 return {out, last}
 """
 
+# ARGV: prefix, worker id, role, ttl (ms), now, field1, value1, ...
+# Registers or refreshes a worker: its facts, their expiry and its heartbeat time. It tells the
+# scheduler on the heartbeat channel only while requests are queued: a freed slot is news only
+# to queued work (with none, every such message woke the scheduler for nothing).
+HEARTBEAT = _LIB + """
+local wk, now = key('worker', ARGV[2]), ARGV[5]
+redis.call('HSET', wk, 'heartbeat_ms', now, unpack(ARGV, 6))
+redis.call('PEXPIRE', wk, ARGV[4])
+redis.call('ZADD', key('workers', ARGV[3]), now, ARGV[2])
+if num(redis.call('HGET', key('load'), 'n'), 0) > 0 then
+  redis.call('PUBLISH', key('heartbeats'), ARGV[2])
+end
+"""
+
 # ARGV: prefix, cutoff (ms), role1, role2, ...
 # The registry in one round trip: per role, the workers that heartbeat at or after the cutoff,
 # each with its hash (empty once it expired); then the ids an operator drained.
@@ -638,4 +653,4 @@ SCRIPTS = {"submit": SUBMIT, "claim": CLAIM, "requeue": REQUEUE, "transition": T
            "step": STEP, "finish": FINISH, "expire_deadlines": EXPIRE_DEADLINES,
            "reap_worker": REAP_WORKER, "expire_leases": EXPIRE_LEASES, "snapshot": SNAPSHOT,
            "cancel_tenant": CANCEL_TENANT, "set_deadline": SET_DEADLINE,
-           "list_requests": LIST_REQUESTS, "workers": WORKERS}
+           "list_requests": LIST_REQUESTS, "heartbeat": HEARTBEAT, "workers": WORKERS}

@@ -29,19 +29,13 @@ class WorkerInfo:
     heartbeat_ms: int = 0
 
 
-def heartbeat(client: Any, keys: Keys, info: WorkerInfo, ttl_s: float) -> Any:
-    """Registers or refreshes a worker (sync or async client) and tells the scheduler on the
-    heartbeat channel (a heartbeat on change is how it learns that a slot is free). Entries
-    expire after ttl_s."""
-    pipe = client.pipeline(transaction=True)
-    key = keys.worker(info.worker_id)
-    pipe.hset(key, mapping={"role": info.role, "address": info.address, "free_slots": info.free_slots,
-                            "capacity": info.capacity, "running": info.running,
-                            "draining": int(info.draining), "heartbeat_ms": now_ms()})
-    pipe.pexpire(key, int(ttl_s * 1000))
-    pipe.zadd(keys.workers(info.role), {info.worker_id: now_ms()})
-    pipe.publish(keys.heartbeat_channel, info.worker_id)
-    return pipe.execute()
+def heartbeat(store: RequestStore, info: WorkerInfo, ttl_s: float) -> Any:
+    """Registers or refreshes a worker (sync or async store), in one round trip, and tells the
+    scheduler on the heartbeat channel while requests are queued (a heartbeat on change is how
+    it learns that a slot is free). Entries expire after ttl_s."""
+    return store.heartbeat(info.worker_id, info.role, int(ttl_s * 1000),
+                           {"role": info.role, "address": info.address, "free_slots": info.free_slots,
+                            "capacity": info.capacity, "running": info.running, "draining": int(info.draining)})
 
 
 def deregister(client: Any, keys: Keys, worker_id: str, role: str) -> Any:

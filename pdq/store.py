@@ -290,6 +290,14 @@ class RequestStore:
         args = [now_ms(), max_attempts, self.result_ttl_s, limit]
         return _then(self._run("expire_leases", args), lambda r: (int(r[0]), int(r[1])))
 
+    def heartbeat(self, worker_id: str, role: str, ttl_ms: int, facts: dict[str, Any]) -> Any:
+        """Registers or refreshes a worker's registry entry (`facts`: its hash fields), expiring
+        after ttl_ms; tells the scheduler on the heartbeat channel while requests are queued."""
+        args: list[Any] = [worker_id, role, ttl_ms, now_ms()]
+        for name, value in facts.items():
+            args += [name, value]
+        return self._run("heartbeat", args)
+
     def workers(self, roles: tuple[str, ...], cutoff_ms: int) -> Any:
         """The registry in one round trip: the workers of each role that heartbeat at or after
         cutoff_ms, and the ids an operator drained.

@@ -216,6 +216,7 @@ class Heartbeat:
         self.keys = keys
         self.info = info
         self.client = aioredis.Redis.from_url(config.redis_url)
+        self.store = RequestStore(self.client, keys.prefix)
         self._poke = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopping = False
@@ -228,7 +229,7 @@ class Heartbeat:
         self._poke.set()
 
     async def _beat(self) -> None:
-        await heartbeat(self.client, self.keys, self.info(), ttl_s=max(3 * self.config.heartbeat_s, 5.0))
+        await heartbeat(self.store, self.info(), ttl_s=max(3 * self.config.heartbeat_s, 5.0))
 
     async def _run(self) -> None:
         while not self._stopping:

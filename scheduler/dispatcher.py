@@ -149,7 +149,7 @@ class Dispatcher:
         """Wakes the loop on a worker heartbeat while requests may be queued: a worker heartbeats
         when its free slots change, so a freed KV slot is used at once, not at the next poll.
         With the queue empty at the latest read and no poke since, a freed slot has nothing to
-        take. A request queued elsewhere (a worker's requeue) or a resumed queue (the queued
+        take (and with nothing queued in Redis the heartbeat is not published at all). A request queued elsewhere (a worker's requeue) or a resumed queue (the queued
         channel) pokes it. An operator's deadline change (the deadline channel) calls `on_deadline`."""
         keys = self.store.keys
         while not self._stopping:

@@ -83,6 +83,30 @@ def test_set_deadline_tells_the_workers(redis_server, redis_client, prefix):
         listener.close()
 
 
+def test_a_heartbeat_tells_the_scheduler_only_while_requests_are_queued(redis_client, prefix):
+    """The heartbeat channel wakes the dispatcher for queued work: with none queued a heartbeat
+    only refreshes the registry; with a request queued it is published."""
+    store = RequestStore(redis_client, prefix)
+    pubsub = redis_client.pubsub()
+    pubsub.subscribe(store.keys.heartbeat_channel)
+    assert pubsub.get_message(timeout=5.0)["type"] == "subscribe"
+    info = WorkerInfo("d1", "decode", "127.0.0.1:1", free_slots=3, capacity=4)
+    try:
+        heartbeat(store, info, 5)
+        assert redis_client.hget(store.keys.worker("d1"), "free_slots") == b"3"
+        assert redis_client.zscore(store.keys.workers("decode"), "d1") is not None
+        assert 0 < redis_client.pttl(store.keys.worker("d1")) <= 5000
+        store.submit(make_spec("r"))
+        heartbeat(store, info, 5)
+        redis_client.publish(store.keys.heartbeat_channel, "end")  # marks the end of what the beats sent
+        published = []
+        while not published or published[-1] != b"end":
+            published.append(pubsub.get_message(timeout=5.0)["data"])
+        assert published == [b"d1", b"end"]  # the second beat only
+    finally:
+        pubsub.close()
+
+
 def test_an_operator_drain_survives_the_workers_heartbeats(redis_server, prefix):
     async def run():
         client = aioredis.Redis.from_url(redis_server.url)
@@ -97,9 +121,9 @@ def test_an_operator_drain_survives_the_workers_heartbeats(redis_server, prefix)
                 ("d1", "127.0.0.1:1", 4, 4)]
             return [w.draining for w in live["decode"]]
         try:
-            await heartbeat(client, keys, info, 5)
+            await heartbeat(store, info, 5)
             await set_drained(client, keys, "d1", True)
-            await heartbeat(client, keys, info, 5)  # the worker says draining=False
+            await heartbeat(store, info, 5)  # the worker says draining=False
             assert await draining() == [True]
             await set_drained(client, keys, "d1", False)
             assert await draining() == [False]

@@ -41,7 +41,7 @@ class _Worker:
 
     async def _beat(self) -> None:
         while self.alive:
-            await heartbeat(self.store.client, self.store.keys, self.info(), ttl_s=5)
+            await heartbeat(self.store, self.info(), ttl_s=5)
             await asyncio.sleep(self.heartbeat_s)
 
     async def start(self) -> None:

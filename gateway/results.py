@@ -9,12 +9,15 @@ from pdq.request import FINISH_REASONS, State
 from pdq.store import RequestStore, _str
 from pdq.v1 import generation_pb2 as gen_pb
 
+# A request's usage and timing fields, in its record and (in this order) on its end entry.
+USAGE_FIELDS = ("created_ms", "prompt_tokens", "n_out", "dispatched_ms", "first_token_ms", "finished_ms")
+
 
 class Event:
     """One entry of a request's output stream: tokens from `index` on (index set), or the end
     (state set). An entry holds one token, or several a worker wrote at once (stream_interval)."""
 
-    __slots__ = ("index", "token_ids", "texts", "state", "reason", "error")
+    __slots__ = ("index", "token_ids", "texts", "state", "reason", "error", "usage")
 
     def __init__(self, fields: dict):
         f = {_str(k): v for k, v in fields.items()}
@@ -32,6 +35,8 @@ class Event:
         self.state = State(_str(f["done"])) if "done" in f else None
         self.reason = _str(f.get("r", ""))
         self.error = _str(f.get("e", ""))
+        # an end's usage fields (USAGE_FIELDS, in order), so that its reader needs no other read
+        self.usage = dict(zip(USAGE_FIELDS, _str(f["u"]).split(","))) if "u" in f else None
 
 
 async def follow(store: RequestStore, rid: str, wait_ms: int | None = None,
@@ -94,18 +99,18 @@ class Collected:
             self.end = event
 
 
-USAGE_FIELDS = ("created_ms", "prompt_tokens", "n_out", "dispatched_ms", "first_token_ms", "finished_ms")
-
-
-async def usage_and_timings(store: RequestStore, rid: str) -> tuple[gen_pb.Usage, gen_pb.Timings]:
-    rec = await store.record_fields(rid, USAGE_FIELDS)
-    created = float(rec.get("created_ms", 0))
+async def usage_and_timings(store: RequestStore, rid: str, end: Event | None = None
+                            ) -> tuple[gen_pb.Usage, gen_pb.Timings]:
+    """The request's usage and timings: from its end entry when that carries them (the stream's
+    `finish` writes them there), else from its record."""
+    rec = end.usage if end is not None and end.usage else await store.record_fields(rid, USAGE_FIELDS)
+    created = float(rec.get("created_ms") or 0)
 
     def since(name: str) -> float:
         value = rec.get(name)
         return float(value) - created if value else 0.0
 
-    usage = gen_pb.Usage(prompt_tokens=int(rec.get("prompt_tokens", 0)), completion_tokens=int(rec.get("n_out", 0)))
+    usage = gen_pb.Usage(prompt_tokens=int(rec.get("prompt_tokens") or 0), completion_tokens=int(rec.get("n_out") or 0))
     timings = gen_pb.Timings(queue_ms=since("dispatched_ms"), ttft_ms=since("first_token_ms"),
                              e2e_ms=since("finished_ms"))
     return usage, timings
@@ -115,7 +120,7 @@ async def response(store: RequestStore, rid: str, got: Collected) -> gen_pb.Gene
     out = gen_pb.GenerateResponse(request_id=rid, text="".join(got.text), token_ids=got.token_ids)
     if got.end is not None:
         out.finish_reason = FINISH_REASONS.get(got.end.reason, 0)
-        usage, timings = await usage_and_timings(store, rid)
+        usage, timings = await usage_and_timings(store, rid, got.end)
         out.usage.CopyFrom(usage)
         out.timings.CopyFrom(timings)
     return out

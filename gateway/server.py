@@ -204,7 +204,7 @@ class GenerationService(gen_grpc.GenerationServicer):
             if end is None and cancel_on_close:
                 await asyncio.shield(self.cancel_on_exit(rid, context))
         raise_for_end(end)
-        usage, timings = await usage_and_timings(self.store, rid)
+        usage, timings = await usage_and_timings(self.store, rid, end)
         note_usage(usage, end)
         yield gen_pb.GenerateStreamResponse(request_id=rid, finish_reason=FINISH_REASONS.get(end.reason, 0),
                                             usage=usage, timings=timings)

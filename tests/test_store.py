@@ -66,6 +66,29 @@ def test_claim_step_finish_and_stale_epochs(store):
     assert 0 < store.client.ttl(store.keys.request("r")) <= 60
 
 
+def test_an_end_entry_carries_the_usage_its_reader_would_read_from_the_record(store):
+    """The gateway answers a stream's end without another read: the end entry holds the
+    record's usage and timing fields, and they give the same Usage and Timings."""
+    import asyncio
+
+    from gateway.results import USAGE_FIELDS, Event, usage_and_timings
+    store.submit(make_spec("r"))
+    claim(store, "r", "w1")
+    store.step([StepItem("r", 1, 0, 7, "a")])
+    store.step([StepItem("r", 1, 1, 8, "b", State.COMPLETED, "length")])
+    end = Event(store.client.xrange(store.keys.output("r"))[-1][1])
+    assert end.state == State.COMPLETED
+    assert end.usage == store.record_fields("r", USAGE_FIELDS)
+    assert end.usage["n_out"] == "2" and end.usage["prompt_tokens"] == "3"
+
+    class Unread:  # the end's usage must not need the record
+        def record_fields(self, *_):
+            raise AssertionError("read the record")
+    usage, timings = asyncio.run(usage_and_timings(Unread(), "r", end))
+    assert (usage.prompt_tokens, usage.completion_tokens) == (3, 2)
+    assert timings.e2e_ms >= timings.ttft_ms >= timings.queue_ms >= 0
+
+
 def test_a_sent_step_applies_and_its_reply_reads_later(store):
     store.submit(make_spec("r"))
     claim(store, "r")

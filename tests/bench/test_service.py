@@ -1,5 +1,6 @@
 """The gRPC load generator against a fake gateway: what counts as a token, keys, errors, loops."""
 
+import socket
 import threading
 import time
 from concurrent import futures
@@ -105,6 +106,33 @@ def test_errors_are_recorded_not_raised(gateway):
     run = run_service(target, "x", "x", workload(3, first_id=13), Arrivals())
     assert run.requests[0].error == "RESOURCE_EXHAUSTED: queue full" and not run.requests[0].ok
     assert all(r.ok for r in run.requests[1:])
+
+
+def test_requests_leave_on_a_channel_connected_before_the_clock_starts(gateway, monkeypatch):
+    from pdq.bench import service
+    states = []
+    stream = service.AsyncClient.generate_stream
+
+    def noted(self, *args, **kwargs):
+        states.append(self.channel.get_state())
+        return stream(self, *args, **kwargs)
+    monkeypatch.setattr(service.AsyncClient, "generate_stream", noted)
+    _, target = gateway
+    run = run_service(target, "x", "x", workload(3), Arrivals())
+    assert all(r.ok for r in run.requests)
+    assert states == [grpc.ChannelConnectivity.READY] * 3
+
+
+def test_a_gateway_that_is_down_fails_each_request_soon(monkeypatch):
+    from pdq.bench import service
+    monkeypatch.setattr(service, "CONNECT_TIMEOUT_S", 0.2)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = time.monotonic()
+    run = run_service(f"127.0.0.1:{port}", "x", "x", workload(2), Arrivals(), timeout_s=30)
+    assert [r.error.split(":")[0] for r in run.requests] == ["UNAVAILABLE"] * 2
+    assert time.monotonic() - started < 10
 
 
 def test_closed_loop_keeps_concurrency(gateway):

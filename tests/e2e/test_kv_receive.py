@@ -167,3 +167,17 @@ async def test_a_reservation_that_must_keep_slots_free_is_refused_once_they_are_
         assert (await reserve("over-share-1", 1)).granted  # a request holding a slot keeps it
         last = await reserve("below-share", 0)
         assert last.granted and last.free_slots == 0 and service.free_slots == 0
+
+
+async def test_reserve_many_answers_in_order_as_one_reserve_per_item_would(redis_server, prefix):
+    """ReserveMany (a dispatch round's reservations in one call): each item sees the slots the
+    items before it took (2 slots here)."""
+    async with worker(redis_server, prefix) as (service, runner, stub, push):
+        items = [pb.ReserveRequest(request_id="a", tokens=10, keep_free=0),
+                 pb.ReserveRequest(request_id="b", tokens=10, keep_free=1),  # 1 free left: refused
+                 pb.ReserveRequest(request_id="a", tokens=10, keep_free=1),  # a holds one: kept
+                 pb.ReserveRequest(request_id="c", tokens=10, keep_free=0)]
+        got = (await stub.ReserveMany(pb.ReserveManyRequest(items=items), timeout=5)).items
+        assert [(r.granted, r.free_slots) for r in got] == [(True, 1), (False, 1), (True, 1), (True, 0)]
+        assert set(service.holds) == {"a", "c"} and service.free_slots == 0
+        assert not (await stub.ReserveMany(pb.ReserveManyRequest(items=items[1:2]), timeout=5)).items[0].granted

@@ -2,15 +2,71 @@
 
 ``IncrementalDetokenizer`` decodes a small window of ids (``prefix_offset``/``read_offset``,
 as vLLM and TGI do) so a token that ends inside a multi-byte character yields no text until
-the character is complete. ``StopChecker`` cuts the output before the first stop string.
+the character is complete. A tokenizer whose decoder is byte-level alone (GPT-2 style BPE, the
+built-in model's) takes a faster path: each id stands for fixed bytes (``byte_table``), fed to
+an incremental UTF-8 decoder, so a token costs the same however long the window of incomplete
+or invalid bytes has grown (a random model's output: the window could grow to the whole
+completion). ``StopChecker`` cuts the output before the first stop string.
 """
 
 from __future__ import annotations
 
-from tokenizers import Tokenizer
+import codecs
+import threading
+
+from tokenizers import Tokenizer, decoders
 
 PROMPT_CONTEXT_TOKENS = 5  # prompt ids kept as decoding context (vLLM uses 5 too)
 REPLACEMENT_CHAR = "\ufffd"
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: every byte as a printable character (what ByteLevel uses)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+_tables: dict[tuple[int, bool], tuple[Tokenizer, list[bytes] | None]] = {}
+_tables_lock = threading.Lock()
+
+
+def byte_table(tokenizer: Tokenizer, skip_special_tokens: bool = True) -> list[bytes] | None:
+    """The bytes each id decodes to, when the tokenizer's decoder is ByteLevel alone, so that
+    decoding ids is decoding the concatenation of their bytes as UTF-8 (invalid bytes as
+    U+FFFD); None otherwise. Checked once per tokenizer against its own decode of every id;
+    any difference: None (the windowed path)."""
+    key = (id(tokenizer), skip_special_tokens)
+    with _tables_lock:
+        got = _tables.get(key)
+        if got is None or got[0] is not tokenizer:
+            got = _tables[key] = (tokenizer, _build_byte_table(tokenizer, skip_special_tokens))
+    return got[1]
+
+
+def _build_byte_table(tokenizer: Tokenizer, skip_special_tokens: bool) -> list[bytes] | None:
+    if not isinstance(tokenizer.decoder, decoders.ByteLevel):
+        return None
+    to_byte = {c: b for b, c in _bytes_to_unicode().items()}
+    special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    table = []
+    for i in range(tokenizer.get_vocab_size(with_added_tokens=True)):
+        piece = tokenizer.id_to_token(i)
+        if piece is None or (skip_special_tokens and i in special):
+            table.append(b"")
+            continue
+        if any(c not in to_byte for c in piece):
+            return None
+        table.append(bytes(to_byte[c] for c in piece))
+        if table[i].decode("utf-8", "replace") != tokenizer.decode([i], skip_special_tokens=skip_special_tokens):
+            return None
+    return table
 
 
 class IncrementalDetokenizer:
@@ -30,6 +86,8 @@ class IncrementalDetokenizer:
         self.text = ""  # all text emitted so far (prompt excluded)
         self._ids = list(prompt_ids or [])[-PROMPT_CONTEXT_TOKENS:]  # ids from prefix_offset on
         self._read_offset = len(self._ids)  # ids before it have been emitted as text
+        self._bytes = byte_table(tokenizer, skip_special_tokens)  # the byte-level path, when it applies
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if self._bytes is not None else None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -47,6 +105,11 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Append one generated id; return the text it completes ("" if held back)."""
+        if self._utf8 is not None:
+            table = self._bytes
+            delta = self._utf8.decode(table[token_id] if 0 <= token_id < len(table) else b"")
+            self.text += delta
+            return delta
         self._ids.append(token_id)
         delta = self._delta()
         if not delta or delta.endswith(REPLACEMENT_CHAR):
@@ -55,6 +118,10 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Return text still held back (with U+FFFD for incomplete bytes); call at the end."""
+        if self._utf8 is not None:
+            delta = self._utf8.decode(b"", final=True)
+            self.text += delta
+            return delta
         return self._emit(self._delta()) if self._read_offset < len(self._ids) else ""
 
 

@@ -1,8 +1,23 @@
+import copy
+
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tokenizers import decoders
 
 from pdq.model import IncrementalDetokenizer, StopChecker
+from pdq.model import detokenizer as detokenizer_module
+
+
+@pytest.fixture(autouse=True, params=["bytes", "window"])
+def path(request, monkeypatch, tokenizer):
+    """Every detokenizer test runs on both paths: the byte-level one (the built-in tokenizer's)
+    and the windowed one (any other tokenizer's)."""
+    if request.param == "window":
+        monkeypatch.setattr(detokenizer_module, "byte_table", lambda *a, **k: None)
+    else:
+        assert detokenizer_module.byte_table(tokenizer) is not None
+    return request.param
 
 EMOJI_CJK = "🙂👍🏽🚀👨‍👩‍👧日本語中文文本한국어ñé€ "
 texts = st.text(alphabet=st.one_of(st.characters(codec="utf-8"), st.sampled_from(EMOJI_CJK)))
@@ -12,7 +27,7 @@ def stream(detok: IncrementalDetokenizer, ids: list[int]) -> list[str]:
     return [detok.add(i) for i in ids] + [detok.flush()]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(texts)
 def test_deltas_concatenate_to_the_decoded_text(tokenizer, text):
     ids = tokenizer.encode(text).ids
@@ -23,7 +38,7 @@ def test_deltas_concatenate_to_the_decoded_text(tokenizer, text):
         assert not any("\ufffd" in d for d in deltas)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.text(max_size=20), st.lists(st.integers(0, 4095), max_size=40))
 def test_random_ids_after_a_prompt_detokenize_like_a_full_decode(tokenizer, prompt, generated):
     """Gibberish from a random model: invalid UTF-8, special tokens, anything."""
@@ -51,6 +66,16 @@ def test_flush_emits_a_trailing_incomplete_character(tokenizer):
     assert detok.flush() == "\ufffd"
 
 
+def test_the_byte_level_path_is_only_for_a_byte_level_decoder_alone(tokenizer):
+    other = copy.deepcopy(tokenizer)
+    other.decoder = decoders.Sequence([decoders.ByteLevel()])  # decodes alike, but not ByteLevel alone
+    build = detokenizer_module._build_byte_table  # (what byte_table caches)
+    assert build(other, True) is None
+    table = build(tokenizer, True)
+    assert table is not None and table[1] == b"" and table[tokenizer.token_to_id("ð")] == b"\xf0"
+    assert build(tokenizer, False)[1] == b"</s>"
+
+
 def feed(checker: StopChecker, text: str, chunk: int) -> tuple[bool, str]:
     for end in range(chunk, len(text) + chunk, chunk):
         stopped, out = checker.check(text[:end])
@@ -70,7 +95,7 @@ def test_earliest_stop_string_wins():
     assert StopChecker(["lo w", "o"]).check("hello world") == (True, "hel")
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.text(alphabet="abc ", max_size=40), st.lists(st.text(alphabet="abc ", min_size=1, max_size=4), min_size=1,
        max_size=3), st.integers(1, 7))
 def test_streamed_check_equals_a_full_search_of_each_prefix(text, stop, chunk):

@@ -35,7 +35,7 @@ Layout (prefix `p`, default "pdq"):
   p:cancel                pubsub channel: ids of requests that just ended elsewhere (cancel, timeout,
                           failure; not a worker's own end in its step), for workers to drop
   p:heartbeats            pubsub channel: ids of workers that just heartbeat (e.g. a KV slot freed),
-                         while requests are queued
+                          while requests are queued
   p:deadline              pubsub channel: "{id} {deadline_ms}" when an operator moved a deadline
   p:queued                pubsub channel: ids of requests put back in the queue (a requeue), or ""
                           when an operator resumed a queue: wakes a scheduler whose queue was empty
@@ -267,15 +267,16 @@ end
 -- `quiet`: the worker ending it in its own step, the only one holding this attempt).
 local function finish(id, state, reason, err, now, ttl, quiet)
   local rk = key('req', id)
-  local h = redis.call('HMGET', rk, 'state', 'tier', 'tenant', 'cost')
+  -- h[5..9]: the usage fields its end entry carries (gateway.results.USAGE_FIELDS, in order)
+  local h = redis.call('HMGET', rk, 'state', 'tier', 'tenant', 'cost',
+                       'created_ms', 'prompt_tokens', 'n_out', 'dispatched_ms', 'first_token_ms')
   if h[1] == 'QUEUED' then unqueue(id, h[2], h[3], h[4]) end
   settle(rk, h[2], h[3])
   release(id, rk)
   redis.call('HSET', rk, 'state', state, 'finish_reason', reason, 'error', err, 'finished_ms', now)
   local ok = key('req', id, 'out')
-  local u = redis.call('HMGET', rk, 'created_ms', 'prompt_tokens', 'n_out', 'dispatched_ms', 'first_token_ms')
   redis.call('XADD', ok, '*', 'done', state, 'r', reason, 'e', err,
-             'u', table.concat({u[1] or '', u[2] or '', u[3] or '', u[4] or '', u[5] or '', now}, ','))
+             'u', table.concat({h[5] or '', h[6] or '', h[7] or '', h[8] or '', h[9] or '', now}, ','))
   redis.call('ZREM', key('deadlines'), id)
   redis.call('SREM', key('live', h[3]), id)
   unlist_later(id, h[3], now, ttl)

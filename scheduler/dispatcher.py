@@ -149,8 +149,9 @@ class Dispatcher:
         """Wakes the loop on a worker heartbeat while requests may be queued: a worker heartbeats
         when its free slots change, so a freed KV slot is used at once, not at the next poll.
         With the queue empty at the latest read and no poke since, a freed slot has nothing to
-        take (and with nothing queued in Redis the heartbeat is not published at all). A request queued elsewhere (a worker's requeue) or a resumed queue (the queued
-        channel) pokes it. An operator's deadline change (the deadline channel) calls `on_deadline`."""
+        take (and with nothing queued in Redis the heartbeat is not published at all). A request
+        queued elsewhere (a worker's requeue) or a resumed queue (the queued channel) pokes it.
+        An operator's deadline change (the deadline channel) calls `on_deadline`."""
         keys = self.store.keys
         while not self._stopping:
             pubsub = self.store.client.pubsub(ignore_subscribe_messages=True)
@@ -177,17 +178,17 @@ class Dispatcher:
     async def _workers(self) -> tuple[list[WorkerInfo], list[WorkerInfo]]:
         """The prefill and the decode workers that may take work now (one Redis round trip)."""
         live = await live_workers(self.store, ROLES, self.config.worker_timeout_s)
-        out = []
-        for role in ROLES:
+
+        def usable(role: str) -> list[WorkerInfo]:
             metrics.LIVE_WORKERS.labels(role).set(len(live[role]))
-            usable = []
+            out = []
             for w in live[role]:
                 peer = self._peer(w)
                 peer.heartbeat_ms = w.heartbeat_ms
                 if not w.draining and w.heartbeat_ms > peer.failed_hb:
-                    usable.append(w)
-            out.append(usable)
-        return out[0], out[1]
+                    out.append(w)
+            return out
+        return usable("prefill"), usable("decode")
 
     async def dispatch_once(self) -> bool:
         """Sends at most one batch. -> True when a batch went out (call again)."""

@@ -12,7 +12,7 @@ completion). ``StopChecker`` cuts the output before the first stop string.
 from __future__ import annotations
 
 import codecs
-import threading
+import functools
 
 from tokenizers import Tokenizer, decoders
 
@@ -33,23 +33,15 @@ def _bytes_to_unicode() -> dict[int, str]:
     return out
 
 
-_tables: dict[tuple[int, bool], tuple[Tokenizer, list[bytes] | None]] = {}
-_tables_lock = threading.Lock()
-
-
 def byte_table(tokenizer: Tokenizer, skip_special_tokens: bool = True) -> list[bytes] | None:
     """The bytes each id decodes to, when the tokenizer's decoder is ByteLevel alone, so that
     decoding ids is decoding the concatenation of their bytes as UTF-8 (invalid bytes as
     U+FFFD); None otherwise. Checked once per tokenizer against its own decode of every id;
     any difference: None (the windowed path)."""
-    key = (id(tokenizer), skip_special_tokens)
-    with _tables_lock:
-        got = _tables.get(key)
-        if got is None or got[0] is not tokenizer:
-            got = _tables[key] = (tokenizer, _build_byte_table(tokenizer, skip_special_tokens))
-    return got[1]
+    return _build_byte_table(tokenizer, skip_special_tokens)
 
 
+@functools.lru_cache(maxsize=None)  # per tokenizer (hashed by identity; a process has one or two)
 def _build_byte_table(tokenizer: Tokenizer, skip_special_tokens: bool) -> list[bytes] | None:
     if not isinstance(tokenizer.decoder, decoders.ByteLevel):
         return None

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import grpc
 
-from pdq.serving import StatusError
+from pdq.status import StatusError
 
 ROLES = ("client", "admin")
 OPEN_TENANT = "default"

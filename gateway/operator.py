@@ -18,7 +18,7 @@ from pdq import metrics
 from pdq.config import GatewayConfig
 from pdq.registry import ROLES, WorkerInfo, live_workers, set_drained
 from pdq.request import State
-from pdq.serving import StatusError
+from pdq.status import StatusError
 from pdq.store import RequestStore, TenantPolicy, now_ms
 from pdq.v1 import operator_pb2 as op_pb
 from pdq.v1 import operator_pb2_grpc as op_grpc

@@ -11,17 +11,17 @@ import uuid
 from pathlib import Path
 
 import grpc
-import redis.asyncio as aioredis
 
 from gateway.auth import KeyRing, Principal
 from gateway.follower import OutputFollower
 from gateway.results import Collected, follow, response, usage_and_timings
 from gateway.validation import REQUEST_ID, Limits, build_spec, check_request, shown
-from pdq import metrics, mtls, telemetry
+from pdq import metrics, mtls, redisconn, telemetry
 from pdq.config import GatewayConfig
 from pdq.model.tokenizer import load_tokenizer
 from pdq.request import FINISH_REASONS, STATUS_OF_STATE, State
-from pdq.serving import GRPC_OPTIONS, Server, StatusError, abort
+from pdq.serving import GRPC_OPTIONS, Server
+from pdq.status import StatusError, abort
 from pdq.store import RequestStore, TenantPolicy
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import generation_pb2_grpc as gen_grpc
@@ -317,7 +317,7 @@ def build_server(config: GatewayConfig) -> Server:
     keys = KeyRing.from_file(config.auth_file) if config.auth_file else KeyRing()
     if keys.open:
         log.warning("no --auth-file: running open, every caller is tenant 'default' with the admin role")
-    client = aioredis.Redis.from_url(config.redis_url, decode_responses=False)
+    client = config.redis()
     store = RequestStore(client, config.key_prefix)
     channel = mtls.aio_channel(config.scheduler_address, mtls.InternalTLS.from_config(config), GRPC_OPTIONS,
                                interceptors=telemetry.client_interceptors())
@@ -330,7 +330,7 @@ def build_server(config: GatewayConfig) -> Server:
 
     async def start() -> None:
         await client.ping()
-        reader = aioredis.Redis.from_url(config.redis_url, decode_responses=False, single_connection_client=True)
+        reader = redisconn.connect_async(config.redis_url, max_connections=1, outage_s=config.redis_outage_s)
         service.follower = OutputFollower(reader, client)
         for tenant, policy in keys.tenants.items():  # the key file's tenant policies, for the scheduler
             await store.set_tenant_policy(tenant, TenantPolicy(**policy))

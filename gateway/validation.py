@@ -10,7 +10,7 @@ import grpc
 
 from pdq.config import TIERS
 from pdq.request import MAX_STREAM_INTERVAL
-from pdq.serving import StatusError
+from pdq.status import StatusError
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import internal_pb2 as pb
 

@@ -86,6 +86,11 @@ class StoreConfig:
     """Where the shared state lives."""
 
     redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={"help": "Redis URL"})
+    redis_max_connections: int = field(default=64, metadata={"help": "most Redis connections of this process's pool "
+                                                                     "(a call finding all busy waits for one)"})
+    redis_outage_s: float = field(default=30.0, metadata={
+        "help": "a Redis outage up to this long is ridden through: commands are retried (backoff with jitter) and "
+                "requests wait; past it, calls fail UNAVAILABLE and a model loop takes its worker down to be restarted"})
     key_prefix: str = field(default="pdq", metadata={"help": "prefix of every Redis key"})
     tiers: str = field(default=",".join(TIERS), metadata={"help": "priority tiers, best first, comma-separated (the same on every role)"})
     max_attempts: int = field(default=3, metadata={"help": "attempts (worker failures, lost leases) before a request FAILS"})
@@ -105,6 +110,8 @@ class StoreConfig:
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
         _positive("max_attempts", self.max_attempts)
+        _positive("redis_max_connections", self.redis_max_connections)
+        _positive("redis_outage_s", self.redis_outage_s)
         _positive("worker_timeout_s", self.worker_timeout_s)
         names = self.tier_names
         if not names or len(set(names)) != len(names) or any(not n or any(c in n for c in " :{}") for n in names):
@@ -118,6 +125,13 @@ class StoreConfig:
         for name in ("port", "kv_port"):  # the listening ports of the role (kv_port: decode workers)
             if not 0 <= getattr(self, name, 0) <= 65535:
                 raise ValueError(f"{name} must be 0 (any free port) or 1..65535, got {getattr(self, name)}")
+
+    def redis(self, aio: bool = True) -> Any:
+        """A Redis client of this process (`pdq.redisconn`): bounded pool, outages ridden through."""
+        from pdq import redisconn
+
+        connect = redisconn.connect_async if aio else redisconn.connect
+        return connect(self.redis_url, max_connections=self.redis_max_connections, outage_s=self.redis_outage_s)
 
     @property
     def tier_names(self) -> list[str]:

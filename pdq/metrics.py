@@ -124,6 +124,8 @@ LIVE_WORKERS = Gauge("pdq_live_workers", "Workers with a fresh heartbeat.", ("ro
 
 RPC_STARTED = Counter("pdq_grpc_server_started", "RPCs started.", ("service", "method"))
 RPC_HANDLED = Counter("pdq_grpc_server_handled", "RPCs completed, by status code.", ("service", "method", "code"))
+RPC_UNEXPECTED = Counter("pdq_rpc_unexpected_errors", "RPCs that raised an unexpected error (a bug: logged with its "
+                         "traceback, answered UNAVAILABLE).", ("method",))
 RPC_SECONDS = Histogram("pdq_grpc_server_handling_seconds", "RPC duration (streams: until the last message).",
                         ("service", "method"), buckets=LATENCY_BUCKETS)
 

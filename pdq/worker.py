@@ -10,7 +10,6 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 import redis
-import redis.asyncio as aioredis
 
 from pdq.config import WorkerConfig
 from pdq.keys import Keys
@@ -215,7 +214,7 @@ class Heartbeat:
         self.config = config
         self.keys = keys
         self.info = info
-        self.client = aioredis.Redis.from_url(config.redis_url)
+        self.client = config.redis()
         self.store = RequestStore(self.client, keys.prefix)
         self._poke = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -276,4 +275,4 @@ async def reclaim_previous_life(store: RequestStore, worker_id: str, max_attempt
 
 
 def sync_store(config: WorkerConfig) -> RequestStore:
-    return RequestStore(redis.Redis.from_url(config.redis_url), config.key_prefix, config.result_ttl_s)
+    return RequestStore(config.redis(aio=False), config.key_prefix, config.result_ttl_s)

@@ -7,7 +7,6 @@ import logging
 import time
 
 import grpc
-import redis.asyncio as aioredis
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
@@ -112,7 +111,7 @@ def _explain(reason: str) -> str:
 
 def build_server(config: SchedulerConfig) -> Server:
     """Builds (does not start) the scheduler: gRPC server, Redis store, dispatcher, janitor."""
-    client = aioredis.Redis.from_url(config.redis_url, decode_responses=False)
+    client = config.redis()
     store = RequestStore(client, config.key_prefix, config.result_ttl_s)
     dispatcher = Dispatcher(config, store)
     janitor = Janitor(config, store, dispatcher.poke)

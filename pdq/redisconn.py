@@ -1,0 +1,173 @@
+"""Redis connections for every pdq process: bounded blocking pools that ride through outages.
+
+Contract of a client made by `connect()` (sync or asyncio):
+- At most `max_connections` connections; a command that finds them all busy waits for one
+  (up to the outage window) instead of failing, so a burst of calls queues rather than errors.
+- A command that meets a connection error (a broken pooled socket after a Redis restart, a
+  dropped connection, Redis down or still loading its AOF) reconnects and is sent again, with
+  exponential backoff and jitter (first retry at once, then up to 1 s apart), for up to
+  `outage_s` from its first failure; then the error is raised. A command may thus be applied
+  twice (the reply of the first was lost): every multi-key write of pdq is a Lua script that is
+  safe to repeat (pdq.keys says how each one is).
+- Idle connections are checked (PING) before reuse; a hung Redis fails a command after
+  SOCKET_TIMEOUT_S (then it is retried, as above).
+
+`unavailable(exc)` says whether an exception means "Redis cannot be reached now" (clients get
+UNAVAILABLE with a retry hint, loops back off and carry on); anything else from Redis is a bug.
+"""
+
+import asyncio
+import logging
+import random
+import threading
+import time
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
+
+log = logging.getLogger("pdq.redis")
+
+# What "Redis cannot be reached now" looks like (BusyLoadingError, LOADING after a restart, is a
+# ConnectionError; OSError: a socket error redis-py did not wrap).
+UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError, OSError)
+SOCKET_TIMEOUT_S = 10.0  # a command (or a blocking read beyond its block time) hung this long fails
+CONNECT_TIMEOUT_S = 2.0
+HEALTH_CHECK_INTERVAL_S = 15  # a connection idle this long is PINGed before use
+RETRY_BASE_S = 0.01
+RETRY_CAP_S = 1.0
+DEFAULT_MAX_CONNECTIONS = 64
+DEFAULT_OUTAGE_S = 30.0
+
+
+def unavailable(exc: BaseException) -> bool:
+    """Whether `exc` means Redis cannot be reached now (as opposed to a bug or bad data)."""
+    return isinstance(exc, UNAVAILABLE_ERRORS)
+
+
+class _Outages:
+    """Logs an outage once when it starts and once when it ends (per process), and keeps the
+    time of the last failure, for loops that must not read an outage as silence (e.g. missed
+    heartbeats)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.failing_since: float | None = None  # monotonic time of the first failure of the current outage
+        self.last_failure = 0.0
+
+    def failed(self, error: BaseException) -> None:
+        with self._lock:
+            now = time.monotonic()
+            self.last_failure = now
+            if self.failing_since is None:
+                self.failing_since = now
+                log.warning("Redis unreachable (%s); commands are retried", error)
+
+    def recovered(self) -> None:
+        if self.failing_since is None:
+            return
+        with self._lock:
+            if self.failing_since is not None:
+                log.warning("Redis reachable again after %.1f s", time.monotonic() - self.failing_since)
+                self.failing_since = None
+
+
+OUTAGES = _Outages()
+
+
+def _delay(backoff: ExponentialWithJitterBackoff, failures: int, left: float) -> float:
+    return max(0.0, min(left, backoff.compute(failures - 1) if failures > 1 else 0.0))
+
+
+class RideRetry(Retry):
+    """redis-py's Retry bounded by time instead of a count: retries a failed command for up to
+    `outage_s` from its first failure (the first retry at once: a broken pooled socket)."""
+
+    def __init__(self, outage_s: float):
+        super().__init__(ExponentialWithJitterBackoff(base=RETRY_BASE_S, cap=RETRY_CAP_S), -1,
+                         supported_errors=(redis.ConnectionError, redis.TimeoutError, OSError))
+        self.outage_s = outage_s
+
+    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
+        failures, first = 0, None
+        while True:
+            try:
+                result = do()
+                if failures:
+                    OUTAGES.recovered()
+                return result
+            except self._supported_errors as error:
+                if is_retryable and not is_retryable(error):
+                    raise
+                failures += 1
+                fail(error, failures) if with_failure_count else fail(error)
+                now = time.monotonic()
+                first = first or now
+                left = self.outage_s - (now - first)
+                if left <= 0:
+                    raise
+                if failures > 1:
+                    OUTAGES.failed(error)
+                time.sleep(_delay(self._backoff, failures, left))
+
+
+class AsyncRideRetry(AsyncRetry):
+    """`RideRetry` for redis.asyncio clients."""
+
+    def __init__(self, outage_s: float):
+        super().__init__(ExponentialWithJitterBackoff(base=RETRY_BASE_S, cap=RETRY_CAP_S), -1,
+                         supported_errors=(redis.ConnectionError, redis.TimeoutError, OSError))
+        self.outage_s = outage_s
+
+    async def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
+        failures, first = 0, None
+        while True:
+            try:
+                result = await do()
+                if failures:
+                    OUTAGES.recovered()
+                return result
+            except self._supported_errors as error:
+                if is_retryable and not is_retryable(error):
+                    raise
+                failures += 1
+                await (fail(error, failures) if with_failure_count else fail(error))
+                now = time.monotonic()
+                first = first or now
+                left = self.outage_s - (now - first)
+                if left <= 0:
+                    raise
+                if failures > 1:
+                    OUTAGES.failed(error)
+                await asyncio.sleep(_delay(self._backoff, failures, left))
+
+
+def _pool_kwargs(max_connections: int, outage_s: float, socket_timeout: float | None) -> dict[str, Any]:
+    return dict(max_connections=max_connections, timeout=outage_s, socket_timeout=socket_timeout,
+                socket_connect_timeout=CONNECT_TIMEOUT_S, socket_keepalive=True,
+                health_check_interval=HEALTH_CHECK_INTERVAL_S)
+
+
+def connect(url: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS, outage_s: float = DEFAULT_OUTAGE_S,
+            socket_timeout: float | None = SOCKET_TIMEOUT_S) -> redis.Redis:
+    """A sync client (for model threads) under the contract above. Responses stay bytes."""
+    pool = redis.BlockingConnectionPool.from_url(url, retry=RideRetry(outage_s),
+                                                 **_pool_kwargs(max_connections, outage_s, socket_timeout))
+    return redis.Redis.from_pool(pool)
+
+
+def connect_async(url: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS, outage_s: float = DEFAULT_OUTAGE_S,
+                  socket_timeout: float | None = SOCKET_TIMEOUT_S) -> aioredis.Redis:
+    """An asyncio client under the contract above. Responses stay bytes."""
+    pool = aioredis.BlockingConnectionPool.from_url(url, retry=AsyncRideRetry(outage_s),
+                                                    **_pool_kwargs(max_connections, outage_s, socket_timeout))
+    return aioredis.Redis.from_pool(pool)
+
+
+def backoff_s(failures: int, cap_s: float = 5.0, base_s: float = 0.05) -> float:
+    """How long a loop waits after its `failures`-th failure in a row: exponential with full
+    jitter, capped. For loops that do their own retrying (a pub/sub listener, a model loop)."""
+    return random.uniform(0, min(cap_s, base_s * 2 ** min(failures, 20)))

@@ -122,6 +122,12 @@ LIVE_WORKERS = Gauge("pdq_live_workers", "Workers with a fresh heartbeat.", ("ro
 
 # -- gRPC (every process) -----------------------------------------------------------------------
 
+LOOP_ALIVE = Gauge("pdq_loop_alive", "1 while a long-lived loop runs (model loops, listeners, follower, dispatcher, "
+                   "janitor, heartbeats); 0 once it stopped or gave up.", ("loop",))
+LOOP_PROGRESS = Gauge("pdq_loop_last_progress_timestamp_seconds", "When a long-lived loop last completed a round "
+                      "(Unix seconds): a stale value with pdq_loop_alive 1 is a stuck loop.", ("loop",))
+LOOP_ERRORS = Counter("pdq_loop_errors", "Errors a long-lived loop met and rode through (logged, backed off, "
+                      "resumed).", ("loop",))
 RPC_STARTED = Counter("pdq_grpc_server_started", "RPCs started.", ("service", "method"))
 RPC_HANDLED = Counter("pdq_grpc_server_handled", "RPCs completed, by status code.", ("service", "method", "code"))
 RPC_UNEXPECTED = Counter("pdq_rpc_unexpected_errors", "RPCs that raised an unexpected error (a bug: logged with its "

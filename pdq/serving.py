@@ -11,6 +11,7 @@ import redis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdq import liveness
 from pdq.mtls import InternalTLS
 from pdq.rpc_guard import GuardInterceptor
 
@@ -84,12 +85,23 @@ class Server:
         await self.grpc.stop(grace_s)
 
 
-async def run_until_signal(server: Server, grace_s: float, ready: Callable[[], Any] | None = None) -> None:
-    """Starts the server and serves until SIGINT/SIGTERM, then stops gracefully."""
+async def run_until_signal(server: Server, grace_s: float, ready: Callable[[], Any] | None = None) -> int:
+    """Starts the server and serves until SIGINT/SIGTERM, or until a loop it needs cannot go on
+    (`pdq.liveness.fatal`), then stops gracefully. -> the exit status: 0, or 1 after a fatal."""
     stop = asyncio.Event()
+    failed: list[str] = []
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+
+    def on_fatal(reason: str) -> None:  # from any thread
+        def now() -> None:
+            failed.append(reason)
+            server.ready = False
+            stop.set()
+        loop.call_soon_threadsafe(now)
+
+    liveness.on_fatal(on_fatal)
     try:
         await server.start()
     except BaseException:  # e.g. Redis unreachable: close the port before the error goes up
@@ -98,8 +110,11 @@ async def run_until_signal(server: Server, grace_s: float, ready: Callable[[], A
     if ready:
         ready()
     await stop.wait()
+    if failed:
+        log.critical("stopping: %s", failed[0])
     log.info("stopping (grace %.1fs)", grace_s)
     await server.stop(grace_s)
+    return 1 if failed else 0
 
 
 def setup_logging(role: str) -> None:
@@ -135,13 +150,13 @@ def run_service(role: str, config_cls: type, build_server: Callable[[Any], Serve
     telemetry.setup(role, getattr(config, "worker_id", "") or "")
     metrics.serve(config.metrics_port, config.host)
 
-    async def run() -> None:
+    async def run() -> int:
         server = build_server(config)
-        await run_until_signal(server, config.grace_s,
-                               lambda: log.info("%s serving on %s:%d", role, config.host, server.port))
+        return await run_until_signal(server, config.grace_s,
+                                      lambda: log.info("%s serving on %s:%d", role, config.host, server.port))
 
     try:
-        asyncio.run(run())
+        code = asyncio.run(run())
     except redis.exceptions.ConnectionError as exc:  # at start: say what to fix, not a traceback
         log.error("%s cannot reach Redis at %s: %s (set --redis-url or PDQ_REDIS_URL)",
                   role, redact(config.redis_url), exc)
@@ -149,3 +164,5 @@ def run_service(role: str, config_cls: type, build_server: Callable[[Any], Serve
     finally:
         telemetry.shutdown()  # export the spans still buffered
         metrics.stop()
+    if code:
+        raise SystemExit(code)

@@ -143,18 +143,20 @@ class GetResultRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class GetResultResponse(_message.Message):
-    __slots__ = ("request_id", "state", "done", "result", "error")
+    __slots__ = ("request_id", "state", "done", "result", "error", "client_request_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     state: str
     done: bool
     result: GenerateResponse
     error: str
-    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[str] = ..., done: _Optional[bool] = ..., result: _Optional[_Union[GenerateResponse, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    client_request_id: str
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[str] = ..., done: _Optional[bool] = ..., result: _Optional[_Union[GenerateResponse, _Mapping]] = ..., error: _Optional[str] = ..., client_request_id: _Optional[str] = ...) -> None: ...
 
 class StreamResultRequest(_message.Message):
     __slots__ = ("request_id", "offset")

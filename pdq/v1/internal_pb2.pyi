@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RequestSpec(_message.Message):
-    __slots__ = ("request_id", "tenant", "tier", "prompt_token_ids", "sampling", "arrival_ms", "deadline_ms", "traceparent", "stream_interval")
+    __slots__ = ("request_id", "tenant", "tier", "prompt_token_ids", "sampling", "arrival_ms", "deadline_ms", "traceparent", "stream_interval", "content_hash", "client_request_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,8 @@ class RequestSpec(_message.Message):
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
     tier: str
@@ -27,7 +29,9 @@ class RequestSpec(_message.Message):
     deadline_ms: int
     traceparent: str
     stream_interval: int
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., tier: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., arrival_ms: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., traceparent: _Optional[str] = ..., stream_interval: _Optional[int] = ...) -> None: ...
+    content_hash: str
+    client_request_id: str
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., tier: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., arrival_ms: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., traceparent: _Optional[str] = ..., stream_interval: _Optional[int] = ..., content_hash: _Optional[str] = ..., client_request_id: _Optional[str] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
     __slots__ = ("spec", "idempotency_key")

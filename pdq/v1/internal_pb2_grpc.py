@@ -53,7 +53,9 @@ class SchedulerServicer:
 
     def Submit(self, request, context):
         """Accepts a request: writes it to Redis and queues it. Idempotent on
-        request_id. Errors: RESOURCE_EXHAUSTED when the queue is full.
+        request_id. Errors: RESOURCE_EXHAUSTED when the queue is full;
+        ALREADY_EXISTS when the idempotency key names a request with another
+        content_hash.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

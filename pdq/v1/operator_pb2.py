@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15pdq/v1/operator.proto\x12\x06pdq.v1\"+\n\x15OperatorCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\'\n\x16OperatorCancelResponse\x12\r\n\x05state\x18\x01 \x01(\t\"%\n\x13\x43\x61ncelTenantRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\")\n\x14\x43\x61ncelTenantResponse\x12\x11\n\tcancelled\x18\x01 \x01(\r\"<\n\x12SetDeadlineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ntimeout_ms\x18\x02 \x01(\x04\"\'\n\x11GetRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xe4\x02\n\x0bRequestInfo\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0c\n\x04tier\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x15\n\routput_tokens\x18\x07 \x01(\r\x12\x12\n\ncreated_ms\x18\x08 \x01(\x03\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\t \x01(\x03\x12\x15\n\rdispatched_ms\x18\n \x01(\x03\x12\x16\n\x0e\x66irst_token_ms\x18\x0b \x01(\x03\x12\x13\n\x0b\x66inished_ms\x18\x0c \x01(\x03\x12\x16\n\x0eprefill_worker\x18\r \x01(\t\x12\x15\n\rdecode_worker\x18\x0e \x01(\t\x12\x10\n\x08\x61ttempts\x18\x0f \x01(\r\x12\x15\n\rfinish_reason\x18\x10 \x01(\t\x12\r\n\x05\x65rror\x18\x11 \x01(\t\"i\n\x13ListRequestsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0c\n\x04tier\x18\x03 \x01(\t\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x12\n\npage_token\x18\x05 \x01(\t\"V\n\x14ListRequestsResponse\x12%\n\x08requests\x18\x01 \x03(\x0b\x32\x13.pdq.v1.RequestInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x14\n\x12ListWorkersRequest\"\x9d\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x12\n\nfree_slots\x18\x04 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x05 \x01(\r\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x14\n\x0cheartbeat_ms\x18\x08 \x01(\x03\":\n\x13ListWorkersResponse\x12#\n\x07workers\x18\x01 \x03(\x0b\x32\x12.pdq.v1.WorkerInfo\"\'\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"1\n\x11PauseQueueRequest\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"B\n\x12PauseQueueResponse\x12\x14\n\x0cpaused_tiers\x18\x01 \x03(\t\x12\x16\n\x0epaused_tenants\x18\x02 \x03(\t\"k\n\x0cTenantPolicy\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12\x0c\n\x04tier\x18\x03 \x01(\t\x12\x12\n\nmax_queued\x18\x04 \x01(\r\x12\x19\n\x11max_queued_tokens\x18\x05 \x01(\x04\"\x14\n\x12ListTenantsRequest\"<\n\x13ListTenantsResponse\x12%\n\x07tenants\x18\x01 \x03(\x0b\x32\x14.pdq.v1.TenantPolicy\"\x11\n\x0fGetStatsRequest\"L\n\nQueueDepth\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x10\n\x08requests\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x01(\x04\"\x99\x01\n\x05Stats\x12\"\n\x06queues\x18\x01 \x03(\x0b\x32\x12.pdq.v1.QueueDepth\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x15\n\rkv_slots_used\x18\x03 \x01(\r\x12\x16\n\x0ekv_slots_total\x18\x04 \x01(\r\x12\x14\n\x0cpaused_tiers\x18\x05 \x03(\t\x12\x16\n\x0epaused_tenants\x18\x06 \x03(\t2\xfc\x06\n\x08Operator\x12N\n\rCancelRequest\x12\x1d.pdq.v1.OperatorCancelRequest\x1a\x1e.pdq.v1.OperatorCancelResponse\x12I\n\x0c\x43\x61ncelTenant\x12\x1b.pdq.v1.CancelTenantRequest\x1a\x1c.pdq.v1.CancelTenantResponse\x12>\n\x0bSetDeadline\x12\x1a.pdq.v1.SetDeadlineRequest\x1a\x13.pdq.v1.RequestInfo\x12<\n\nGetRequest\x12\x19.pdq.v1.GetRequestRequest\x1a\x13.pdq.v1.RequestInfo\x12I\n\x0cListRequests\x12\x1b.pdq.v1.ListRequestsRequest\x1a\x1c.pdq.v1.ListRequestsResponse\x12\x46\n\x0bListWorkers\x12\x1a.pdq.v1.ListWorkersRequest\x1a\x1b.pdq.v1.ListWorkersResponse\x12=\n\x0b\x44rainWorker\x12\x1a.pdq.v1.DrainWorkerRequest\x1a\x12.pdq.v1.WorkerInfo\x12?\n\rUndrainWorker\x12\x1a.pdq.v1.DrainWorkerRequest\x1a\x12.pdq.v1.WorkerInfo\x12\x43\n\nPauseQueue\x12\x19.pdq.v1.PauseQueueRequest\x1a\x1a.pdq.v1.PauseQueueResponse\x12\x44\n\x0bResumeQueue\x12\x19.pdq.v1.PauseQueueRequest\x1a\x1a.pdq.v1.PauseQueueResponse\x12=\n\x0fSetTenantPolicy\x12\x14.pdq.v1.TenantPolicy\x1a\x14.pdq.v1.TenantPolicy\x12\x46\n\x0bListTenants\x12\x1a.pdq.v1.ListTenantsRequest\x1a\x1b.pdq.v1.ListTenantsResponse\x12\x32\n\x08GetStats\x12\x17.pdq.v1.GetStatsRequest\x1a\r.pdq.v1.StatsB\x1a\n\ndev.pdq.v1Z\x0cpdq/v1;pdqv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15pdq/v1/operator.proto\x12\x06pdq.v1\"+\n\x15OperatorCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\'\n\x16OperatorCancelResponse\x12\r\n\x05state\x18\x01 \x01(\t\"%\n\x13\x43\x61ncelTenantRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\")\n\x14\x43\x61ncelTenantResponse\x12\x11\n\tcancelled\x18\x01 \x01(\r\"<\n\x12SetDeadlineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ntimeout_ms\x18\x02 \x01(\x04\"\'\n\x11GetRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x96\x03\n\x0bRequestInfo\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0c\n\x04tier\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x15\n\routput_tokens\x18\x07 \x01(\r\x12\x12\n\ncreated_ms\x18\x08 \x01(\x03\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\t \x01(\x03\x12\x15\n\rdispatched_ms\x18\n \x01(\x03\x12\x16\n\x0e\x66irst_token_ms\x18\x0b \x01(\x03\x12\x13\n\x0b\x66inished_ms\x18\x0c \x01(\x03\x12\x16\n\x0eprefill_worker\x18\r \x01(\t\x12\x15\n\rdecode_worker\x18\x0e \x01(\t\x12\x10\n\x08\x61ttempts\x18\x0f \x01(\r\x12\x15\n\rfinish_reason\x18\x10 \x01(\t\x12\r\n\x05\x65rror\x18\x11 \x01(\t\x12\x19\n\x11\x63lient_request_id\x18\x12 \x01(\t\x12\x15\n\rlost_attempts\x18\x13 \x01(\r\"i\n\x13ListRequestsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0c\n\x04tier\x18\x03 \x01(\t\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x12\n\npage_token\x18\x05 \x01(\t\"V\n\x14ListRequestsResponse\x12%\n\x08requests\x18\x01 \x03(\x0b\x32\x13.pdq.v1.RequestInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x14\n\x12ListWorkersRequest\"\xd6\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x12\n\nfree_slots\x18\x04 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x05 \x01(\r\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x14\n\x0cheartbeat_ms\x18\x08 \x01(\x03\x12\x1c\n\x14quarantined_until_ms\x18\t \x01(\x03\x12\x19\n\x11quarantine_reason\x18\n \x01(\t\":\n\x13ListWorkersResponse\x12#\n\x07workers\x18\x01 \x03(\x0b\x32\x12.pdq.v1.WorkerInfo\"\'\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"1\n\x11PauseQueueRequest\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"B\n\x12PauseQueueResponse\x12\x14\n\x0cpaused_tiers\x18\x01 \x03(\t\x12\x16\n\x0epaused_tenants\x18\x02 \x03(\t\"k\n\x0cTenantPolicy\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12\x0c\n\x04tier\x18\x03 \x01(\t\x12\x12\n\nmax_queued\x18\x04 \x01(\r\x12\x19\n\x11max_queued_tokens\x18\x05 \x01(\x04\"\x14\n\x12ListTenantsRequest\"<\n\x13ListTenantsResponse\x12%\n\x07tenants\x18\x01 \x03(\x0b\x32\x14.pdq.v1.TenantPolicy\"\x11\n\x0fGetStatsRequest\"L\n\nQueueDepth\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x10\n\x08requests\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x01(\x04\"\x99\x01\n\x05Stats\x12\"\n\x06queues\x18\x01 \x03(\x0b\x32\x12.pdq.v1.QueueDepth\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x15\n\rkv_slots_used\x18\x03 \x01(\r\x12\x16\n\x0ekv_slots_total\x18\x04 \x01(\r\x12\x14\n\x0cpaused_tiers\x18\x05 \x03(\t\x12\x16\n\x0epaused_tenants\x18\x06 \x03(\t2\xfc\x06\n\x08Operator\x12N\n\rCancelRequest\x12\x1d.pdq.v1.OperatorCancelRequest\x1a\x1e.pdq.v1.OperatorCancelResponse\x12I\n\x0c\x43\x61ncelTenant\x12\x1b.pdq.v1.CancelTenantRequest\x1a\x1c.pdq.v1.CancelTenantResponse\x12>\n\x0bSetDeadline\x12\x1a.pdq.v1.SetDeadlineRequest\x1a\x13.pdq.v1.RequestInfo\x12<\n\nGetRequest\x12\x19.pdq.v1.GetRequestRequest\x1a\x13.pdq.v1.RequestInfo\x12I\n\x0cListRequests\x12\x1b.pdq.v1.ListRequestsRequest\x1a\x1c.pdq.v1.ListRequestsResponse\x12\x46\n\x0bListWorkers\x12\x1a.pdq.v1.ListWorkersRequest\x1a\x1b.pdq.v1.ListWorkersResponse\x12=\n\x0b\x44rainWorker\x12\x1a.pdq.v1.DrainWorkerRequest\x1a\x12.pdq.v1.WorkerInfo\x12?\n\rUndrainWorker\x12\x1a.pdq.v1.DrainWorkerRequest\x1a\x12.pdq.v1.WorkerInfo\x12\x43\n\nPauseQueue\x12\x19.pdq.v1.PauseQueueRequest\x1a\x1a.pdq.v1.PauseQueueResponse\x12\x44\n\x0bResumeQueue\x12\x19.pdq.v1.PauseQueueRequest\x1a\x1a.pdq.v1.PauseQueueResponse\x12=\n\x0fSetTenantPolicy\x12\x14.pdq.v1.TenantPolicy\x1a\x14.pdq.v1.TenantPolicy\x12\x46\n\x0bListTenants\x12\x1a.pdq.v1.ListTenantsRequest\x1a\x1b.pdq.v1.ListTenantsResponse\x12\x32\n\x08GetStats\x12\x17.pdq.v1.GetStatsRequest\x1a\r.pdq.v1.StatsB\x1a\n\ndev.pdq.v1Z\x0cpdq/v1;pdqv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,35 +45,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETREQUESTREQUEST']._serialized_start=263
   _globals['_GETREQUESTREQUEST']._serialized_end=302
   _globals['_REQUESTINFO']._serialized_start=305
-  _globals['_REQUESTINFO']._serialized_end=661
-  _globals['_LISTREQUESTSREQUEST']._serialized_start=663
-  _globals['_LISTREQUESTSREQUEST']._serialized_end=768
-  _globals['_LISTREQUESTSRESPONSE']._serialized_start=770
-  _globals['_LISTREQUESTSRESPONSE']._serialized_end=856
-  _globals['_LISTWORKERSREQUEST']._serialized_start=858
-  _globals['_LISTWORKERSREQUEST']._serialized_end=878
-  _globals['_WORKERINFO']._serialized_start=881
-  _globals['_WORKERINFO']._serialized_end=1038
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1040
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1098
-  _globals['_DRAINWORKERREQUEST']._serialized_start=1100
-  _globals['_DRAINWORKERREQUEST']._serialized_end=1139
-  _globals['_PAUSEQUEUEREQUEST']._serialized_start=1141
-  _globals['_PAUSEQUEUEREQUEST']._serialized_end=1190
-  _globals['_PAUSEQUEUERESPONSE']._serialized_start=1192
-  _globals['_PAUSEQUEUERESPONSE']._serialized_end=1258
-  _globals['_TENANTPOLICY']._serialized_start=1260
-  _globals['_TENANTPOLICY']._serialized_end=1367
-  _globals['_LISTTENANTSREQUEST']._serialized_start=1369
-  _globals['_LISTTENANTSREQUEST']._serialized_end=1389
-  _globals['_LISTTENANTSRESPONSE']._serialized_start=1391
-  _globals['_LISTTENANTSRESPONSE']._serialized_end=1451
-  _globals['_GETSTATSREQUEST']._serialized_start=1453
-  _globals['_GETSTATSREQUEST']._serialized_end=1470
-  _globals['_QUEUEDEPTH']._serialized_start=1472
-  _globals['_QUEUEDEPTH']._serialized_end=1548
-  _globals['_STATS']._serialized_start=1551
-  _globals['_STATS']._serialized_end=1704
-  _globals['_OPERATOR']._serialized_start=1707
-  _globals['_OPERATOR']._serialized_end=2599
+  _globals['_REQUESTINFO']._serialized_end=711
+  _globals['_LISTREQUESTSREQUEST']._serialized_start=713
+  _globals['_LISTREQUESTSREQUEST']._serialized_end=818
+  _globals['_LISTREQUESTSRESPONSE']._serialized_start=820
+  _globals['_LISTREQUESTSRESPONSE']._serialized_end=906
+  _globals['_LISTWORKERSREQUEST']._serialized_start=908
+  _globals['_LISTWORKERSREQUEST']._serialized_end=928
+  _globals['_WORKERINFO']._serialized_start=931
+  _globals['_WORKERINFO']._serialized_end=1145
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1147
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1205
+  _globals['_DRAINWORKERREQUEST']._serialized_start=1207
+  _globals['_DRAINWORKERREQUEST']._serialized_end=1246
+  _globals['_PAUSEQUEUEREQUEST']._serialized_start=1248
+  _globals['_PAUSEQUEUEREQUEST']._serialized_end=1297
+  _globals['_PAUSEQUEUERESPONSE']._serialized_start=1299
+  _globals['_PAUSEQUEUERESPONSE']._serialized_end=1365
+  _globals['_TENANTPOLICY']._serialized_start=1367
+  _globals['_TENANTPOLICY']._serialized_end=1474
+  _globals['_LISTTENANTSREQUEST']._serialized_start=1476
+  _globals['_LISTTENANTSREQUEST']._serialized_end=1496
+  _globals['_LISTTENANTSRESPONSE']._serialized_start=1498
+  _globals['_LISTTENANTSRESPONSE']._serialized_end=1558
+  _globals['_GETSTATSREQUEST']._serialized_start=1560
+  _globals['_GETSTATSREQUEST']._serialized_end=1577
+  _globals['_QUEUEDEPTH']._serialized_start=1579
+  _globals['_QUEUEDEPTH']._serialized_end=1655
+  _globals['_STATS']._serialized_start=1658
+  _globals['_STATS']._serialized_end=1811
+  _globals['_OPERATOR']._serialized_start=1814
+  _globals['_OPERATOR']._serialized_end=2706
 # @@protoc_insertion_point(module_scope)

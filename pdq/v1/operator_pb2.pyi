@@ -45,7 +45,7 @@ class GetRequestRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class RequestInfo(_message.Message):
-    __slots__ = ("request_id", "tenant", "tier", "state", "prompt_tokens", "max_tokens", "output_tokens", "created_ms", "deadline_ms", "dispatched_ms", "first_token_ms", "finished_ms", "prefill_worker", "decode_worker", "attempts", "finish_reason", "error")
+    __slots__ = ("request_id", "tenant", "tier", "state", "prompt_tokens", "max_tokens", "output_tokens", "created_ms", "deadline_ms", "dispatched_ms", "first_token_ms", "finished_ms", "prefill_worker", "decode_worker", "attempts", "finish_reason", "error", "client_request_id", "lost_attempts")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,8 @@ class RequestInfo(_message.Message):
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LOST_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
     tier: str
@@ -80,7 +82,9 @@ class RequestInfo(_message.Message):
     attempts: int
     finish_reason: str
     error: str
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., tier: _Optional[str] = ..., state: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., created_ms: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., dispatched_ms: _Optional[int] = ..., first_token_ms: _Optional[int] = ..., finished_ms: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., attempts: _Optional[int] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    client_request_id: str
+    lost_attempts: int
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., tier: _Optional[str] = ..., state: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., created_ms: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., dispatched_ms: _Optional[int] = ..., first_token_ms: _Optional[int] = ..., finished_ms: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., attempts: _Optional[int] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., client_request_id: _Optional[str] = ..., lost_attempts: _Optional[int] = ...) -> None: ...
 
 class ListRequestsRequest(_message.Message):
     __slots__ = ("tenant", "state", "tier", "page_size", "page_token")
@@ -109,7 +113,7 @@ class ListWorkersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "free_slots", "capacity", "running", "draining", "heartbeat_ms")
+    __slots__ = ("worker_id", "role", "address", "free_slots", "capacity", "running", "draining", "heartbeat_ms", "quarantined_until_ms", "quarantine_reason")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +122,8 @@ class WorkerInfo(_message.Message):
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_UNTIL_MS_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINE_REASON_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
@@ -126,7 +132,9 @@ class WorkerInfo(_message.Message):
     running: int
     draining: bool
     heartbeat_ms: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., free_slots: _Optional[int] = ..., capacity: _Optional[int] = ..., running: _Optional[int] = ..., draining: _Optional[bool] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
+    quarantined_until_ms: int
+    quarantine_reason: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., free_slots: _Optional[int] = ..., capacity: _Optional[int] = ..., running: _Optional[int] = ..., draining: _Optional[bool] = ..., heartbeat_ms: _Optional[int] = ..., quarantined_until_ms: _Optional[int] = ..., quarantine_reason: _Optional[str] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)

@@ -133,3 +133,21 @@ def test_an_operator_drain_survives_the_workers_heartbeats(redis_server, prefix)
         finally:
             await client.aclose()
     asyncio.run(run())
+
+
+def test_a_worker_is_shown_quarantined_only_until_its_quarantine_ends():
+    from gateway.operator import worker_info
+    from pdq.store import now_ms
+
+    later, earlier = now_ms() + 60_000, now_ms() - 1
+    shown = worker_info(WorkerInfo("p0", "prefill", "h:1", quarantined_until_ms=later, quarantine_reason="3 failed"))
+    assert (shown.quarantined_until_ms, shown.quarantine_reason) == (later, "3 failed")
+    ended = worker_info(WorkerInfo("p0", "prefill", "h:1", quarantined_until_ms=earlier, quarantine_reason="3 failed"))
+    assert (ended.quarantined_until_ms, ended.quarantine_reason) == (0, "")
+
+
+def test_a_request_shows_its_client_request_id_and_lost_attempts():
+    from gateway.operator import request_info
+
+    info = request_info({"id": "abc", "client_request_id": "my-id", "lost": "2", "attempts": "3"})
+    assert (info.client_request_id, info.lost_attempts, info.attempts) == ("my-id", 2, 3)

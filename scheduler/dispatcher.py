@@ -8,7 +8,7 @@ meanwhile are skipped, tenants are charged), and send the batch to the least bus
 A failed attempt goes back to the queue (REQUEUE), or FAILS when its attempts are spent: the
 request's own failures (a failed hand-off, an error on the worker) are retried after a backoff on
 other workers, attempts lost to infrastructure are bounded apart (`scheduler.policies.retry`), and
-a worker whose hand-offs keep failing is quarantined (`scheduler.handoffs`).
+a worker whose hand-offs keep failing is quarantined (`scheduler.retries`).
 """
 
 import asyncio
@@ -25,13 +25,13 @@ from pdq.config import SchedulerConfig
 from pdq.liveness import Liveness
 from pdq.registry import ROLES, WorkerInfo, live_workers
 from pdq.serving import GRPC_OPTIONS
-from pdq.store import LOST, RequestStore, TenantBacklog, now_ms, spec_from_bytes
+from pdq.store import RequestStore, TenantBacklog, now_ms, spec_from_bytes
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
-from scheduler.handoffs import HandoffHealth
 from scheduler.policies import (Candidate, DecodeSlots, DrainRate, Headroom, TenantQueue, TierQueue, below_share,
-                                choose_decode_worker, classify, fair_policy, form_batch, place_prefill,
-                                prefer_healthy, prefill_priority, schedule, tier_policy)
+                                choose_decode_worker, fair_policy, form_batch, place_prefill, prefer_healthy,
+                                prefill_priority, schedule, tier_policy)
+from scheduler.retries import BatchOutcome, Retries
 
 log = logging.getLogger("pdq.scheduler")
 
@@ -97,7 +97,7 @@ class Dispatcher:
         self._pokes = 0  # work queued since start (submits, requeues): did any come while a batch was placed?
         self._stopped = asyncio.Event()
         self._live: dict[str, list[WorkerInfo]] = {role: [] for role in ROLES}  # the registry as last read
-        self.handoffs = HandoffHealth(config, store)
+        self.retries = Retries(config, store, self._release)
 
     def poke(self, queued: bool = True) -> None:
         """Wakes the loop for work queued meanwhile (a submit, a requeue; queued=False: room freed
@@ -221,7 +221,7 @@ class Dispatcher:
 
         def usable(role: str) -> list[WorkerInfo]:
             metrics.LIVE_WORKERS.labels(role).set(len(live[role]))
-            self.handoffs.seen(live[role])
+            self.retries.handoffs.seen(live[role])
             out = []
             for w in live[role]:
                 peer = self._peer(w)
@@ -418,57 +418,29 @@ class Dispatcher:
         self._depth_labels = set(labels)
 
     async def _run_batch(self, peer: _Peer, worker_id: str, batch: pb.PrefillBatch, reserved: list[DecodeSlots]) -> None:
-        """Runs one batch on prefill worker `worker_id`; failed items go back to the queue: as the
-        request's own failures, or as lost attempts when the call did not reach the worker or the
-        worker could not run them (`scheduler.policies.retry.classify`)."""
+        """Runs one batch on prefill worker `worker_id`; failed items go back to the queue
+        (`scheduler.retries`)."""
         span = telemetry.start("pdq.dispatch", kind=telemetry.SpanKind.CLIENT,
                                links=[telemetry.span_context_of(it.spec.traceparent) for it in batch.items],
                                attributes={"pdq.batch_id": batch.batch_id, "pdq.batch.size": len(batch.items),
                                            "pdq.batch.prompt_tokens": sum(len(it.spec.prompt_token_ids)
                                                                           for it in batch.items),
                                            "server.address": peer.address})
-        failed: dict[str, tuple[str, str]] = {}  # request -> (kind, error)
-        handoffs: list[tuple[str, str, bool, str]] = []  # (prefill id, decode id, ok, error)
         try:
             with telemetry.use(span):  # the prefill worker's batch continues this span's trace
-                result = await peer.stub.Prefill(batch)
-            decode_of = {it.spec.request_id: dw.worker_id for it, dw in zip(batch.items, reserved)}
-            for r in result.results:
-                kind, handoff = classify(r.failure, r.error) if not r.ok else ("", True)
-                if handoff and r.request_id in decode_of:
-                    handoffs.append((worker_id, decode_of[r.request_id], r.ok, r.error))
-                if not r.ok:
-                    failed[r.request_id] = (kind, r.error)
-        except grpc.aio.AioRpcError as exc:  # it never ran them (or nobody can tell): lost, not failed
+                outcome = BatchOutcome.of(batch, reserved, worker_id, await peer.stub.Prefill(batch))
+        except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 peer.failed_hb = peer.heartbeat_ms
-            failed = {it.spec.request_id: (LOST, f"prefill worker {peer.address}: {exc.code().name} {exc.details()}")
-                      for it in batch.items}
+            outcome = BatchOutcome.lost(batch, reserved, f"prefill worker {peer.address}: {exc.code().name} {exc.details()}")
         finally:
             peer.inflight -= sum(len(it.spec.prompt_token_ids) for it in batch.items)
-        telemetry.end(span, attributes={"pdq.batch.failed": len(failed)})
+        telemetry.end(span, attributes={"pdq.batch.failed": len(outcome.failed)})
         try:
-            if handoffs:
-                await self.handoffs.record(batch.batch_id, handoffs, self._live)
-            for item, dw in zip(batch.items, reserved):
-                if item.spec.request_id in failed:
-                    await self._give_back(item, dw, *failed[item.spec.request_id])
+            for rid in await self.retries.settle(outcome, self._live):
+                if len(self._requeued_ms) > 100_000:  # ids that never came back (cancelled meanwhile)
+                    self._requeued_ms.clear()
+                self._requeued_ms[rid] = now_ms()
         except Exception as exc:  # Redis gone past its outage window: the prefill leases bring them back
             log.warning("batch %s: could not give back its failed attempts (%s); their leases will", batch.batch_id, exc)
-        self.poke(queued=bool(failed))  # its prompt tokens are no longer in flight; failed ones went back
-
-    async def _give_back(self, item: pb.PrefillItem, dw: DecodeSlots, kind: str, error: str) -> None:
-        """Releases a failed attempt's decode reservation and gives the attempt back (REQUEUE)."""
-        rid = item.spec.request_id
-        log.warning("request %s attempt %d %s: %s", rid, item.epoch, "lost" if kind == LOST else "failed", error)
-        await self._release(dw, rid)
-        state = await self.store.requeue(rid, item.epoch, error, self.config.max_attempts, kind)
-        metrics.REQUEUES.labels("prefill" if kind != LOST else "prefill_lost", state or "stale").inc()
-        if state == "QUEUED":
-            if len(self._requeued_ms) > 100_000:  # ids that never came back (cancelled meanwhile)
-                self._requeued_ms.clear()
-            self._requeued_ms[rid] = now_ms()
-        telemetry.end(telemetry.start("pdq.requeue", item.spec.traceparent,
-                                      attributes={"pdq.request_id": rid, "pdq.attempt": item.epoch}),
-                      "requeued" if state == "QUEUED" else "failed", error,
-                      event_attributes={"pdq.state": state or "stale", "pdq.error": error, "pdq.requeue.kind": kind})
+        self.poke(queued=bool(outcome.failed))  # its prompt tokens are no longer in flight; failed ones went back

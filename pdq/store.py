@@ -404,7 +404,8 @@ class RequestStore:
 
     def policy_and_seq(self, tenant: str) -> Any:
         """The tenant's policy and the next arrival number (for an order score computed before
-        submit), in one round trip. -> (TenantPolicy, seq)"""
+        submit), in one round trip (a replay skips an arrival number: harmless, the numbers only
+        order). -> (TenantPolicy, seq)"""
         pipe = self.client.pipeline(transaction=False)
         pipe.hgetall(self.keys.tenant(tenant))
         pipe.incr(self.keys.seq)

@@ -66,14 +66,17 @@ class Retries:
     async def settle(self, outcome: BatchOutcome, live: dict[str, list[WorkerInfo]]) -> list[str]:
         """Records the batch's hand-offs and gives its failed attempts back; `live`: the registry
         as last read. -> the requests put back in the queue."""
-        if outcome.handoffs:
-            await self.handoffs.record(outcome.batch.batch_id, outcome.handoffs, live)
         requeued = []
         for item, dw in zip(outcome.batch.items, outcome.reserved):
             if item.spec.request_id in outcome.failed:
                 kind, error = outcome.failed[item.spec.request_id]
                 if await self.give_back(item, dw, kind, error) == "QUEUED":
                     requeued.append(item.spec.request_id)
+        if outcome.handoffs:
+            try:
+                await self.handoffs.record(outcome.batch.batch_id, outcome.handoffs, live)
+            except Exception as exc:  # Redis gone: these hand-offs go uncounted
+                log.warning("batch %s: could not count its KV hand-offs: %s", outcome.batch.batch_id, exc)
         return requeued
 
     async def give_back(self, item: pb.PrefillItem, dw: DecodeSlots, kind: str, error: str) -> str | None:

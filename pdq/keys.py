@@ -398,11 +398,12 @@ local seq = tonumber(ARGV[10])
 if seq == 0 then seq = redis.call('INCR', key('seq')) end
 local score = ARGV[11]
 if score == '' then score = seq end
-redis.call('HSET', key('req', id), 'id', id, 'spec', ARGV[3], 'tenant', tenant, 'tier', tier,
-  'state', 'QUEUED', 'epoch', 0, 'seq', seq, 'score', score, 'created_ms', ARGV[6], 'deadline_ms', ARGV[7],
-  'prompt_tokens', ARGV[8], 'max_tokens', ARGV[9], 'cost', cost, 'n_out', 0, 'attempts', 0, 'submit', token)
-if hash ~= '' then redis.call('HSET', key('req', id), 'content_hash', hash) end
-if ARGV[20] ~= '' then redis.call('HSET', key('req', id), 'client_request_id', ARGV[20]) end
+local rec = {'id', id, 'spec', ARGV[3], 'tenant', tenant, 'tier', tier, 'state', 'QUEUED', 'epoch', 0, 'seq', seq,
+  'score', score, 'created_ms', ARGV[6], 'deadline_ms', ARGV[7], 'prompt_tokens', ARGV[8], 'max_tokens', ARGV[9],
+  'cost', cost, 'n_out', 0, 'attempts', 0, 'submit', token}
+if hash ~= '' then rec[#rec + 1] = 'content_hash'; rec[#rec + 1] = hash end
+if ARGV[20] ~= '' then rec[#rec + 1] = 'client_request_id'; rec[#rec + 1] = ARGV[20] end
+redis.call('HSET', key('req', id), unpack(rec))
 enqueue(id, tier, tenant, score, cost)
 redis.call('SADD', key('live', tenant), id)
 redis.call('ZADD', key('index'), seq, id)

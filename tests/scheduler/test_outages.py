@@ -51,8 +51,9 @@ async def test_the_janitor_does_not_reap_workers_after_a_redis_outage_but_reaps_
                        worker_timeout_s=timeout) as h:
         await h.submit(spec("r", max_tokens=500))
 
-        async def decoding():
-            return await h.state("r") == "DECODING"
+        async def decoding():  # its decode worker steps it (the hand-off is over)
+            rec = await h.store.record("r")
+            return rec.get("state") == "DECODING" and int(rec.get("n_out", 0)) >= 3
         await wait_for(decoding)
         janitor = h.server.janitor
         fakes = [*h.workers.prefillers, *h.workers.decoders.values()]

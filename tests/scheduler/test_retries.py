@@ -66,9 +66,13 @@ async def test_a_worker_whose_hand_offs_keep_failing_is_quarantined_listed_and_r
         for rid in rids:
             await h.submit(spec(rid))
         await h.store.pause(tenant="acme", paused=False)
-        await ended(h, rids)
-        assert bad.batches == [rids] and all(len(b) < 3 for b in good.batches)
-        listed = (await workers(h))["prefill-0"]
+        await ended(h, rids)  # retried on the other prefill worker
+
+        async def quarantined():
+            w = (await workers(h))["prefill-0"]
+            return w if w.quarantined_until_ms else None
+        listed = await wait_for(quarantined)
+        assert bad.batches == [rids]
         until = listed.quarantined_until_ms
         assert until > bad.received_ms[0] and "3 KV hand-offs in a row failed" in listed.quarantine_reason
         assert "checksum mismatch" in listed.quarantine_reason

@@ -151,3 +151,20 @@ def test_a_request_shows_its_client_request_id_and_lost_attempts():
 
     info = request_info({"id": "abc", "client_request_id": "my-id", "lost": "2", "attempts": "3"})
     assert (info.client_request_id, info.lost_attempts, info.attempts) == ("my-id", 2, 3)
+
+
+def test_pdq_workers_shows_a_quarantine_with_its_time_left_and_reason(capsys):
+    import argparse
+
+    from pdq.cli_operator import _print_workers
+    from pdq.store import now_ms
+    from pdq.v1 import operator_pb2 as op_pb
+
+    _print_workers([op_pb.WorkerInfo(worker_id="p0", role="prefill", address="h:1", heartbeat_ms=now_ms(),
+                                     quarantined_until_ms=now_ms() + 60_000, quarantine_reason="3 KV hand-offs failed"),
+                    op_pb.WorkerInfo(worker_id="d0", role="decode", address="h:2", heartbeat_ms=now_ms())],
+                   argparse.Namespace(json=False))
+    lines = capsys.readouterr().out.splitlines()
+    assert "QUARANTINED" in lines[0]
+    assert "s left" in lines[1] and lines[2].split()[-2] == "no"  # d0: not quarantined
+    assert lines[3].startswith("p0: quarantined (") and lines[3].endswith("): 3 KV hand-offs failed")

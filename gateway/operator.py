@@ -41,12 +41,17 @@ def request_info(rec: dict) -> op_pb.RequestInfo:
         output_tokens=n("n_out"), created_ms=n("created_ms"), deadline_ms=n("deadline_ms"),
         dispatched_ms=n("dispatched_ms"), first_token_ms=n("first_token_ms"), finished_ms=n("finished_ms"),
         prefill_worker=rec.get("prefill_worker", ""), decode_worker=rec.get("decode_worker", ""),
-        attempts=n("attempts"), finish_reason=rec.get("finish_reason", ""), error=rec.get("error", ""))
+        attempts=n("attempts"), finish_reason=rec.get("finish_reason", ""), error=rec.get("error", ""),
+        client_request_id=rec.get("client_request_id", ""), lost_attempts=n("lost"))
 
 
 def worker_info(w: WorkerInfo) -> op_pb.WorkerInfo:
+    """A registry entry as WorkerInfo; a quarantine that has ended is not shown."""
+    quarantined = w.quarantined(now_ms())
     return op_pb.WorkerInfo(worker_id=w.worker_id, role=w.role, address=w.address, free_slots=w.free_slots,
-                            capacity=w.capacity, running=w.running, draining=w.draining, heartbeat_ms=w.heartbeat_ms)
+                            capacity=w.capacity, running=w.running, draining=w.draining, heartbeat_ms=w.heartbeat_ms,
+                            quarantined_until_ms=w.quarantined_until_ms if quarantined else 0,
+                            quarantine_reason=w.quarantine_reason if quarantined else "")
 
 
 def policy_pb(tenant: str, p: TenantPolicy) -> op_pb.TenantPolicy:

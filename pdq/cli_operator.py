@@ -26,12 +26,21 @@ def table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _span(s: float) -> str:
+    return f"{s:.1f}s" if s < 120 else f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.0f}h"
+
+
+def left(ms: int) -> str:
+    """Unix ms to come -> "25.0s left"."""
+    return f"{_span(max(0.0, ms / 1000 - time.time()))} left"
+
+
 def ago(ms: int) -> str:
-    """Unix ms -> "3.2s ago" ("-" when unset)."""
+    """Unix ms -> "3.2s ago", or "in 3.2s" for a time to come ("-" when unset)."""
     if not ms:
         return "-"
     s = time.time() - ms / 1000
-    return f"{s:.1f}s ago" if s < 120 else f"{s / 60:.0f}m ago" if s < 7200 else f"{s / 3600:.0f}h ago"
+    return f"{_span(s)} ago" if s >= 0 else f"in {_span(-s)}"
 
 
 def as_dict(message) -> dict:
@@ -93,8 +102,12 @@ def _print_workers(workers: list, args: argparse.Namespace) -> None:
         print(json.dumps([as_dict(w) for w in workers]))
         return
     rows = [[w.worker_id, w.role, w.address, str(w.running), f"{w.free_slots}/{w.capacity}",
-             "yes" if w.draining else "no", ago(w.heartbeat_ms)] for w in workers]
-    print(table(rows, ["ID", "ROLE", "ADDRESS", "RUNNING", "FREE/CAP", "DRAINING", "HEARTBEAT"]))
+             "yes" if w.draining else "no", left(w.quarantined_until_ms) if w.quarantined_until_ms else "no",
+             ago(w.heartbeat_ms)] for w in workers]
+    print(table(rows, ["ID", "ROLE", "ADDRESS", "RUNNING", "FREE/CAP", "DRAINING", "QUARANTINED", "HEARTBEAT"]))
+    for w in workers:
+        if w.quarantined_until_ms:
+            print(f"{w.worker_id}: quarantined ({left(w.quarantined_until_ms)}): {w.quarantine_reason}")
 
 
 def _workers(op, args):

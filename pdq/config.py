@@ -93,7 +93,14 @@ class StoreConfig:
                 "requests wait; past it, calls fail UNAVAILABLE and a model loop takes its worker down to be restarted"})
     key_prefix: str = field(default="pdq", metadata={"help": "prefix of every Redis key"})
     tiers: str = field(default=",".join(TIERS), metadata={"help": "priority tiers, best first, comma-separated (the same on every role)"})
-    max_attempts: int = field(default=3, metadata={"help": "attempts (worker failures, lost leases) before a request FAILS"})
+    max_attempts: int = field(default=3, metadata={"help": "failed attempts (a failed KV hand-off, an error on a worker) "
+                                                           "before a request FAILS"})
+    max_lost_attempts: int = field(default=20, metadata={
+        "help": "attempts lost to infrastructure (a worker killed, reaped or shutting down, a prefill lease expired) "
+                "before a request FAILS; they do not count towards max_attempts"})
+    retry_backoff_ms: int = field(default=500, metadata={
+        "help": "a request whose attempt failed waits this long before its next dispatch, doubling per failure"})
+    retry_backoff_max_ms: int = field(default=10_000, metadata={"help": "longest wait of retry_backoff_ms"})
     metrics_port: int = field(default=0, metadata={"help": "port of the Prometheus /metrics endpoint, on the process's "
                                                            "host (0 = any free port, logged; -1 = off)"})
     worker_timeout_s: float = field(default=10.0, metadata={
@@ -110,6 +117,10 @@ class StoreConfig:
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
         _positive("max_attempts", self.max_attempts)
+        _positive("max_lost_attempts", self.max_lost_attempts)
+        if not 0 <= self.retry_backoff_ms <= self.retry_backoff_max_ms:
+            raise ValueError(f"retry_backoff_ms ({self.retry_backoff_ms}) must be in [0, retry_backoff_max_ms "
+                             f"({self.retry_backoff_max_ms})]")
         _positive("redis_max_connections", self.redis_max_connections)
         _positive("redis_outage_s", self.redis_outage_s)
         _positive("worker_timeout_s", self.worker_timeout_s)
@@ -180,6 +191,12 @@ class SchedulerConfig(StoreConfig):
     retry_after_min_ms: int = field(default=100, metadata={"help": "shortest retry hint given with RESOURCE_EXHAUSTED"})
     retry_after_max_ms: int = field(default=30000, metadata={"help": "longest retry hint given with RESOURCE_EXHAUSTED"})
     prefill_lease_s: float = field(default=60.0, metadata={"help": "a claimed request not handed to its decode worker by then is requeued"})
+    quarantine_after: int = field(default=3, metadata={
+        "help": "a worker whose KV hand-offs failed this many times in a row, with at least two different workers on "
+                "the other side, is quarantined (no new work while others can take it)"})
+    quarantine_s: float = field(default=30.0, metadata={"help": "how long a first quarantine lasts; each repeat within "
+                                                                  "an hour doubles it"})
+    quarantine_max_s: float = field(default=600.0, metadata={"help": "longest quarantine"})
     dispatch_interval_ms: int = field(default=100, metadata={"help": "fallback poll period of the dispatcher (submits, freed "
                                                                       "slots, finished batches and requeues wake it at once)"})
     result_ttl_s: int = field(default=3600, metadata={"help": "how long finished requests stay in Redis"})
@@ -190,10 +207,12 @@ class SchedulerConfig(StoreConfig):
         for name in ("max_batch_size", "max_batched_tokens", "aging_ms", "default_weight", "max_queued",
                      "max_queued_tokens", "tenant_max_queued", "tenant_max_queued_tokens", "retry_after_min_ms",
                      "prefill_lease_s", "dispatch_interval_ms", "result_ttl_s",
-                     "share_window_s"):
+                     "share_window_s", "quarantine_after", "quarantine_s"):
             _positive(name, getattr(self, name))
         if self.reserve_slots < 0:
             raise ValueError(f"reserve_slots must be >= 0, got {self.reserve_slots}")
+        if self.quarantine_max_s < self.quarantine_s:
+            raise ValueError(f"quarantine_max_s ({self.quarantine_max_s}) must be >= quarantine_s ({self.quarantine_s})")
         if self.retry_after_max_ms < self.retry_after_min_ms:
             raise ValueError(f"retry_after_max_ms ({self.retry_after_max_ms}) must be >= retry_after_min_ms ({self.retry_after_min_ms})")
         for name, allowed in (("tier_policy", TIER_POLICIES), ("fair_policy", FAIR_POLICIES),

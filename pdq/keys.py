@@ -32,6 +32,10 @@ Layout (prefix `p`, default "pdq"):
   p:worker:{id}           hash   worker facts: role, address, free_slots, ...
   p:drained               set    worker ids an operator drained: no new work until undrained (the
                                  worker's own heartbeat never clears it; reaping the worker does)
+  p:health:{id}           hash   a worker's KV hand-off record (HANDOFFS, QUARANTINE): streak (failed
+                                 hand-offs in a row), peers (the other sides of those failures), event
+                                 (the last call counted), times (quarantines so far), until (ms) and
+                                 reason of its quarantine; expires an hour after its last change
   p:cancel                pubsub channel: ids of requests that just ended elsewhere (cancel, timeout,
                           failure; not a worker's own end in its step), for workers to drop
   p:heartbeats            pubsub channel: ids of workers that just heartbeat (e.g. a KV slot freed),
@@ -42,9 +46,18 @@ Layout (prefix `p`, default "pdq"):
 
 Record fields: id, spec (RequestSpec protobuf bytes), tenant, tier, state, epoch, seq, score,
 created_ms, deadline_ms, prompt_tokens, max_tokens, cost (prompt + max_tokens), n_out,
-dispatched_ms (first dispatch), first_token_ms, finished_ms, finish_reason, error, attempts,
-prefill_worker / decode_worker (addresses, for people), lease_prefill / lease_decode (worker ids
-holding the current attempt), charge / charge_w (VTC charge of the request and the weight used).
+dispatched_ms (first dispatch), first_token_ms, finished_ms, finish_reason, error, attempts
+(claims), prefill_worker / decode_worker (addresses, for people), lease_prefill / lease_decode
+(worker ids holding the current attempt), charge / charge_w (VTC charge of the request and the
+weight used), content_hash / client_request_id (what the client asked for, and its id for it),
+submit (the token of the SUBMIT call that wrote it), claim (the token of the CLAIM call that made
+the current attempt), failures / lost (attempts that failed / were lost to infrastructure),
+retry_at (ms: not dispatched before, after a failure), avoid (ids of the workers of its failed
+attempts, space-separated, the latest 8), requeued (what the last requeue did, for its replay).
+
+Every script is safe to run twice in a row with the same arguments: a client of `pdq.redisconn`
+re-sends a command whose reply was lost, so the first run may have been applied. Each script's
+comment says why its replay is harmless; tests/test_replay.py runs each one twice.
 
 Every multi-key change is one Lua script, so it is atomic. A write carrying a lease epoch other
 than the record's current one is rejected (a stale worker cannot write). The scripts derive the
@@ -154,6 +167,9 @@ class Keys:
     @property
     def drained(self) -> str:
         return f"{self.prefix}:drained"
+
+    def health(self, worker_id: str) -> str:
+        return f"{self.prefix}:health:{worker_id}"
 
 
 # The shared part of every script: key names (mirroring Keys), the queue, fair-share counters,
@@ -285,13 +301,49 @@ local function finish(id, state, reason, err, now, ttl, quiet)
   if not quiet then redis.call('PUBLISH', key('cancel'), id) end
 end
 
--- Ends a live, non-queued request's attempt: back to its old place in its tenant's queue under
--- a new epoch (so the old attempt's writes are rejected), or FAILED when attempts are spent.
-local function requeue(id, err, now, max_attempts, ttl)
+-- A worker id added to a request's avoid list (its latest 8 distinct ids, space-separated).
+local function avoid_add(rk, w)
+  if not w or w == '' then return end
+  local list = {}
+  for x in string.gmatch(redis.call('HGET', rk, 'avoid') or '', '%S+') do
+    if x ~= w then list[#list + 1] = x end
+  end
+  list[#list + 1] = w
+  while #list > 8 do table.remove(list, 1) end
+  redis.call('HSET', rk, 'avoid', table.concat(list, ' '))
+end
+
+-- Ends a live, non-queued request's attempt. kind 'failure' (the request's own: a failed
+-- hand-off, an error on a worker) counts towards max_attempts, puts the attempt's workers on the
+-- request's avoid list and holds it back backoff_ms (doubling per failure, at most
+-- backoff_max_ms: retry_at); kind 'lost' (infrastructure: its worker died or shut down, its lease
+-- expired) counts towards max_lost only. Back to its old place in its tenant's queue under a new
+-- epoch (so the old attempt's writes are rejected), or FAILED when its bound is reached. What it
+-- did is kept in 'requeued' (epoch|kind|outcome|error), so a replay of the same call can answer
+-- the same. lim: {max_attempts, max_lost, backoff_ms, backoff_max_ms}
+local function requeue(id, err, now, kind, lim, ttl)
   local rk = key('req', id)
-  local h = redis.call('HMGET', rk, 'attempts', 'tier', 'tenant', 'score', 'cost')
-  if num(h[1], 0) >= max_attempts then
-    finish(id, 'FAILED', 'error', err, now, ttl)
+  local h = redis.call('HMGET', rk, 'epoch', 'tier', 'tenant', 'score', 'cost', 'lease_prefill', 'lease_decode')
+  local outcome, why = 'QUEUED', err
+  if kind == 'lost' then
+    local n = redis.call('HINCRBY', rk, 'lost', 1)
+    if n >= tonumber(lim[2]) then
+      outcome, why = 'FAILED', err .. ' (' .. n .. ' attempts lost to worker or Redis trouble: max_lost_attempts)'
+    end
+  else
+    local n = redis.call('HINCRBY', rk, 'failures', 1)
+    if n >= tonumber(lim[1]) then
+      outcome = 'FAILED'
+    else
+      avoid_add(rk, h[6])
+      avoid_add(rk, h[7])
+      local wait = math.min(tonumber(lim[4]), tonumber(lim[3]) * 2 ^ (n - 1))
+      redis.call('HSET', rk, 'retry_at', tonumber(now) + math.floor(wait))
+    end
+  end
+  redis.call('HSET', rk, 'requeued', table.concat({h[1] or '', kind, outcome, err}, '|'))
+  if outcome == 'FAILED' then
+    finish(id, 'FAILED', 'error', why, now, ttl)
     return 'FAILED'
   end
   release(id, rk)
@@ -305,19 +357,32 @@ end
 
 # ARGV: prefix, id, spec, tenant, tier, now, deadline_ms, prompt_tokens, max_tokens, seq (0 = next),
 #       score ('' = seq), idem key ('' = none), idem_ttl, max_queued, max_queued_tokens,
-#       tenant_max_queued, tenant_max_queued_tokens
+#       tenant_max_queued, tenant_max_queued_tokens, token (this call's), content_hash ('' = none),
+#       client_request_id
 # Bounds count a scope's queued requests and tokens (prompt + max_tokens); a scope with nothing
-# queued always admits, so no single request is refused forever.
+# queued always admits, so no single request is refused forever. An idempotency key (or request id)
+# that names a request with another content hash is a conflict: a different request under a reused id.
 # -> {1, id} created | {0, existing id} idempotent retry | {-1, reason, tokens to drain} rejected
+#    | {-2, existing id} conflict
+# Replay: the record exists and carries this call's token, so the replay answers {1, id} again
+# (a client's retry comes with another token and gets {0, id}); nothing is written twice.
 SUBMIT = _LIB + """
 local id, tenant, tier = ARGV[2], ARGV[4], ARGV[5]
-local rk = key('req', id)
-local idem = ARGV[12]
+local idem, token, hash = ARGV[12], ARGV[18], ARGV[19]
+local function known(rid)
+  local h = redis.call('HMGET', key('req', rid), 'state', 'submit', 'content_hash')
+  if not h[1] then return nil end
+  if h[2] == token then return {1, rid} end
+  if hash ~= '' and h[3] and h[3] ~= '' and h[3] ~= hash then return {-2, rid} end
+  return {0, rid}
+end
 if idem ~= '' then
   local existing = redis.call('GET', key('idem', tenant, idem))
-  if existing then return {0, existing} end
+  local got = existing and known(existing)
+  if got then return got end
 end
-if redis.call('EXISTS', rk) == 1 then return {0, id} end
+local got = known(id)
+if got then return got end
 local cost = tonumber(ARGV[8]) + tonumber(ARGV[9])
 local l = redis.call('HMGET', key('load'), 'n:' .. tenant, 'tokens:' .. tenant, 'n', 'tokens')
 local checks = {{'TENANT_QUEUE_FULL', 'TENANT_QUEUE_TOKENS_FULL', l[1], l[2], ARGV[16], ARGV[17]},
@@ -333,9 +398,12 @@ local seq = tonumber(ARGV[10])
 if seq == 0 then seq = redis.call('INCR', key('seq')) end
 local score = ARGV[11]
 if score == '' then score = seq end
-redis.call('HSET', rk, 'id', id, 'spec', ARGV[3], 'tenant', tenant, 'tier', tier, 'state', 'QUEUED',
-  'epoch', 0, 'seq', seq, 'score', score, 'created_ms', ARGV[6], 'deadline_ms', ARGV[7],
-  'prompt_tokens', ARGV[8], 'max_tokens', ARGV[9], 'cost', cost, 'n_out', 0, 'attempts', 0)
+local rec = {'id', id, 'spec', ARGV[3], 'tenant', tenant, 'tier', tier, 'state', 'QUEUED', 'epoch', 0, 'seq', seq,
+  'score', score, 'created_ms', ARGV[6], 'deadline_ms', ARGV[7], 'prompt_tokens', ARGV[8], 'max_tokens', ARGV[9],
+  'cost', cost, 'n_out', 0, 'attempts', 0, 'submit', token}
+if hash ~= '' then rec[#rec + 1] = 'content_hash'; rec[#rec + 1] = hash end
+if ARGV[20] ~= '' then rec[#rec + 1] = 'client_request_id'; rec[#rec + 1] = ARGV[20] end
+redis.call('HSET', key('req', id), unpack(rec))
 enqueue(id, tier, tenant, score, cost)
 redis.call('SADD', key('live', tenant), id)
 redis.call('ZADD', key('index'), seq, id)
@@ -345,22 +413,26 @@ if idem ~= '' then redis.call('SET', key('idem', tenant, idem), id, 'EX', ARGV[1
 return {1, id}
 """
 
-# ARGV: prefix, now, prefill worker id, prefill address, lease expiry (ms), default weight,
-#       then per request: id, decode worker id
+# ARGV: prefix, now, prefill worker id, prefill address, lease expiry (ms), default weight, token
+#       (this call's: the batch id), then per request: id, decode worker id
 # Moves each still-QUEUED request to PREFILLING under a new epoch, leased to both workers, and
 # charges its tenant. -> per request {epoch, spec}, {0, ''} where it was no longer queued
+# Replay: a request this call already claimed is PREFILLING with this call's token on its record
+# ('claim'): the replay answers its epoch and spec again and changes nothing (its reply was lost,
+# so no worker has it yet). Without the token a replayed claim would see the requests no longer
+# queued, and the dispatcher would drop them until their lease expired.
 CLAIM = _LIB + """
 local out = {}
-for i = 7, #ARGV, 2 do
+for i = 8, #ARGV, 2 do
   local id, decode = ARGV[i], ARGV[i + 1]
   local rk = key('req', id)
-  local h = redis.call('HMGET', rk, 'state', 'tier', 'tenant', 'cost')
+  local h = redis.call('HMGET', rk, 'state', 'tier', 'tenant', 'cost', 'claim', 'epoch')
   if h[1] == 'QUEUED' then
     local ep = redis.call('HINCRBY', rk, 'epoch', 1)
     redis.call('HINCRBY', rk, 'attempts', 1)
     redis.call('HSETNX', rk, 'dispatched_ms', ARGV[2])
     redis.call('HSET', rk, 'state', 'PREFILLING', 'prefill_worker', ARGV[4],
-      'lease_prefill', ARGV[3], 'lease_decode', decode)
+      'lease_prefill', ARGV[3], 'lease_decode', decode, 'claim', ARGV[7])
     charge(rk, h[2], h[3], h[4], tonumber(ARGV[6]))
     unqueue(id, h[2], h[3], h[4])
     redis.call('SADD', key('held', ARGV[3]), id)
@@ -369,6 +441,8 @@ for i = 7, #ARGV, 2 do
     redis.call('HINCRBY', key('load'), 'running:' .. h[3], 1)
     redis.call('ZADD', key('leases'), ARGV[5], id)
     out[#out + 1] = {ep, redis.call('HGET', rk, 'spec')}
+  elseif h[1] == 'PREFILLING' and h[5] == ARGV[7] then
+    out[#out + 1] = {tonumber(h[6]), redis.call('HGET', rk, 'spec')}
   else
     out[#out + 1] = {0, ''}
   end
@@ -376,18 +450,28 @@ end
 return out
 """
 
-# ARGV: prefix, id, epoch, now, max_attempts, error, ttl
-# Gives back a failed attempt (see requeue). -> 'QUEUED' | 'FAILED', or false when the epoch is
-# stale or the request is queued or ended.
+# ARGV: prefix, id, epoch, now, max_attempts, error, ttl, kind ('failure' | 'lost'), max_lost,
+#       backoff_ms, backoff_max_ms
+# Gives back a failed or lost attempt (see requeue). -> 'QUEUED' | 'FAILED', or false when the
+# epoch is stale or the request is queued or ended.
+# Replay: the record's 'requeued' names this epoch, kind and error: the replay answers what the
+# first run did and changes nothing.
 REQUEUE = _LIB + """
-local h = redis.call('HMGET', key('req', ARGV[2]), 'state', 'epoch')
-if not h[1] or TERMINAL[h[1]] or h[1] == 'QUEUED' or h[2] ~= ARGV[3] then return false end
-return requeue(ARGV[2], ARGV[6], ARGV[4], tonumber(ARGV[5]), ARGV[7])
+local h = redis.call('HMGET', key('req', ARGV[2]), 'state', 'epoch', 'requeued')
+if not h[1] then return false end
+for _, outcome in ipairs({'QUEUED', 'FAILED'}) do
+  if h[3] == table.concat({ARGV[3], ARGV[8], outcome, ARGV[6]}, '|') then return outcome end
+end
+if TERMINAL[h[1]] or h[1] == 'QUEUED' or h[2] ~= ARGV[3] then return false end
+return requeue(ARGV[2], ARGV[6], ARGV[4], ARGV[8], {ARGV[5], ARGV[9], ARGV[10], ARGV[11]}, ARGV[7])
 """
 
 # ARGV: prefix, id, epoch, state, field1, value1, ...
 # Moving to DECODING ends the prefill lease (the decode worker's heartbeat covers it from then).
 # -> 1 when moved, 0 when the epoch is stale or the request ended
+# Replay: writes the same state and fields again under the same epoch and answers 1 (the worker
+# that sent it waits for the reply, so nothing of this attempt moved it on meanwhile); if the
+# request ended or was requeued in between, it answers 0 as any late call would.
 TRANSITION = _LIB + """
 local rk = key('req', ARGV[2])
 local h = redis.call('HMGET', rk, 'state', 'epoch')
@@ -404,6 +488,9 @@ return 1
 # A run is the consecutive tokens of one request, written as one stream entry, then maybe its end.
 # Tokens at indices already written (a replay) are skipped; a gap is an error. -> per run 1
 # (written) or 0 (stale epoch / already ended: drop the sequence)
+# Replay: its tokens are at indices already written (skipped), and a run that ended its request
+# finds it ended under the same epoch with the same state and reason: answered 1 again, nothing
+# written twice.
 STEP = _LIB + """
 local function split(s)
   local out = {}
@@ -414,8 +501,10 @@ local res = {}
 for a = 4, #ARGV, 9 do
   local id = ARGV[a]
   local rk = key('req', id)
-  local h = redis.call('HMGET', rk, 'state', 'epoch', 'n_out')
-  if not h[1] or TERMINAL[h[1]] or h[2] ~= ARGV[a + 1] then
+  local h = redis.call('HMGET', rk, 'state', 'epoch', 'n_out', 'finish_reason')
+  if h[1] and TERMINAL[h[1]] and h[2] == ARGV[a + 1] and h[1] == ARGV[a + 7] and h[4] == ARGV[a + 8] then
+    res[#res + 1] = 1  -- this run's own end, applied before: a replay
+  elseif not h[1] or TERMINAL[h[1]] or h[2] ~= ARGV[a + 1] then
     res[#res + 1] = 0
   else
     if ARGV[a + 2] ~= '' then
@@ -448,8 +537,10 @@ return res
 """
 
 # ARGV: prefix, id, state, reason, error, now, ttl, epoch ('' = any)
-# Ends a request from outside its worker (cancel, timeout, failure).
+# Ends a request from outside its worker (cancel, timeout, failure; see pdq.ending).
 # -> the state after the call; false when the request does not exist.
+# Replay: the request has ended: the replay answers its state (the one the first run wrote) and
+# writes nothing.
 FINISH = _LIB + """
 local h = redis.call('HMGET', key('req', ARGV[2]), 'state', 'epoch')
 if not h[1] then return false end
@@ -461,6 +552,8 @@ return ARGV[3]
 
 # ARGV: prefix, now, limit, ttl
 # Ends live requests whose deadline has passed, in any state. -> how many it looked at
+# Replay: the requests the first run ended left the deadline set: it finds only what came due
+# since (a sweep's answer counts what that run did).
 EXPIRE_DEADLINES = _LIB + """
 local due = redis.call('ZRANGEBYSCORE', key('deadlines'), '-inf', ARGV[2], 'LIMIT', 0, ARGV[3])
 for _, id in ipairs(due) do
@@ -474,9 +567,10 @@ end
 return #due
 """
 
-# ARGV: prefix, worker id, now, max_attempts, ttl
-# A worker stopped heartbeating: every current attempt it takes part in is given back (a prefill
-# worker's only while the request is still in its hands). -> {requeued, failed}
+# ARGV: prefix, worker id, now, max_attempts, ttl, max_lost
+# A worker stopped heartbeating: every current attempt it takes part in is lost (requeue kind
+# 'lost'; a prefill worker's only while the request is still in its hands). -> {requeued, failed}
+# Replay: the first run emptied the worker's held set: nothing left to do, {0, 0}.
 REAP_WORKER = _LIB + """
 local w = ARGV[2]
 local held = key('held', w)
@@ -486,7 +580,8 @@ for _, id in ipairs(redis.call('SMEMBERS', held)) do
   local s = h[1]
   if s and not TERMINAL[s] and s ~= 'QUEUED'
       and (h[3] == w or (h[2] == w and (s == 'PREFILLING' or s == 'TRANSFERRING'))) then
-    if requeue(id, 'worker ' .. w .. ' stopped heartbeating', ARGV[3], tonumber(ARGV[4]), ARGV[5]) == 'QUEUED' then
+    if requeue(id, 'worker ' .. w .. ' stopped heartbeating', ARGV[3], 'lost',
+               {ARGV[4], ARGV[6], 0, 0}, ARGV[5]) == 'QUEUED' then
       requeued = requeued + 1
     else
       failed = failed + 1
@@ -497,15 +592,16 @@ redis.call('DEL', held)
 return {requeued, failed}
 """
 
-# ARGV: prefix, now, max_attempts, ttl, limit
+# ARGV: prefix, now, max_attempts, ttl, limit, max_lost
 # Gives back requests whose prefill lease expired (claimed, never handed off: e.g. the scheduler
-# died before sending the batch, or a worker dropped it). -> {requeued, failed}
+# died before sending the batch, or a worker dropped it): lost attempts. -> {requeued, failed}
+# Replay: the first run took them off the lease set: nothing left to do, {0, 0}.
 EXPIRE_LEASES = _LIB + """
 local requeued, failed = 0, 0
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', key('leases'), '-inf', ARGV[2], 'LIMIT', 0, ARGV[5])) do
   local s = redis.call('HGET', key('req', id), 'state')
   if s == 'PREFILLING' or s == 'TRANSFERRING' then
-    if requeue(id, 'prefill lease expired', ARGV[2], tonumber(ARGV[3]), ARGV[4]) == 'QUEUED' then
+    if requeue(id, 'prefill lease expired', ARGV[2], 'lost', {ARGV[3], ARGV[6], 0, 0}, ARGV[4]) == 'QUEUED' then
       requeued = requeued + 1
     else
       failed = failed + 1
@@ -517,29 +613,45 @@ end
 return {requeued, failed}
 """
 
-# ARGV: prefix, max tenants per tier, max requests per tenant, tier1, tier2, ...
+# ARGV: prefix, max tenants per tier, max requests per tenant, now, tier1, tier2, ...
 # A bounded, read-only view of the queue: per tier, the backlogged tenants with the lowest
 # counters, each with its weight ('' = default) and the head of its queue. Paused tiers and
-# tenants are left out.
-# -> per tier {{tenant, counter, weight, {id, prompt_tokens, max_tokens, created_ms, deadline_ms, ...}}, ...}
+# tenants are left out; so are requests held back after a failure (retry_at in the future): the
+# answer ends with the earliest such retry_at (0 = none), when the dispatcher must look again.
+# -> {per tier {{tenant, counter, weight, {id, prompt_tokens, max_tokens, created_ms, deadline_ms,
+#    avoid, ...}}, ...}, ..., next retry_at}
+# Replay: read-only.
 SNAPSHOT = _LIB + """
-local max_tenants, max_heads = tonumber(ARGV[2]), tonumber(ARGV[3])
+local max_tenants, max_heads, now = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local paused = key('paused')
+local next_retry = 0
 
 local function heads_of(tier, tenant)
-  local heads = {}
-  for _, id in ipairs(redis.call('ZRANGE', key('q', tier, tenant), 0, max_heads - 1)) do
-    local h = redis.call('HMGET', key('req', id), 'prompt_tokens', 'max_tokens', 'created_ms', 'deadline_ms')
-    if h[1] then
-      heads[#heads + 1] = id
-      for j = 1, 4 do heads[#heads + 1] = h[j] end
+  local heads, got, from = {}, 0, 0
+  local q = key('q', tier, tenant)
+  while got < max_heads and from < 4 * max_heads do  -- past held-back requests, a bounded way
+    local ids = redis.call('ZRANGE', q, from, from + max_heads - 1)
+    for _, id in ipairs(ids) do
+      local h = redis.call('HMGET', key('req', id), 'prompt_tokens', 'max_tokens', 'created_ms', 'deadline_ms',
+                           'retry_at', 'avoid')
+      local at = tonumber(h[5]) or 0
+      if h[1] and at > now then
+        if next_retry == 0 or at < next_retry then next_retry = at end
+      elseif h[1] and got < max_heads then
+        heads[#heads + 1] = id
+        for j = 1, 4 do heads[#heads + 1] = h[j] end
+        heads[#heads + 1] = h[6] or ''
+        got = got + 1
+      end
     end
+    if #ids < max_heads then break end
+    from = from + max_heads
   end
   return heads
 end
 
 local out = {}
-for t = 4, #ARGV do
+for t = 5, #ARGV do
   local tier = ARGV[t]
   local tenants = {}
   if redis.call('SISMEMBER', paused, 'tier:' .. tier) == 0 then
@@ -554,11 +666,14 @@ for t = 4, #ARGV do
   end
   out[#out + 1] = tenants
 end
+out[#out + 1] = next_retry
 return out
 """
 
 # ARGV: prefix, tenant, reason, now, ttl
 # Cancels every live request of a tenant, in any state. -> how many
+# Replay: the requests the first run ended left the tenant's live set: it cancels only what
+# was submitted since (a sweep's answer counts what that run did).
 CANCEL_TENANT = _LIB + """
 local n = 0
 for _, id in ipairs(redis.call('SMEMBERS', key('live', ARGV[2]))) do
@@ -577,6 +692,7 @@ return n
 # Moves a live request's deadline (its order score is kept): the scheduler's janitor enforces it,
 # and workers running the request are told on the deadline channel.
 # -> the request's state; false when it does not exist
+# Replay: sets the same deadline again; workers hear the same deadline twice (they keep it).
 SET_DEADLINE = _LIB + """
 local rk = key('req', ARGV[2])
 local state = redis.call('HGET', rk, 'state')
@@ -593,6 +709,7 @@ return state
 # Requests newest first, filtered. Looks at a bounded number of entries, so a page may be short;
 # the cursor goes on from the last entry looked at. Entries whose record expired are dropped.
 # -> {ids, next cursor ('' = no more)}
+# Replay: its only writes drop index entries of expired records, which stay dropped.
 LIST_REQUESTS = _LIB + """
 local idx = key('index')
 if ARGV[2] ~= '' then idx = key('index', ARGV[2]) end
@@ -625,6 +742,7 @@ return {out, last}
 # Registers or refreshes a worker: its facts, their expiry and its heartbeat time. It tells the
 # scheduler on the heartbeat channel only while requests are queued: a freed slot is news only
 # to queued work (with none, every such message woke the scheduler for nothing).
+# Replay: the same facts and time again; one more wake-up message at most.
 HEARTBEAT = _LIB + """
 local wk, now = key('worker', ARGV[2]), ARGV[5]
 redis.call('HSET', wk, 'heartbeat_ms', now, unpack(ARGV, 6))
@@ -637,14 +755,17 @@ end
 
 # ARGV: prefix, cutoff (ms), role1, role2, ...
 # The registry in one round trip: per role, the workers that heartbeat at or after the cutoff,
-# each with its hash (empty once it expired); then the ids an operator drained.
-# -> {{{id, {field, value, ...}}, ...} per role..., {drained ids}}
+# each with its hash (empty once it expired) and its hand-off record {until, reason, streak}
+# (see HANDOFFS); then the ids an operator drained.
+# -> {{{id, {field, value, ...}, {until, reason, streak}}, ...} per role..., {drained ids}}
+# Replay: read-only.
 WORKERS = _LIB + """
 local out = {}
 for r = 3, #ARGV do
   local rows = {}
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', key('workers', ARGV[r]), ARGV[2], '+inf')) do
-    rows[#rows + 1] = {id, redis.call('HGETALL', key('worker', id))}
+    local q = redis.call('HMGET', key('health', id), 'until', 'reason', 'streak')
+    rows[#rows + 1] = {id, redis.call('HGETALL', key('worker', id)), {q[1] or '0', q[2] or '', q[3] or '0'}}
   end
   out[#out + 1] = rows
 end
@@ -652,8 +773,65 @@ out[#out + 1] = redis.call('SMEMBERS', key('drained'))
 return out
 """
 
+# ARGV: prefix, event (this call's token: the batch id), ttl (ms), then per hand-off outcome:
+#       worker id, the other side's worker id, ok (1 | 0)
+# Counts KV hand-offs per worker, in order: a failure adds one to the worker's streak and the
+# other side to its peers; a success ends the streak. -> per worker, in first-seen order,
+# {id, streak, distinct peers in the streak, quarantines so far, quarantined until (ms)}
+# Replay: each worker's record names this call's event: it is not counted again.
+HANDOFFS = _LIB + """
+local seen, order = {}, {}
+for i = 4, #ARGV, 3 do
+  local w, peer, ok = ARGV[i], ARGV[i + 1], ARGV[i + 2] == '1'
+  local hk = key('health', w)
+  if seen[w] == nil then
+    seen[w] = redis.call('HGET', hk, 'event') ~= ARGV[2]
+    order[#order + 1] = w
+    if seen[w] then redis.call('HSET', hk, 'event', ARGV[2]) end
+  end
+  if seen[w] then
+    if ok then
+      redis.call('HSET', hk, 'streak', 0, 'peers', '')
+    else
+      redis.call('HINCRBY', hk, 'streak', 1)
+      local peers, has = {}, false
+      for x in string.gmatch(redis.call('HGET', hk, 'peers') or '', '%S+') do
+        peers[#peers + 1] = x
+        has = has or x == peer
+      end
+      if not has and #peers < 8 then peers[#peers + 1] = peer end
+      redis.call('HSET', hk, 'peers', table.concat(peers, ' '))
+    end
+    if redis.call('PTTL', hk) < tonumber(ARGV[3]) then redis.call('PEXPIRE', hk, ARGV[3]) end
+  end
+end
+local out = {}
+for _, w in ipairs(order) do
+  local h = redis.call('HMGET', key('health', w), 'streak', 'peers', 'times', 'until')
+  local n = 0
+  for _ in string.gmatch(h[2] or '', '%S+') do n = n + 1 end
+  out[#out + 1] = {w, num(h[1], 0), n, num(h[3], 0), num(h[4], 0)}
+end
+return out
+"""
+
+# ARGV: prefix, worker id, until (ms), reason, quarantines so far (as read), now, ttl (ms)
+# Quarantines a worker until `until` (no new work while others can take it), if its count of
+# quarantines is still the one read (another scheduler may have done it meanwhile): ends its
+# streak and counts one more quarantine. The record expires ttl after the quarantine ends.
+# -> 1 when quarantined, 0 when the count had moved on
+# Replay: the count moved on with the first run: 0, nothing written.
+QUARANTINE = _LIB + """
+local hk = key('health', ARGV[2])
+if num(redis.call('HGET', hk, 'times'), 0) ~= tonumber(ARGV[5]) then return 0 end
+redis.call('HSET', hk, 'until', ARGV[3], 'reason', ARGV[4], 'times', tonumber(ARGV[5]) + 1, 'streak', 0, 'peers', '')
+redis.call('PEXPIRE', hk, math.max(0, tonumber(ARGV[3]) - tonumber(ARGV[6])) + tonumber(ARGV[7]))
+return 1
+"""
+
 SCRIPTS = {"submit": SUBMIT, "claim": CLAIM, "requeue": REQUEUE, "transition": TRANSITION,
            "step": STEP, "finish": FINISH, "expire_deadlines": EXPIRE_DEADLINES,
            "reap_worker": REAP_WORKER, "expire_leases": EXPIRE_LEASES, "snapshot": SNAPSHOT,
            "cancel_tenant": CANCEL_TENANT, "set_deadline": SET_DEADLINE,
-           "list_requests": LIST_REQUESTS, "heartbeat": HEARTBEAT, "workers": WORKERS}
+           "list_requests": LIST_REQUESTS, "heartbeat": HEARTBEAT, "workers": WORKERS,
+           "handoffs": HANDOFFS, "quarantine": QUARANTINE}

@@ -1,10 +1,14 @@
 """Worker registry in Redis: workers heartbeat their facts; the scheduler reads who is alive.
 
-A worker is alive while its last heartbeat (its score in `p:workers:{role}`) is younger than the
-scheduler's worker timeout. An operator drain (`set_drained`) is kept apart from the worker's own
-facts, so its heartbeats cannot undo it. A worker that leaves (`deregister`) is marked draining and stays
-listed until that timeout passes, so it can finish its running requests; then the scheduler
-reaps it: whatever it still holds goes back to the queue (`RequestStore.reap_worker`).
+A worker is listed while its last heartbeat (its score in `p:workers:{role}`) is younger than the
+worker timeout. The scheduler's janitor reaps a worker only when it has itself seen no new
+heartbeat of it for that long (`scheduler.policies.liveness`), so a Redis outage, which stops
+every heartbeat, is not taken for dead workers. An operator drain (`set_drained`) is kept apart
+from the worker's own facts, so its heartbeats cannot undo it; so is a quarantine (a worker whose
+KV hand-offs keep failing, `p:health:{id}`, set by the scheduler). A worker that leaves
+(`deregister`) is marked draining and stays listed until that timeout passes, so it can finish
+its running requests; then the scheduler reaps it: whatever it still holds goes back to the
+queue (`RequestStore.reap_worker`).
 """
 
 from dataclasses import dataclass
@@ -27,6 +31,12 @@ class WorkerInfo:
     running: int = 0
     draining: bool = False
     heartbeat_ms: int = 0
+    quarantined_until_ms: int = 0  # while in the future: quarantined (its hand-offs kept failing)
+    quarantine_reason: str = ""
+    handoff_streak: int = 0  # its failed KV hand-offs in a row
+
+    def quarantined(self, now_ms_: int) -> bool:
+        return self.quarantined_until_ms > now_ms_
 
 
 def heartbeat(store: RequestStore, info: WorkerInfo, ttl_s: float) -> Any:
@@ -46,14 +56,21 @@ def deregister(client: Any, keys: Keys, worker_id: str, role: str) -> Any:
     return pipe.execute()
 
 
-def dead_workers(client: Any, keys: Keys, role: str, timeout_s: float) -> Any:
-    """Ids of workers of `role` whose last heartbeat is older than timeout_s."""
-    cutoff = now_ms() - int(timeout_s * 1000)
-    return _then(client.zrangebyscore(keys.workers(role), "-inf", f"({cutoff}"), lambda ids: [_str(i) for i in ids])
+def heartbeats(client: Any, keys: Keys, roles: tuple[str, ...] = ROLES) -> Any:
+    """Every registered worker's last heartbeat (ms, as its worker wrote it), in one round trip
+    (async client). -> {worker id: (role, heartbeat ms)}"""
+    pipe = client.pipeline(transaction=False)
+    for role in roles:
+        pipe.zrange(keys.workers(role), 0, -1, withscores=True)
+
+    def parse(raw: list) -> dict[str, tuple[str, float]]:
+        return {_str(wid): (role, float(score)) for role, rows in zip(roles, raw) for wid, score in rows}
+    return _then(pipe.execute(), parse)
 
 
 def forget(client: Any, keys: Keys, worker_id: str, role: str) -> Any:
-    """Removes a reaped worker from the registry (and ends an operator drain of it)."""
+    """Removes a reaped worker from the registry (and ends an operator drain of it; a quarantine
+    is kept: a worker restarted under the same id is still quarantined until it ends)."""
     pipe = client.pipeline(transaction=True)
     pipe.zrem(keys.workers(role), worker_id)
     pipe.delete(keys.worker(worker_id))
@@ -70,13 +87,15 @@ def set_drained(client: Any, keys: Keys, worker_id: str, drained: bool) -> Any:
 def live_workers(store: RequestStore, roles: tuple[str, ...], timeout_s: float) -> Any:
     """The workers of each of `roles` that sent a heartbeat within timeout_s, in one round trip
     (async store). -> {role: [WorkerInfo]}"""
-    def parse(got: tuple[dict[str, list[tuple[str, dict[str, str]]]], set[str]]) -> dict[str, list[WorkerInfo]]:
+    def parse(got: tuple[dict[str, list[tuple[str, dict[str, str], tuple[int, str, int]]]], set[str]]
+              ) -> dict[str, list[WorkerInfo]]:
         rows, drained = got
         return {role: [WorkerInfo(worker_id=wid, role=role, address=h["address"],
                                   free_slots=int(h.get("free_slots", 0)), capacity=int(h.get("capacity", 0)),
                                   running=int(h.get("running", 0)),
                                   draining=h.get("draining") == "1" or wid in drained,
-                                  heartbeat_ms=int(h.get("heartbeat_ms", 0)))
-                       for wid, h in rows[role] if "address" in h]
+                                  heartbeat_ms=int(h.get("heartbeat_ms", 0)), quarantined_until_ms=until,
+                                  quarantine_reason=reason, handoff_streak=streak)
+                       for wid, h, (until, reason, streak) in rows[role] if "address" in h]
                 for role in roles}
     return _then(store.workers(roles, now_ms() - int(timeout_s * 1000)), parse)

@@ -3,15 +3,19 @@
 Works with a sync `redis.Redis` (workers, whose model loop is a thread) and with a
 `redis.asyncio.Redis` (gateway, scheduler): every method returns its result, or an awaitable of
 it for an async client. Clients must use `decode_responses=False` (records hold protobuf bytes).
+Every write is safe to repeat (a `pdq.redisconn` client re-sends a command whose reply was lost);
+`pdq.keys` says why for each script. How a request ends, by every path: `pdq.ending`.
 """
 
 import inspect
 import time
+import uuid
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 from redis.exceptions import NoScriptError
 
+from pdq.ending import Ending
 from pdq.keys import SCRIPTS, Keys
 from pdq.request import State
 from pdq.v1 import internal_pb2 as pb
@@ -63,11 +67,37 @@ class QueueLimits:
     tenant_max_queued_tokens: int = UNBOUNDED
 
 
+# Kinds of a given-back attempt (`RequestStore.requeue`): the request's own failure (a failed
+# hand-off, an error running it on a worker) or an attempt lost to infrastructure (its worker
+# died, shut down or lost Redis; its prefill lease expired). Only failures count towards
+# max_attempts; losses are bounded by RetryLimits.max_lost.
+FAILURE = "failure"
+LOST = "lost"
+KINDS = (FAILURE, LOST)
+
+
+@dataclass(frozen=True)
+class RetryLimits:
+    """How given-back attempts are retried (besides max_attempts, which callers pass): at most
+    `max_lost` attempts lost to infrastructure, and after the n-th failure a request waits
+    backoff_ms * 2**(n-1) (at most backoff_max_ms) before it is dispatched again."""
+
+    max_lost: int = 20
+    backoff_ms: int = 500
+    backoff_max_ms: int = 10_000
+
+    @classmethod
+    def of(cls, config: Any) -> "RetryLimits":
+        """From a `pdq.config.StoreConfig` (its max_lost_attempts, retry_backoff_ms, retry_backoff_max_ms)."""
+        return cls(config.max_lost_attempts, config.retry_backoff_ms, config.retry_backoff_max_ms)
+
+
 @dataclass(frozen=True)
 class Submitted:
     """What became of a submit: kind "created", "existing" (an idempotent retry; request_id is
-    the first request's) or "rejected" (reason names the bound; `drain_tokens` is how many
-    queued tokens must leave before a retry can pass)."""
+    the first request's), "conflict" (the id names a request with other content; request_id is
+    that request's) or "rejected" (reason names the bound; `drain_tokens` is how many queued
+    tokens must leave before a retry can pass)."""
 
     kind: str
     request_id: str = ""
@@ -113,13 +143,22 @@ def _positive(text: str | None, kind: type) -> Any:
 
 @dataclass(frozen=True)
 class QueuedHead:
-    """A queued request as the dispatcher sees it in a snapshot."""
+    """A queued request as the dispatcher sees it in a snapshot; `avoid`: the workers of its
+    failed attempts."""
 
     request_id: str
     prompt_tokens: int
     max_tokens: int
     created_ms: int
     deadline_ms: int
+    avoid: frozenset[str] = frozenset()
+
+
+class Snapshot(dict):
+    """{tier: [TenantBacklog]}, and `next_retry_ms`: the earliest time (Unix ms) a request held
+    back after a failure may be dispatched (0 = none held back)."""
+
+    next_retry_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -211,11 +250,28 @@ class SentStep:
         self._conn = None
 
 
+@dataclass(frozen=True)
+class HandoffRecord:
+    """A worker's KV hand-off record after HANDOFFS counted a batch: failed hand-offs in a row,
+    how many distinct workers were on the other side of them, quarantines so far, and the end of
+    its current or last quarantine (Unix ms, 0 = never)."""
+
+    worker_id: str
+    streak: int
+    peers: int
+    times: int
+    until_ms: int
+
+
+HEALTH_TTL_MS = 3600_000  # a worker's hand-off record lasts this long after its last change
+
+
 class RequestStore:
-    def __init__(self, client: Any, prefix: str = "pdq", result_ttl_s: int = 3600):
+    def __init__(self, client: Any, prefix: str = "pdq", result_ttl_s: int = 3600, retry: RetryLimits = RetryLimits()):
         self.client = client
         self.keys = Keys(prefix)
         self.result_ttl_s = result_ttl_s
+        self.retry = retry
         self._scripts = {name: client.register_script(src) for name, src in SCRIPTS.items()}
 
     def _run(self, name: str, args: list[Any]) -> Any:
@@ -227,42 +283,51 @@ class RequestStore:
                seq: int = 0, score: float | None = None) -> Any:
         """Writes and queues a request in its tier and tenant queue, unless a bound is reached.
         `score` orders it in its tenant's queue (default: `seq`, arrival order); seq 0 takes the
-        next arrival number. -> Submitted."""
+        next arrival number. The record keeps `spec.content_hash` and the client's request id
+        (`spec.client_request_id`, else the idempotency key); a key or request id that names a
+        request with another content hash is a "conflict". A replay of this call (its reply
+        lost) answers as the first run did. -> Submitted."""
         args = [spec.request_id, spec.SerializeToString(), spec.tenant, spec.tier, spec.arrival_ms,
                 spec.deadline_ms, len(spec.prompt_token_ids), spec.sampling.max_tokens, seq,
                 "" if score is None else score, idempotency_key, self.result_ttl_s,
-                limits.max_queued, limits.max_queued_tokens, limits.tenant_max_queued, limits.tenant_max_queued_tokens]
+                limits.max_queued, limits.max_queued_tokens, limits.tenant_max_queued, limits.tenant_max_queued_tokens,
+                uuid.uuid4().hex[:16], spec.content_hash, spec.client_request_id or idempotency_key]
 
         def parse(r: list) -> Submitted:
             kind = int(r[0])
-            if kind < 0:
+            if kind == -1:
                 return Submitted("rejected", reason=_str(r[1]), drain_tokens=int(r[2]))
-            return Submitted("created" if kind == 1 else "existing", _str(r[1]))
+            return Submitted({1: "created", 0: "existing", -2: "conflict"}[kind], _str(r[1]))
         return _then(self._run("submit", args), parse)
 
     def snapshot(self, tiers: list[str], max_tenants: int, max_heads: int) -> Any:
         """A bounded view of the queue: per tier (in the order given), up to `max_tenants`
         backlogged tenants with the lowest counters, each with up to `max_heads` requests from
-        the head of its queue. -> {tier: [TenantBacklog]}"""
-        def parse(raw: list) -> dict[str, list[TenantBacklog]]:
-            out = {}
+        the head of its queue, leaving out requests held back after a failure (until their
+        retry_at). -> Snapshot"""
+        def parse(raw: list) -> Snapshot:
+            out = Snapshot()
             for tier, rows in zip(tiers, raw):
                 backlogs = []
                 for tenant, counter, weight, flat in rows:
                     heads = [QueuedHead(_str(flat[i]), int(flat[i + 1]), int(flat[i + 2]), int(flat[i + 3]),
-                                        int(flat[i + 4])) for i in range(0, len(flat), 5)]
+                                        int(flat[i + 4]), frozenset(_str(flat[i + 5]).split()))
+                             for i in range(0, len(flat), 6)]
                     backlogs.append(TenantBacklog(_str(tenant), float(counter), _positive(_str(weight), float), heads))
                 out[tier] = backlogs
+            out.next_retry_ms = int(raw[len(tiers)])
             return out
-        return _then(self._run("snapshot", [max_tenants, max_heads, *tiers]), parse)
+        return _then(self._run("snapshot", [max_tenants, max_heads, now_ms(), *tiers]), parse)
 
     def claim(self, placed: list[tuple[str, str]], worker_id: str, address: str = "", lease_ms: int = 60_000,
-              default_weight: float = 1.0) -> Any:
+              default_weight: float = 1.0, token: str = "") -> Any:
         """Moves queued requests to PREFILLING on prefill worker `worker_id` (at `address`), each
         leased to it and to its decode worker: `placed` is [(request id, decode worker id)].
-        The prefill lease runs `lease_ms`. Charges each tenant's counter. -> [Claimed]"""
+        The prefill lease runs `lease_ms`. Charges each tenant's counter. `token` names this
+        claim (the batch id; default: a fresh one): a replay of the call answers the same
+        epochs and specs. -> [Claimed]"""
         now = now_ms()
-        args: list[Any] = [now, worker_id, address, now + lease_ms, default_weight]
+        args: list[Any] = [now, worker_id, address, now + lease_ms, default_weight, token or uuid.uuid4().hex[:16]]
         for rid, decode_id in placed:
             args += [rid, decode_id]
 
@@ -281,14 +346,31 @@ class RequestStore:
         return _then(self.client.zrange(self.keys.deadlines, 0, 0, withscores=True), first)
 
     def reap_worker(self, worker_id: str, max_attempts: int) -> Any:
-        """Gives back the attempts of a worker that stopped heartbeating. -> (requeued, failed)"""
-        args = [worker_id, now_ms(), max_attempts, self.result_ttl_s]
+        """Gives back the attempts of a worker that stopped heartbeating: lost attempts (they
+        count towards `retry.max_lost`, not max_attempts). -> (requeued, failed)"""
+        args = [worker_id, now_ms(), max_attempts, self.result_ttl_s, self.retry.max_lost]
         return _then(self._run("reap_worker", args), lambda r: (int(r[0]), int(r[1])))
 
     def expire_leases(self, max_attempts: int, limit: int = 256) -> Any:
-        """Gives back requests whose prefill lease expired. -> (requeued, failed)"""
-        args = [now_ms(), max_attempts, self.result_ttl_s, limit]
+        """Gives back requests whose prefill lease expired: lost attempts. -> (requeued, failed)"""
+        args = [now_ms(), max_attempts, self.result_ttl_s, limit, self.retry.max_lost]
         return _then(self._run("expire_leases", args), lambda r: (int(r[0]), int(r[1])))
+
+    def handoffs(self, event: str, outcomes: list[tuple[str, str, bool]]) -> Any:
+        """Counts KV hand-off outcomes, in order: (worker id, the other side's id, ok) each, a
+        hand-off counting for both of its workers (pass it once per side). `event` names the
+        call (the batch id): a replay is not counted twice. -> [HandoffRecord] per worker."""
+        args: list[Any] = [event, HEALTH_TTL_MS]
+        for worker, peer, ok in outcomes:
+            args += [worker, peer, int(ok)]
+        return _then(self._run("handoffs", args),
+                     lambda r: [HandoffRecord(_str(w), int(s), int(p), int(t), int(u)) for w, s, p, t, u in r])
+
+    def quarantine(self, worker_id: str, until_ms: int, reason: str, times: int) -> Any:
+        """Quarantines a worker until `until_ms`, unless its quarantine count moved on from
+        `times` (someone else did it). -> True when quarantined."""
+        args = [worker_id, until_ms, reason, times, now_ms(), HEALTH_TTL_MS]
+        return _then(self._run("quarantine", args), bool)
 
     def heartbeat(self, worker_id: str, role: str, ttl_ms: int, facts: dict[str, Any]) -> Any:
         """Registers or refreshes a worker's registry entry (`facts`: its hash fields), expiring
@@ -300,13 +382,15 @@ class RequestStore:
 
     def workers(self, roles: tuple[str, ...], cutoff_ms: int) -> Any:
         """The registry in one round trip: the workers of each role that heartbeat at or after
-        cutoff_ms, and the ids an operator drained.
-        -> ({role: [(worker id, {field: value})]}, {drained ids})"""
-        def parse(raw: list) -> tuple[dict[str, list[tuple[str, dict[str, str]]]], set[str]]:
+        cutoff_ms, each with its hash and its quarantine (until ms, reason) and hand-off failure
+        streak, and the ids an operator drained.
+        -> ({role: [(worker id, {field: value}, (until ms, reason, streak))]}, {drained ids})"""
+        def parse(raw: list) -> tuple[dict[str, list[tuple[str, dict[str, str], tuple[int, str, int]]]], set[str]]:
             out = {}
             for role, rows in zip(roles, raw):
-                out[role] = [(_str(wid), {_str(flat[i]): _str(flat[i + 1]) for i in range(0, len(flat), 2)})
-                             for wid, flat in rows]
+                out[role] = [(_str(wid), {_str(flat[i]): _str(flat[i + 1]) for i in range(0, len(flat), 2)},
+                              (int(q[0]), _str(q[1]), int(q[2])))
+                             for wid, flat, q in rows]
             return out, {_str(d) for d in raw[len(roles)]}
         return _then(self._run("workers", [cutoff_ms, *roles]), parse)
 
@@ -320,7 +404,8 @@ class RequestStore:
 
     def policy_and_seq(self, tenant: str) -> Any:
         """The tenant's policy and the next arrival number (for an order score computed before
-        submit), in one round trip. -> (TenantPolicy, seq)"""
+        submit), in one round trip (a replay skips an arrival number: harmless, the numbers only
+        order). -> (TenantPolicy, seq)"""
         pipe = self.client.pipeline(transaction=False)
         pipe.hgetall(self.keys.tenant(tenant))
         pipe.incr(self.keys.seq)
@@ -379,9 +464,16 @@ class RequestStore:
             return ([n[5:] for n in names if n.startswith("tier:")], [n[7:] for n in names if n.startswith("tenant:")])
         return _then(self.client.smembers(self.keys.paused), parse)
 
+    def end_tenant(self, tenant: str, ending: Ending) -> Any:
+        """Ends every live request of a tenant, in any state (a cancel: `Ending.cancelled`).
+        -> how many"""
+        if ending.state != State.CANCELLED:
+            raise ValueError("a tenant's requests end only CANCELLED")
+        return _then(self._run("cancel_tenant", [tenant, ending.error, now_ms(), self.result_ttl_s]), int)
+
     def cancel_tenant(self, tenant: str, reason: str = "cancelled by operator") -> Any:
-        """Cancels every live request of a tenant, in any state. -> how many"""
-        return _then(self._run("cancel_tenant", [tenant, reason, now_ms(), self.result_ttl_s]), int)
+        """Cancels every live request of a tenant, in any state (`end_tenant`). -> how many"""
+        return self.end_tenant(tenant, Ending(State.CANCELLED, "cancelled", reason))
 
     def set_deadline(self, rid: str, deadline_ms: int) -> Any:
         """Moves a live request's absolute deadline: the scheduler's janitor enforces it, workers
@@ -406,9 +498,16 @@ class RequestStore:
 
     # -- a request's life: the workers' and the gateway's calls ----------------------------
 
-    def requeue(self, rid: str, epoch: int, error: str, max_attempts: int) -> Any:
-        """Puts a failed attempt back in the queue, or FAILS it. -> new state name or None."""
-        args = [rid, epoch, now_ms(), max_attempts, error, self.result_ttl_s]
+    def requeue(self, rid: str, epoch: int, error: str, max_attempts: int, kind: str = FAILURE) -> Any:
+        """Gives back attempt `epoch` of a request: back in the queue, or FAILED when its bound
+        is reached. kind FAILURE (the request's own: counts towards max_attempts, the attempt's
+        workers are avoided next time, after a backoff) or LOST (infrastructure: counts towards
+        retry.max_lost). -> new state name, or None when the epoch is stale or it ended."""
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        r = self.retry
+        args = [rid, epoch, now_ms(), max_attempts, error, self.result_ttl_s, kind, r.max_lost, r.backoff_ms,
+                r.backoff_max_ms]
         return _then(self._run("requeue", args), lambda r: _str(r) if r else None)
 
     def transition(self, rid: str, epoch: int, state: State, **fields: Any) -> Any:
@@ -461,10 +560,18 @@ class RequestStore:
         """`step` with arguments `_step_args` made (a SentStep's fallback)."""
         return step.kept(self._run("step", step.args))
 
-    def finish(self, rid: str, state: State, reason: str, error: str = "", epoch: int | None = None) -> Any:
-        """Ends a request from outside (cancel, timeout, failure). -> state after, None if unknown."""
-        args = [rid, state.value, reason, error, now_ms(), self.result_ttl_s, "" if epoch is None else epoch]
+    def end(self, rid: str, ending: Ending, epoch: int | None = None) -> Any:
+        """Ends a request from outside its worker's step: the one call of every such path (see
+        `pdq.ending`). With `epoch`, only while that attempt is the current one (a worker ending
+        its own attempt). Ends it once: a request that has ended keeps its state.
+        -> the state after, None if unknown."""
+        args = [rid, ending.state.value, ending.reason, ending.error, now_ms(), self.result_ttl_s,
+                "" if epoch is None else epoch]
         return _then(self._run("finish", args), lambda r: State(_str(r)) if r else None)
+
+    def finish(self, rid: str, state: State, reason: str, error: str = "", epoch: int | None = None) -> Any:
+        """`end(rid, Ending(state, reason, error), epoch)`."""
+        return self.end(rid, Ending(state, reason, error), epoch)
 
     def record(self, rid: str) -> Any:
         """The request record as {field: str}, with `spec` left as bytes; {} when unknown."""

@@ -5,7 +5,10 @@ One dispatch: read a bounded snapshot of the queue (per tier, the backlogged ten
 lowest counters and the head of each one's queue), let the policies order it and cut a batch,
 reserve a decode slot for each request, CLAIM them in Redis (atomically: requests cancelled
 meanwhile are skipped, tenants are charged), and send the batch to the least busy prefill worker.
-A failed attempt goes back to the queue (REQUEUE), or FAILS when its attempts are spent.
+A failed attempt goes back to the queue (REQUEUE), or FAILS when its attempts are spent: the
+request's own failures (a failed hand-off, an error on the worker) are retried after a backoff on
+other workers, attempts lost to infrastructure are bounded apart (`scheduler.policies.retry`), and
+a worker whose hand-offs keep failing is quarantined (`scheduler.retries`).
 """
 
 import asyncio
@@ -17,16 +20,18 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdq import metrics, mtls, telemetry
+from pdq import metrics, mtls, redisconn, telemetry
 from pdq.config import SchedulerConfig
+from pdq.liveness import Liveness
 from pdq.registry import ROLES, WorkerInfo, live_workers
 from pdq.serving import GRPC_OPTIONS
 from pdq.store import RequestStore, TenantBacklog, now_ms, spec_from_bytes
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 from scheduler.policies import (Candidate, DecodeSlots, DrainRate, Headroom, TenantQueue, TierQueue, below_share,
-                                choose_decode_worker, fair_policy, form_batch, prefill_priority, schedule,
-                                tier_policy)
+                                choose_decode_worker, fair_policy, form_batch, place_prefill, prefer_healthy,
+                                prefill_priority, schedule, tier_policy)
+from scheduler.retries import BatchOutcome, Retries
 
 log = logging.getLogger("pdq.scheduler")
 
@@ -60,7 +65,7 @@ def to_tier_queues(snapshot: dict[str, list[TenantBacklog]], tiers: list[str],
     for rank, tier in enumerate(tiers):
         queues = [TenantQueue(b.tenant, b.counter, b.weight if b.weight and b.weight > 0 else default_weight,
                               [Candidate(h.request_id, h.prompt_tokens, h.max_tokens, b.tenant, tier, h.deadline_ms,
-                                         h.created_ms) for h in b.heads])
+                                         h.created_ms, h.avoid) for h in b.heads])
                   for b in snapshot.get(tier, []) if b.heads]
         out.append(TierQueue(tier, rank, queues))
     return out
@@ -88,7 +93,11 @@ class Dispatcher:
         self._depth_labels: set[tuple[str, str]] = set()
         self.on_deadline: Callable[[int], None] = lambda deadline_ms=0: None  # a deadline set or moved (wakes the janitor)
         self._queue_empty = False  # the latest snapshot held nothing, and no poke came since
+        self._next_retry_ms = 0  # when a request held back after a failure may go (0 = none held back)
         self._pokes = 0  # work queued since start (submits, requeues): did any come while a batch was placed?
+        self._stopped = asyncio.Event()
+        self._live: dict[str, list[WorkerInfo]] = {role: [] for role in ROLES}  # the registry as last read
+        self.retries = Retries(config, store, self._release)
 
     def poke(self, queued: bool = True) -> None:
         """Wakes the loop for work queued meanwhile (a submit, a requeue; queued=False: room freed
@@ -103,6 +112,7 @@ class Dispatcher:
 
     async def stop(self) -> None:
         self._stopping = True
+        self._stopped.set()
         self.wake.set()
         if self._task:
             await self._task
@@ -127,23 +137,44 @@ class Dispatcher:
             peer = self._peers[info.worker_id] = _Peer(info.address, channel, stub)
         return peer
 
+    async def _pause(self, seconds: float) -> None:
+        """Sleeps, or less when the dispatcher stops."""
+        try:
+            await asyncio.wait_for(self._stopped.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+
+    def _wait_s(self, interval: float) -> float:
+        """How long to wait for a poke: the poll period (longer with the queue empty), cut short
+        when a request held back after a failure may go."""
+        wait = max(interval, IDLE_POLL_S) if self._queue_empty else interval
+        if self._next_retry_ms:
+            wait = min(wait, max(0.0, (self._next_retry_ms - now_ms()) / 1000))
+        return wait
+
     async def _loop(self) -> None:
         interval = self.config.dispatch_interval_ms / 1000
-        while not self._stopping:
-            try:
-                await asyncio.wait_for(self.wake.wait(), max(interval, IDLE_POLL_S) if self._queue_empty else interval)
-            except asyncio.TimeoutError:
-                pass
-            self.wake.clear()
-            if self._stopping:
-                break
-            try:
-                while await self.dispatch_once():
+        live = Liveness("dispatcher")
+        try:
+            while not self._stopping:
+                try:
+                    await asyncio.wait_for(self.wake.wait(), self._wait_s(interval))
+                except asyncio.TimeoutError:
                     pass
-                await self.observe_queue()
-            except Exception:  # keep dispatching; Redis or a worker may come back
-                log.exception("dispatch failed")
-                await asyncio.sleep(interval)
+                self.wake.clear()
+                if self._stopping:
+                    break
+                try:
+                    while await self.dispatch_once():
+                        pass
+                    await self.observe_queue()
+                    live.beat()
+                except Exception as exc:  # keep dispatching; Redis or a worker may come back
+                    if not redisconn.unavailable(exc):
+                        log.exception("dispatch failed")
+                    await self._pause(max(interval, redisconn.backoff_s(live.error(exc))))
+        finally:
+            live.stopped()
 
     async def _listen(self) -> None:
         """Wakes the loop on a worker heartbeat while requests may be queued: a worker heartbeats
@@ -153,41 +184,51 @@ class Dispatcher:
         queued elsewhere (a worker's requeue) or a resumed queue (the queued channel) pokes it.
         An operator's deadline change (the deadline channel) calls `on_deadline`."""
         keys = self.store.keys
-        while not self._stopping:
-            pubsub = self.store.client.pubsub(ignore_subscribe_messages=True)
-            try:
-                await pubsub.subscribe(keys.heartbeat_channel, keys.deadline_channel, keys.queued_channel)
-                while not self._stopping:
-                    message = await pubsub.get_message(timeout=None)
-                    if not message:
-                        continue
-                    channel = message["channel"]
-                    channel = channel.decode() if isinstance(channel, bytes) else channel
-                    if channel == keys.deadline_channel:
-                        self.on_deadline()
-                    elif channel == keys.queued_channel:
-                        self.poke()
-                    elif not self._queue_empty:
-                        self.wake.set()
-            except Exception as exc:  # Redis went away: poll meanwhile, then subscribe again
-                log.warning("heartbeat channel: %s", exc)
-                await asyncio.sleep(1.0)
-            finally:
-                await pubsub.aclose()
+        live = Liveness("dispatch-listener")
+        try:
+            while not self._stopping:
+                pubsub = self.store.client.pubsub(ignore_subscribe_messages=True)
+                try:
+                    await pubsub.subscribe(keys.heartbeat_channel, keys.deadline_channel, keys.queued_channel)
+                    live.beat()
+                    self.poke(queued=False)  # anything queued while it was away is read now
+                    while not self._stopping:
+                        message = await pubsub.get_message(timeout=None)
+                        if not message:
+                            continue
+                        channel = message["channel"]
+                        channel = channel.decode() if isinstance(channel, bytes) else channel
+                        if channel == keys.deadline_channel:
+                            self.on_deadline()
+                        elif channel == keys.queued_channel:
+                            self.poke()
+                        elif not self._queue_empty:
+                            self.wake.set()
+                except Exception as exc:  # Redis went away: the loop polls meanwhile; subscribe again
+                    await self._pause(redisconn.backoff_s(live.error(exc)))
+                finally:
+                    try:
+                        await pubsub.aclose()
+                    except Exception:  # its connection is gone already
+                        pass
+        finally:
+            live.stopped()
 
     async def _workers(self) -> tuple[list[WorkerInfo], list[WorkerInfo]]:
         """The prefill and the decode workers that may take work now (one Redis round trip)."""
-        live = await live_workers(self.store, ROLES, self.config.worker_timeout_s)
+        live = self._live = await live_workers(self.store, ROLES, self.config.worker_timeout_s)
+        now = now_ms()
 
         def usable(role: str) -> list[WorkerInfo]:
             metrics.LIVE_WORKERS.labels(role).set(len(live[role]))
+            self.retries.handoffs.seen(live[role])
             out = []
             for w in live[role]:
                 peer = self._peer(w)
                 peer.heartbeat_ms = w.heartbeat_ms
                 if not w.draining and w.heartbeat_ms > peer.failed_hb:
                     out.append(w)
-            return out
+            return prefer_healthy(out, lambda w: w.quarantined(now))
         return usable("prefill"), usable("decode")
 
     async def dispatch_once(self) -> bool:
@@ -199,10 +240,14 @@ class Dispatcher:
         prefill, decode = await self._workers()
         if not prefill or not decode:
             return False
-        target_info = min(prefill, key=lambda w: (self._peers[w.worker_id].inflight, w.worker_id))
-        target = self._peers[target_info.worker_id]
-        if target.inflight >= INFLIGHT_BATCHES_PER_PREFILL_WORKER * self.config.max_batched_tokens:
+        target_id, placeable = place_prefill(batch, [(w.worker_id, self._peers[w.worker_id].inflight) for w in prefill],
+                                             INFLIGHT_BATCHES_PER_PREFILL_WORKER * self.config.max_batched_tokens)
+        if target_id is None:
             return False
+        cut = cut or len(placeable) < len(batch)  # some wait for another prefill worker
+        batch = placeable
+        target_info = next(w for w in prefill if w.worker_id == target_id)
+        target = self._peers[target_id]
         slots = [DecodeSlots(w.worker_id, w.address, w.free_slots) for w in decode]
         capacity = sum(w.capacity for w in decode)
         tenants = {c.tenant for c in batch}
@@ -219,7 +264,9 @@ class Dispatcher:
                 break
             if not self.headroom.allows(cand.tenant, free, capacity, running, weights, active):
                 continue  # the last free slots wait for a tenant below its share
-            choice = choose_decode_worker(slots, target_info.address)
+            choice = choose_decode_worker(slots, target_info.address, cand.avoid)
+            if choice is None:
+                continue  # the decode workers it accepts are full: it waits for one
             under = below_share(cand.tenant, capacity, running, weights, active)
             plans.append((cand, choice, under, self.headroom.keep_free(under, free, choice.free_slots)))
             choice.free_slots -= 1  # as if granted: the next candidates see it; the replies correct it
@@ -238,9 +285,10 @@ class Dispatcher:
             s.free_slots = left.get(s.worker_id, s.free_slots)
         if not placed:
             return False
+        batch_id = uuid.uuid4().hex[:12]
         claimed = await self.store.claim([(c.request_id, dw.worker_id) for c, dw, _, _ in placed], target_info.worker_id,
                                          target.address, int(self.config.prefill_lease_s * 1000),
-                                         self.config.default_weight)
+                                         self.config.default_weight, token=batch_id)
         items, reserved = [], []
         for (cand, dw, priority, kv_address), got in zip(placed, claimed):
             if got.epoch == 0 or got.spec is None:  # cancelled or ended meanwhile
@@ -259,10 +307,9 @@ class Dispatcher:
         metrics.BATCH_SIZE.labels("dispatch").observe(len(items))
         metrics.BATCH_TOKENS.labels("dispatch").observe(prompt_tokens)
         metrics.TOKEN_BUDGET_USE.labels("dispatch").observe(min(1.0, prompt_tokens / self.config.max_batched_tokens))
-        batch_msg = pb.PrefillBatch(batch_id=uuid.uuid4().hex[:12], items=items,
-                                    more_coming=cut or self._pokes != pokes)
+        batch_msg = pb.PrefillBatch(batch_id=batch_id, items=items, more_coming=cut or self._pokes != pokes)
         target.inflight += prompt_tokens
-        task = asyncio.create_task(self._run_batch(target, batch_msg, reserved))
+        task = asyncio.create_task(self._run_batch(target, target_id, batch_msg, reserved))
         target.tasks.add(task)
         task.add_done_callback(target.tasks.discard)
         return True
@@ -272,7 +319,8 @@ class Dispatcher:
         whether it left queued requests out (its size or token limit)."""
         size = self.config.max_batch_size
         snapshot = await self.store.snapshot(self.tiers, size, size)
-        self._queue_empty = not any(snapshot.values())
+        self._queue_empty = not any(b.heads for backlogs in snapshot.values() for b in backlogs)
+        self._next_retry_ms = snapshot.next_retry_ms
         self._weights = {b.tenant: b.weight for backlogs in snapshot.values() for b in backlogs if b.weight}
         order = schedule(to_tier_queues(snapshot, self.tiers, self.config.default_weight), now_ms(),
                          self.tier_policy, self.fair_policy)
@@ -369,8 +417,9 @@ class Dispatcher:
             metrics.QUEUE_DEPTH.labels(*gone).set(0)
         self._depth_labels = set(labels)
 
-    async def _run_batch(self, peer: _Peer, batch: pb.PrefillBatch, reserved: list[DecodeSlots]) -> None:
-        """Runs one batch on a prefill worker; failed items go back to the queue."""
+    async def _run_batch(self, peer: _Peer, worker_id: str, batch: pb.PrefillBatch, reserved: list[DecodeSlots]) -> None:
+        """Runs one batch on prefill worker `worker_id`; failed items go back to the queue
+        (`scheduler.retries`)."""
         span = telemetry.start("pdq.dispatch", kind=telemetry.SpanKind.CLIENT,
                                links=[telemetry.span_context_of(it.spec.traceparent) for it in batch.items],
                                attributes={"pdq.batch_id": batch.batch_id, "pdq.batch.size": len(batch.items),
@@ -379,29 +428,19 @@ class Dispatcher:
                                            "server.address": peer.address})
         try:
             with telemetry.use(span):  # the prefill worker's batch continues this span's trace
-                result = await peer.stub.Prefill(batch)
-            failed = {r.request_id: r.error for r in result.results if not r.ok}
+                outcome = BatchOutcome.of(batch, reserved, worker_id, await peer.stub.Prefill(batch))
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 peer.failed_hb = peer.heartbeat_ms
-            failed = {it.spec.request_id: f"prefill worker {peer.address}: {exc.code().name} {exc.details()}"
-                      for it in batch.items}
+            outcome = BatchOutcome.lost(batch, reserved, f"prefill worker {peer.address}: {exc.code().name} {exc.details()}")
         finally:
             peer.inflight -= sum(len(it.spec.prompt_token_ids) for it in batch.items)
-        telemetry.end(span, attributes={"pdq.batch.failed": len(failed)})
-        for item, dw in zip(batch.items, reserved):
-            rid = item.spec.request_id
-            if rid in failed:
-                log.warning("request %s attempt %d failed: %s", rid, item.epoch, failed[rid])
-                await self._release(dw, rid)
-                state = await self.store.requeue(rid, item.epoch, failed[rid], self.config.max_attempts)
-                metrics.REQUEUES.labels("prefill", state or "stale").inc()
-                if state == "QUEUED":
-                    if len(self._requeued_ms) > 100_000:  # ids that never came back (cancelled meanwhile)
-                        self._requeued_ms.clear()
-                    self._requeued_ms[rid] = now_ms()
-                telemetry.end(telemetry.start("pdq.requeue", item.spec.traceparent,
-                                              attributes={"pdq.request_id": rid, "pdq.attempt": item.epoch}),
-                              "requeued" if state == "QUEUED" else "failed", failed[rid],
-                              event_attributes={"pdq.state": state or "stale", "pdq.error": failed[rid]})
-        self.poke(queued=bool(failed))  # its prompt tokens are no longer in flight; failed ones went back
+        telemetry.end(span, attributes={"pdq.batch.failed": len(outcome.failed)})
+        try:
+            for rid in await self.retries.settle(outcome, self._live):
+                if len(self._requeued_ms) > 100_000:  # ids that never came back (cancelled meanwhile)
+                    self._requeued_ms.clear()
+                self._requeued_ms[rid] = now_ms()
+        except Exception as exc:  # Redis gone past its outage window: the prefill leases bring them back
+            log.warning("batch %s: could not give back its failed attempts (%s); their leases will", batch.batch_id, exc)
+        self.poke(queued=bool(outcome.failed))  # its prompt tokens are no longer in flight; failed ones went back

@@ -6,9 +6,14 @@ until then, and is poked when a request with a deadline is submitted or an opera
 so an idle scheduler does not poll Redis (on a shared machine its polling took CPU from the
 model). A submitted deadline no earlier than the end of the sleep under way changes nothing
 (the sweep at its end sees it), so a burst of submits does not sweep once per request. Every
-quarter of `worker_timeout_s` it reaps workers that stopped heartbeating (their attempts go back
-to the queue under a new epoch, or FAIL when spent) and requeues requests whose prefill lease
-expired. All of it is Redis scripts, so a restarted scheduler simply carries on.
+quarter of `worker_timeout_s` it reads every worker's heartbeat and reaps those it has itself
+seen silent for worker_timeout_s of unbroken observation (`scheduler.policies.liveness`: a Redis
+outage, a slow read or a restart starts the observation over, so workers that could not beat are
+not taken for dead); their attempts are lost: back to the queue under a new epoch (or FAILED
+past max_lost_attempts). Once its observation has run unbroken that long it also requeues
+requests whose prefill lease expired. All of it is Redis scripts, so a restarted scheduler
+simply carries on. A failed round is logged and retried after a backoff; the loop never dies
+of Redis.
 """
 
 import asyncio
@@ -16,10 +21,12 @@ import logging
 import time
 from collections.abc import Callable
 
-from pdq import metrics
+from pdq import metrics, redisconn
 from pdq.config import SchedulerConfig
-from pdq.registry import ROLES, dead_workers, forget
+from pdq.liveness import Liveness
+from pdq.registry import forget, heartbeats
 from pdq.store import RequestStore, now_ms
+from scheduler.policies import HeartbeatWatch
 
 log = logging.getLogger("pdq.scheduler")
 
@@ -48,6 +55,8 @@ class Janitor:
         self._poke = asyncio.Event()
         self._last_reap = 0.0
         self._wake_ms: int | None = None  # when the sleep under way ends (Unix ms); None: not sleeping
+        self.watch = HeartbeatWatch(config.worker_timeout_s, config.worker_timeout_s / 2)
+        self.reaps = 0  # reap rounds done (tests wait on it)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="janitor")
@@ -65,15 +74,24 @@ class Janitor:
         self._poke.set()
 
     async def _loop(self) -> None:
+        live = Liveness("janitor")
+        try:
+            await self._rounds(live)
+        finally:
+            live.stopped()
+
+    async def _rounds(self, live: Liveness) -> None:
         while not self._stopping.is_set():
             self._poke.clear()
-            wait = MAX_SLEEP_S
             try:
                 await self.sweep()
                 until_reap = self._last_reap + self.config.worker_timeout_s / 4 - time.monotonic()
                 wait = sleep_s(await self.store.next_deadline_ms(), now_ms(), until_reap)
-            except Exception:  # keep sweeping; Redis may come back
-                log.exception("janitor sweep failed")
+                live.beat()
+            except Exception as exc:  # keep sweeping; Redis may come back
+                if not redisconn.unavailable(exc):
+                    log.exception("janitor sweep failed")
+                wait = max(MIN_SLEEP_S, redisconn.backoff_s(live.error(exc)))
             if self._poke.is_set():
                 continue
             stop, poke = asyncio.ensure_future(self._stopping.wait()), asyncio.ensure_future(self._poke.wait())
@@ -98,18 +116,23 @@ class Janitor:
             await self.reap()
 
     async def reap(self) -> tuple[int, int]:
-        """Requeues the attempts of dead workers and of expired prefill leases. -> (requeued, failed)"""
+        """Requeues the attempts of dead workers and, once its observation has settled, of
+        expired prefill leases. -> (requeued, failed)"""
         client, keys, attempts = self.store.client, self.store.keys, self.config.max_attempts
         requeued = failed = 0
-        for role in ROLES:
-            for wid in await dead_workers(client, keys, role, self.config.worker_timeout_s):
-                r, f = await self.store.reap_worker(wid, attempts)
-                metrics.REQUEUES.labels("worker_lost", "QUEUED").inc(r)
-                metrics.REQUEUES.labels("worker_lost", "FAILED").inc(f)
-                await forget(client, keys, wid, role)
-                log.warning("%s worker %s stopped heartbeating: %d request(s) requeued, %d failed", role, wid, r, f)
-                requeued, failed = requeued + r, failed + f
-        while True:
+        beats = await heartbeats(client, keys)
+        dead = self.watch.observe(time.monotonic(), {w: hb for w, (_, hb) in beats.items()},
+                                  redisconn.OUTAGES.last_failure)
+        for wid in dead:
+            role = beats[wid][0]
+            r, f = await self.store.reap_worker(wid, attempts)
+            metrics.REQUEUES.labels("worker_lost", "QUEUED").inc(r)
+            metrics.REQUEUES.labels("worker_lost", "FAILED").inc(f)
+            await forget(client, keys, wid, role)
+            self.watch.forget(wid)
+            log.warning("%s worker %s stopped heartbeating: %d request(s) requeued, %d failed", role, wid, r, f)
+            requeued, failed = requeued + r, failed + f
+        while self.watch.settled(time.monotonic()):
             r, f = await self.store.expire_leases(attempts, 256)
             metrics.REQUEUES.labels("lease_expired", "QUEUED").inc(r)
             metrics.REQUEUES.labels("lease_expired", "FAILED").inc(f)
@@ -118,6 +141,7 @@ class Janitor:
             requeued, failed = requeued + r, failed + f
             if r + f < 256:
                 break
+        self.reaps += 1
         if requeued:
             self.on_requeue()
         return requeued, failed

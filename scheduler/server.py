@@ -1,6 +1,9 @@
 """The scheduler process: the internal `Scheduler` service, the dispatch loop and the janitor.
 
 Everything it needs is in Redis, so a restarted scheduler resumes where the last one stopped.
+Its RPCs never answer UNKNOWN or INTERNAL: they refuse bad input with INVALID_ARGUMENT, a full
+queue with RESOURCE_EXHAUSTED, a reused request id with ALREADY_EXISTS, and (through
+`pdq.rpc_guard`) Redis unreachable past its outage window with UNAVAILABLE and a retry hint.
 """
 
 import logging
@@ -12,10 +15,12 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from pdq import metrics, telemetry
 from pdq.config import SchedulerConfig
+from pdq.ending import Ending
 from pdq.mtls import InternalTLS
 from pdq.request import State
 from pdq.serving import Server
-from pdq.store import QueueLimits, RequestStore, TenantPolicy, spec_from_bytes
+from pdq.status import StatusError
+from pdq.store import QueueLimits, RequestStore, RetryLimits, TenantPolicy, spec_from_bytes
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 from scheduler.dispatcher import Dispatcher
@@ -69,6 +74,12 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         span = telemetry.start("pdq.enqueue", attributes={"pdq.request_id": spec.request_id, "pdq.tenant": spec.tenant,
                                                           "pdq.tier": tier, "pdq.seq": seq})
         got = await self.store.submit(spec, request.idempotency_key, queue_limits(self.config, policy), seq, score)
+        if got.kind == "conflict":
+            used = request.idempotency_key or spec.request_id
+            message = (f"request_id {used!r} was already used for a different request (another prompt, sampling "
+                       f"or tier); use a new request_id for a new request")
+            telemetry.end(span, "conflict", message)
+            raise StatusError(grpc.StatusCode.ALREADY_EXISTS, message, reason="REQUEST_ID_REUSED", field="request_id")
         if got.kind == "rejected":
             delay = retry_after_ms(got.drain_tokens, self.dispatcher.drain.rate(time.monotonic()),
                                    self.config.retry_after_min_ms, self.config.retry_after_max_ms)
@@ -87,8 +98,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         record = await self.store.record(request.request_id)
         if not record or (request.tenant and record.get("tenant") != request.tenant):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no request {request.request_id!r}")
-        state = await self.store.finish(request.request_id, State.CANCELLED, "cancelled",
-                                        f"cancelled by {request.reason or 'client'}")
+        state = await self.store.end(request.request_id, Ending.cancelled(request.reason or "client"))
         if state == State.CANCELLED and record.get("state") != State.CANCELLED.value:
             metrics.CANCELLATIONS.labels(metrics.cancel_source(request.reason)).inc()
         if telemetry.enabled() and record.get("spec"):  # in the request's trace, whoever cancels it
@@ -112,7 +122,7 @@ def _explain(reason: str) -> str:
 def build_server(config: SchedulerConfig) -> Server:
     """Builds (does not start) the scheduler: gRPC server, Redis store, dispatcher, janitor."""
     client = config.redis()
-    store = RequestStore(client, config.key_prefix, config.result_ttl_s)
+    store = RequestStore(client, config.key_prefix, config.result_ttl_s, RetryLimits.of(config))
     dispatcher = Dispatcher(config, store)
     janitor = Janitor(config, store, dispatcher.poke)
     dispatcher.on_deadline = janitor.poke

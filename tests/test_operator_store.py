@@ -133,3 +133,38 @@ def test_an_operator_drain_survives_the_workers_heartbeats(redis_server, prefix)
         finally:
             await client.aclose()
     asyncio.run(run())
+
+
+def test_a_worker_is_shown_quarantined_only_until_its_quarantine_ends():
+    from gateway.operator import worker_info
+    from pdq.store import now_ms
+
+    later, earlier = now_ms() + 60_000, now_ms() - 1
+    shown = worker_info(WorkerInfo("p0", "prefill", "h:1", quarantined_until_ms=later, quarantine_reason="3 failed"))
+    assert (shown.quarantined_until_ms, shown.quarantine_reason) == (later, "3 failed")
+    ended = worker_info(WorkerInfo("p0", "prefill", "h:1", quarantined_until_ms=earlier, quarantine_reason="3 failed"))
+    assert (ended.quarantined_until_ms, ended.quarantine_reason) == (0, "")
+
+
+def test_a_request_shows_its_client_request_id_and_lost_attempts():
+    from gateway.operator import request_info
+
+    info = request_info({"id": "abc", "client_request_id": "my-id", "lost": "2", "attempts": "3"})
+    assert (info.client_request_id, info.lost_attempts, info.attempts) == ("my-id", 2, 3)
+
+
+def test_pdq_workers_shows_a_quarantine_with_its_time_left_and_reason(capsys):
+    import argparse
+
+    from pdq.cli_operator import _print_workers
+    from pdq.store import now_ms
+    from pdq.v1 import operator_pb2 as op_pb
+
+    _print_workers([op_pb.WorkerInfo(worker_id="p0", role="prefill", address="h:1", heartbeat_ms=now_ms(),
+                                     quarantined_until_ms=now_ms() + 60_000, quarantine_reason="3 KV hand-offs failed"),
+                    op_pb.WorkerInfo(worker_id="d0", role="decode", address="h:2", heartbeat_ms=now_ms())],
+                   argparse.Namespace(json=False))
+    lines = capsys.readouterr().out.splitlines()
+    assert "QUARANTINED" in lines[0]
+    assert "s left" in lines[1] and lines[2].split()[-3] == "no"  # d0: not quarantined (then "0.0s ago")
+    assert lines[3].startswith("p0: quarantined (") and lines[3].endswith("): 3 KV hand-offs failed")

@@ -42,6 +42,22 @@ def test_submit_queues_once_per_idempotency_key(store):
     assert store.record("r1")["state"] == "QUEUED"
 
 
+def test_a_reused_id_with_other_content_is_a_conflict_and_the_record_keeps_the_clients_id(store):
+    def hashed(rid, digest, prompt=(1, 2, 3)):
+        spec = make_spec(rid, prompt=prompt)
+        spec.content_hash = digest
+        return spec
+    assert store.submit(hashed("r1", "d1"), "my-id").kind == "created"
+    assert store.record("r1")["client_request_id"] == "my-id" and store.record("r1")["content_hash"] == "d1"
+    retry = store.submit(hashed("r2", "d1"), "my-id")
+    assert (retry.kind, retry.request_id) == ("existing", "r1")
+    other = store.submit(hashed("r3", "d2", prompt=(9,)), "my-id")
+    assert (other.kind, other.request_id) == ("conflict", "r1")
+    assert store.submit(hashed("r1", "d2")).kind == "conflict"  # the same internal id, other content
+    assert store.submit(make_spec("r4"), "my-id").kind == "existing"  # no digest (an older gateway): no conflict
+    assert store.record("r3") == {} and queued(store) == ["r1"]
+
+
 def test_submit_rejects_over_the_queue_bound(store):
     assert store.submit(make_spec("a"), limits=QueueLimits(max_queued=1)).kind == "created"
     got = store.submit(make_spec("b"), limits=QueueLimits(max_queued=1))

@@ -1,11 +1,23 @@
 from pdq.v1 import generation_pb2 as _generation_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class AttemptFailure(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ATTEMPT_FAILURE_UNSPECIFIED: _ClassVar[AttemptFailure]
+    ATTEMPT_FAILURE_REQUEST: _ClassVar[AttemptFailure]
+    ATTEMPT_FAILURE_HANDOFF: _ClassVar[AttemptFailure]
+    ATTEMPT_FAILURE_LOST: _ClassVar[AttemptFailure]
+ATTEMPT_FAILURE_UNSPECIFIED: AttemptFailure
+ATTEMPT_FAILURE_REQUEST: AttemptFailure
+ATTEMPT_FAILURE_HANDOFF: AttemptFailure
+ATTEMPT_FAILURE_LOST: AttemptFailure
 
 class RequestSpec(_message.Message):
     __slots__ = ("request_id", "tenant", "tier", "prompt_token_ids", "sampling", "arrival_ms", "deadline_ms", "traceparent", "stream_interval", "content_hash", "client_request_id")
@@ -90,14 +102,16 @@ class PrefillBatch(_message.Message):
     def __init__(self, batch_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[PrefillItem, _Mapping]]] = ..., more_coming: _Optional[bool] = ...) -> None: ...
 
 class PrefillItemResult(_message.Message):
-    __slots__ = ("request_id", "ok", "error")
+    __slots__ = ("request_id", "ok", "error", "failure")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     ok: bool
     error: str
-    def __init__(self, request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    failure: AttemptFailure
+    def __init__(self, request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., failure: _Optional[_Union[AttemptFailure, str]] = ...) -> None: ...
 
 class PrefillBatchResult(_message.Message):
     __slots__ = ("results",)

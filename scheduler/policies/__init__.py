@@ -4,18 +4,24 @@ Order of choice when forming a batch, each layer chosen by name in SchedulerConf
 1. `tiers`: between priority tiers (`aging`, `strict`);
 2. `fair`: between the tenants of a tier (`vtc`, `fifo`);
 3. `order`: inside a tenant (`fcfs`, `sjf`, `edf`), as the score of its queue in Redis.
-`plan.schedule` composes them; `batch.form_batch` cuts a batch from the order; `headroom`
-keeps the decode pool's last free slots for tenants below their fair share.
+`plan.schedule` composes them; `batch.form_batch` cuts a batch from the order and
+`batch.place_prefill` / `batch.choose_decode_worker` place it (keeping a failed request away from
+the workers that failed it); `headroom` keeps the decode pool's last free slots for tenants below
+their fair share; `retry` tells a request's own failures from lost attempts and quarantines
+workers whose hand-offs keep failing; `liveness` tells the janitor which workers are dead.
 """
 
 from scheduler.policies.admission import DrainRate, resolve_tier, retry_after_ms
-from scheduler.policies.batch import Candidate, DecodeSlots, choose_decode_worker, form_batch
+from scheduler.policies.batch import Candidate, DecodeSlots, acceptable, choose_decode_worker, form_batch, place_prefill
 from scheduler.policies.headroom import Headroom, below_share, prefill_priority
 from scheduler.policies.fair import FAIR_POLICIES, FIFO, VTC, TenantQueue, fair_policy
+from scheduler.policies.liveness import HeartbeatWatch
 from scheduler.policies.order import ORDER_POLICIES
 from scheduler.policies.plan import TierQueue, schedule
+from scheduler.policies.retry import Quarantine, classify, prefer_healthy
 from scheduler.policies.tiers import AgingTiers, StrictTiers, tier_policy
 
-__all__ = ["AgingTiers", "Candidate", "DecodeSlots", "DrainRate", "FAIR_POLICIES", "FIFO", "Headroom", "ORDER_POLICIES",
-           "StrictTiers", "TenantQueue", "TierQueue", "VTC", "below_share", "choose_decode_worker", "fair_policy", "form_batch",
+__all__ = ["AgingTiers", "Candidate", "DecodeSlots", "DrainRate", "FAIR_POLICIES", "FIFO", "Headroom", "HeartbeatWatch",
+           "ORDER_POLICIES", "Quarantine", "StrictTiers", "TenantQueue", "TierQueue", "VTC", "acceptable", "below_share",
+           "choose_decode_worker", "classify", "fair_policy", "form_batch", "place_prefill", "prefer_healthy",
            "prefill_priority", "resolve_tier", "retry_after_ms", "schedule", "tier_policy"]

@@ -1,11 +1,14 @@
 """Fake workers for scheduler tests: real gRPC servers on loopback that register and heartbeat in
 Redis and write tokens through the real store scripts, without a model. A decode step writes one
-token for every running sequence; KV room is a number of slots."""
+token for every running sequence; KV room is a number of slots. Their loops ride through Redis
+errors (a beat or step that fails is tried again), as real workers do."""
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import grpc
+import redis
 import redis.asyncio as aioredis
 
 from pdq.registry import WorkerInfo, heartbeat
@@ -35,13 +38,18 @@ class _Worker:
         self.address = f"127.0.0.1:{self.port}"
         self.tasks: list[asyncio.Task] = []
         self.alive = True
+        self.beating = True  # False: it skips its heartbeats (a worker slow to reach Redis again)
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.worker_id, self.role, self.address)
 
     async def _beat(self) -> None:
         while self.alive:
-            await heartbeat(self.store, self.info(), ttl_s=5)
+            if self.beating:
+                try:
+                    await heartbeat(self.store, self.info(), ttl_s=5)
+                except (redis.RedisError, OSError):
+                    pass  # Redis away: beat again next period
             await asyncio.sleep(self.heartbeat_s)
 
     async def start(self) -> None:
@@ -136,9 +144,12 @@ class FakeDecode(_Worker, pb_grpc.DecodeWorkerServicer):
                 last = s.next_index + 1 >= s.max_tokens
                 items.append(StepItem(s.rid, s.epoch, s.next_index, 7, "x",
                                       State.COMPLETED if last else None, "length" if last else ""))
-                s.next_index += 1
-            kept = await self.store.step(items)
+            try:
+                kept = await self.store.step(items)
+            except (redis.RedisError, OSError):
+                continue  # Redis away: the same step again (a replayed index is skipped)
             for s, item, ok in zip(seqs, items, kept):
+                s.next_index += 1
                 if not ok or item.final_state:
                     del self.running[s.rid]
                     self.holds.pop(s.rid, None)
@@ -153,11 +164,14 @@ class FakePrefill(_Worker, pb_grpc.PrefillWorkerServicer):
         self.decoders = decoders  # address -> worker
         self.prefill_s = prefill_s
         self.batches: list[list[str]] = []
+        self.received_ms: list[int] = []  # when each batch came (Unix ms)
         self.more_coming: list[bool] = []  # PrefillBatch.more_coming of each batch
         self.priorities: dict[str, int] = {}  # PrefillItem.priority of every request received
+        self.failing = False  # True: every KV hand-off fails (as a worker that corrupts them)
 
     async def Prefill(self, request, context):
         self.batches.append([it.spec.request_id for it in request.items])
+        self.received_ms.append(int(time.time() * 1000))
         self.more_coming.append(request.more_coming)
         self.priorities.update({it.spec.request_id: it.priority for it in request.items})
         await asyncio.sleep(self.prefill_s)
@@ -176,6 +190,10 @@ class FakePrefill(_Worker, pb_grpc.PrefillWorkerServicer):
                 results.append(pb.PrefillItemResult(request_id=rid, ok=True))
                 continue
             await self.store.transition(rid, it.epoch, State.TRANSFERRING)
+            if self.failing:
+                results.append(pb.PrefillItemResult(request_id=rid, ok=False, failure=pb.ATTEMPT_FAILURE_HANDOFF,
+                                                    error=f"KV hand-off to {it.decode_address}: checksum mismatch"))
+                continue
             ok = await self.decoders[it.decode_address].join(it)
             results.append(pb.PrefillItemResult(request_id=rid, ok=ok, error="" if ok else "KV hand-off refused"))
         return pb.PrefillBatchResult(results=results)
@@ -207,6 +225,13 @@ class FakeWorkers:
             self.prefillers.append(p)
             await p.start()
         return self
+
+    async def add_decode(self) -> FakeDecode:
+        """Starts one more fake decode worker (the prefill workers hand off to it too)."""
+        d = FakeDecode(self.store, f"decode-{len(self.decoders)}", self.slots, self.step_s, reserve_s=self.reserve_s)
+        self.decoders[d.address] = d
+        await d.start()
+        return d
 
     async def stop(self) -> None:
         for w in [*self.prefillers, *self.decoders.values()]:

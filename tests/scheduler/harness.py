@@ -6,8 +6,8 @@ import contextlib
 from dataclasses import dataclass
 
 import grpc
-import redis.asyncio as aioredis
 
+from pdq import redisconn
 from pdq.config import SchedulerConfig
 from pdq.store import RequestStore
 from pdq.v1 import generation_pb2 as gen_pb
@@ -49,7 +49,7 @@ class Harness:
 async def harness(redis_url: str, prefix: str, workers: dict | None = None, **config):
     """Yields a Harness; `workers` (FakeWorkers options) starts fake workers first, None = none."""
     cfg = SchedulerConfig(redis_url=redis_url, key_prefix=prefix, port=0, **{**FAST, **config})
-    client = aioredis.Redis.from_url(redis_url)
+    client = redisconn.connect_async(redis_url)  # the test's reads ride through a Redis restart
     h = Harness(cfg, None, RequestStore(client, prefix, 60), None, None)  # type: ignore[arg-type]
     if workers is not None:
         await h.start_workers(**workers)

@@ -4,7 +4,7 @@ counters, admission bounds, cancellation and deadlines in every state, leases an
 import pytest
 
 from pdq.request import State
-from pdq.store import QueueLimits, RequestStore, StepItem, TenantPolicy, now_ms
+from pdq.store import LOST, QueueLimits, RequestStore, RetryLimits, StepItem, TenantPolicy, now_ms
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import internal_pb2 as pb
 
@@ -254,15 +254,59 @@ def test_a_dead_prefill_worker_loses_only_what_it_has_not_handed_off(store):
     assert store.record("handed")["state"] == "DECODING" and store.record("mid")["state"] == "QUEUED"
 
 
-def test_attempts_are_bounded_then_the_request_fails_with_a_reason(store):
+def test_failed_attempts_are_bounded_then_the_request_fails_with_a_reason(store):
     store.submit(spec("r"))
     for attempt in range(3):
-        assert claim(store, "r", decode=f"d{attempt}") != [0]
-        assert store.reap_worker(f"d{attempt}", max_attempts=3) == ((1, 0) if attempt < 2 else (0, 1))
+        epoch = claim(store, "r", decode=f"d{attempt}")[0]
+        assert store.requeue("r", epoch, f"KV hand-off {attempt} failed", 3) == ("QUEUED" if attempt < 2 else "FAILED")
     rec = store.record("r")
-    assert rec["state"] == "FAILED" and rec["error"] == "worker d2 stopped heartbeating"
+    assert rec["state"] == "FAILED" and rec["error"] == "KV hand-off 2 failed" and rec["failures"] == "3"
     assert [f[b"done"] for _, f in store.client.xrange(store.keys.output("r")) if b"done" in f] == [b"FAILED"]
     clean(store, "r")
+
+
+def test_lost_attempts_do_not_count_towards_max_attempts_and_are_bounded_apart(redis_client, prefix):
+    store = RequestStore(redis_client, prefix, 60, RetryLimits(max_lost=4))
+    store.submit(spec("r"))
+    for attempt in range(4):
+        assert claim(store, "r", decode=f"d{attempt}") != [0]
+        assert store.reap_worker(f"d{attempt}", max_attempts=1) == ((1, 0) if attempt < 3 else (0, 1))
+    rec = store.record("r")
+    assert rec["state"] == "FAILED" and rec["lost"] == "4" and "failures" not in rec
+    assert rec["error"].startswith("worker d3 stopped heartbeating (4 attempts lost")
+    clean(store, "r")
+
+
+def test_a_failed_attempt_is_held_back_and_avoids_its_workers_a_lost_one_is_not(store):
+    store.submit(spec("failed"))
+    store.submit(spec("lost"))
+    claim(store, "failed", "lost", prefill="p1", decode="d1")
+    before = now_ms()
+    assert store.requeue("failed", 1, "KV hand-off failed", 3) == "QUEUED"
+    assert store.requeue("lost", 1, "prefill worker shutting down", 3, kind=LOST) == "QUEUED"
+    rec = store.record("failed")
+    assert rec["avoid"] == "p1 d1" and before + 500 <= int(rec["retry_at"]) <= now_ms() + 500
+    assert "avoid" not in store.record("lost") and "retry_at" not in store.record("lost")
+    snap = store.snapshot([T], 10, 10)
+    assert [h.request_id for h in snap[T][0].heads] == ["lost"]  # held back until its retry_at
+    assert snap.next_retry_ms == int(rec["retry_at"])
+    store.client.hset(store.keys.request("failed"), "retry_at", now_ms() - 1)
+    heads = store.snapshot([T], 10, 10)[T][0].heads
+    assert [(h.request_id, h.avoid) for h in heads] == [("failed", {"p1", "d1"}), ("lost", frozenset())]
+
+
+def test_the_backoff_doubles_per_failure_up_to_its_cap(redis_client, prefix, monkeypatch):
+    import pdq.store
+    monkeypatch.setattr(pdq.store, "now_ms", lambda: 10_000)  # the time the scripts are given
+    store = RequestStore(redis_client, prefix, 60, RetryLimits(backoff_ms=1000, backoff_max_ms=3000))
+    store.submit(spec("r"))
+    waits = []
+    for attempt in range(4):
+        epoch = claim(store, "r", decode=f"d{attempt}")[0]
+        store.requeue("r", epoch, "error", 10)
+        waits.append(int(store.record("r")["retry_at"]) - 10_000)
+    assert waits == [1000, 2000, 3000, 3000]
+    assert store.record("r")["avoid"].split() == ["d0", "d1", "d2", "p1", "d3"]  # latest last, each once
 
 
 def test_an_expired_prefill_lease_requeues_the_request(store):

@@ -81,6 +81,26 @@ async def test_a_retried_submit_with_the_same_key_gives_one_request(url, prefix)
         assert await token_indices(h, "a") == [0, 1, 2, 3]
 
 
+async def test_a_reused_request_id_with_other_content_is_already_exists_naming_it(url, prefix):
+    async with harness(url, prefix) as h:
+        first = spec("a")
+        first.content_hash, first.client_request_id = "digest-1", "my-id"
+        assert (await h.submit(first, key="my-id")).created
+        retry = spec("b")  # the gateway gives every call its own internal id
+        retry.content_hash, retry.client_request_id = "digest-1", "my-id"
+        again = await h.submit(retry, key="my-id")
+        assert (again.created, again.request_id) == (False, "a")  # a true retry: the first request
+        other = spec("c", prompt=9)
+        other.content_hash, other.client_request_id = "digest-2", "my-id"
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await h.submit(other, key="my-id")
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "'my-id'" in err.value.details() and "different request" in err.value.details()
+        assert "new request_id" in err.value.details()
+        assert await h.store.record("c") == {}
+        assert (await h.store.record("a"))["client_request_id"] == "my-id"
+
+
 # -- dispatch order ---------------------------------------------------------------------------------
 
 async def test_every_request_is_served_once_by_the_fake_workers(url, prefix):
@@ -318,15 +338,6 @@ async def test_a_dead_decode_workers_requests_finish_on_another_with_every_token
         for rid in moved:
             rec = await h.store.record(rid)
             assert rec["attempts"] == "2" and rec["decode_worker"] != victim.address
-
-
-async def test_when_attempts_are_spent_the_request_fails_with_a_reason(url, prefix):
-    async with harness(url, prefix, workers=dict(decode=1, slots=1, step_s=0.01), max_attempts=1) as h:
-        await h.submit(spec("r", max_tokens=100_000))
-        await wait_for(lambda: _in_state(h, "r", "DECODING"))
-        await next(iter(h.workers.decoders.values())).kill()
-        await ended(h, ["r"], ("FAILED",))
-        assert "stopped heartbeating" in (await h.store.record("r"))["error"]
 
 
 async def test_a_dead_prefill_worker_costs_a_request_at_most_one_attempt(url, prefix):

@@ -159,6 +159,11 @@ class Client(_Connection):
             call.cancel()
 
 
+def _closed() -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                "the client was closed")
+
+
 class AsyncClient:
     """`Client`'s calls for asyncio programs, over grpc.aio: one event loop carries many
     concurrent calls, each a coroutine (or async iterator) instead of a blocked thread. Create
@@ -187,15 +192,19 @@ class AsyncClient:
     @contextlib.contextmanager
     def _call(self) -> Iterator[None]:
         """grpc.aio ends the calls a closing channel cancels with asyncio.CancelledError, which
-        would look like the caller's task being cancelled: those become AioRpcError CANCELLED.
-        A cancellation of the caller's own task goes through as it is."""
+        would look like the caller's task being cancelled, and a call that starts after with
+        UsageError: both become AioRpcError CANCELLED "the client was closed". A cancellation
+        of the caller's own task goes through as it is."""
         try:
             yield
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if self._closed and task is not None and not task.cancelling():
-                raise grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                           "the client was closed") from None
+                raise _closed() from None
+            raise
+        except grpc.aio.UsageError:  # a call that was about to start when the channel closed
+            if self._closed:
+                raise _closed() from None
             raise
 
     async def generate(self, prompt: str | list[int], timeout: float | None = None, **kw) -> Result:

@@ -61,6 +61,10 @@ def test_the_asyncio_client_submits_fetches_resumes_and_cancels_as_the_sync_one(
     assert cancelled == "CANCELLED" and missing == grpc.StatusCode.NOT_FOUND
 
 
+async def drain(stream) -> list:
+    return [m async for m in stream]
+
+
 def test_closing_the_asyncio_client_mid_calls_returns_at_once_and_cancels_them(cluster, store_client):
     async def main():
         c = AsyncClient(cluster.target, api_key=KEYS["acme"])
@@ -69,8 +73,8 @@ def test_closing_the_asyncio_client_mid_calls_returns_at_once_and_cancels_them(c
         await anext(stream)  # a token: it is decoding
         polled = await c.submit("long-polled", max_tokens=1500, ignore_eos=True)
         poll = asyncio.create_task(c.get_result(polled, wait_ms=60_000))
-        follow = asyncio.create_task(anext(c.stream_result(streamed, offset=10_000)))  # waits for far tokens
-        await asyncio.sleep(0)  # both calls started
+        follow = asyncio.create_task(drain(c.stream_result(streamed, offset=10_000)))  # waits for far tokens
+        await asyncio.sleep(0.1)  # (started or not, a call that the closing cuts ends CANCELLED)
         await asyncio.wait_for(c.close(), CLOSE_S)
         await asyncio.wait_for(c.close(), CLOSE_S)  # twice is fine
         outcomes = await asyncio.wait_for(asyncio.gather(poll, follow, return_exceptions=True), CLOSE_S)
@@ -92,30 +96,31 @@ def test_closing_the_sync_client_mid_calls_returns_at_once_and_cancels_them(clus
     streamed = next(stream).request_id
     next(stream)  # a token: it is decoding
     polled = c.submit("long-polled", max_tokens=1500, ignore_eos=True)
+    # calls in flight when the client closes (a sync call starts when it is made):
+    poll = c.stub.GetResult.future(gen_pb.GetResultRequest(request_id=polled, wait_ms=60_000), metadata=c.metadata)
+    follow = c.stub.StreamResult(gen_pb.StreamResultRequest(request_id=streamed, offset=10_000), metadata=c.metadata)
     outcome: list = []
-    started = threading.Event()
 
-    def long_poll() -> None:
-        started.set()
+    def blocked_reader() -> None:  # as a thread blocked on a stream (waiting for a far token)
         try:
-            outcome.append(c.get_result(polled, wait_ms=60_000))
+            outcome.append(list(follow))  # its first message (the request id), then nothing
         except grpc.RpcError as exc:
             outcome.append(exc.code())
 
-    poller = threading.Thread(target=long_poll, daemon=True)
-    poller.start()
-    started.wait()
-    closer = threading.Thread(target=lambda: (c.close(), c.close()), daemon=True)
+    reader = threading.Thread(target=blocked_reader, daemon=True)
+    reader.start()
+    closer = threading.Thread(target=lambda: (c.close(), c.close()), daemon=True)  # twice is fine
     closer.start()
     closer.join(CLOSE_S)
     assert not closer.is_alive(), "Client.close() hung"
-    poller.join(CLOSE_S)
+    reader.join(CLOSE_S)
     assert outcome == [grpc.StatusCode.CANCELLED]
+    assert poll.exception(timeout=CLOSE_S).code() == grpc.StatusCode.CANCELLED
     with pytest.raises(grpc.RpcError) as err:
         next(stream)
     assert err.value.code() == grpc.StatusCode.CANCELLED
-    wait_state(store_client, streamed, "CANCELLED")
-    with Client(cluster.target, api_key=KEYS["acme"]) as other:
+    wait_state(store_client, streamed, "CANCELLED")  # the closed stream's request, as on a disconnect
+    with Client(cluster.target, api_key=KEYS["acme"]) as other:  # a submitted one lives on: the client only left
         assert other.cancel(polled) == "CANCELLED"
 
 

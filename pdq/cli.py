@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdq", description="pdq: an LLM batching service.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    up = sub.add_parser("up", help="start a whole local cluster (private Redis, all roles)")
+    up = sub.add_parser("up", help="start a whole local cluster (private Redis, all roles) and restart what exits")
     up.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     up.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     up.add_argument("--colocate", action="store_true", help=UP_COLOCATE_HELP)

@@ -328,8 +328,8 @@ class Cluster:
 
 def run(cluster: Cluster) -> int:
     """Foreground `pdq up`: start, print how to call, then supervise the cluster (restart what
-    exits) until Ctrl-C/SIGTERM. -> 0 once stopped; 1 if it could not start; 130 if stopped
-    while starting."""
+    exits) until Ctrl-C/SIGTERM. -> 0 once stopped; 1 if it could not start; 128 + the signal
+    (130 for Ctrl-C) if stopped while starting."""
     stopping: list[int] = []
     starting = True
 
@@ -348,7 +348,7 @@ def run(cluster: Cluster) -> int:
         starting = False
         cluster.stop()  # (start stopped what it had started, unless the signal came just after)
         say("pdq up: interrupted while starting; stopped")
-        return 130
+        return 128 + stopping[0]  # as a shell reports a command killed by that signal
     except (RuntimeError, TimeoutError, FileNotFoundError, ValueError) as exc:
         starting = False
         say(f"pdq up: {exc}")

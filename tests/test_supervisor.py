@@ -102,3 +102,12 @@ def test_a_failing_start_is_tried_again_later(watched):
     assert lines[-1] == "pdq up: could not restart decode-0 (out of processes); trying again in 1.0 s"
     child.launch = good
     assert sup.poll(now=2.4) == [] and sup.poll(now=2.5) == [child] and child.restarts == 1
+
+
+def test_the_exit_line_carries_the_childs_note(watched):
+    sup, child, lines = watched
+    child.note = "its data is lost (not --durable)"
+    crash(child)
+    sup.poll(now=1.0)
+    assert lines == ["pdq up: decode-0 exited with code -9; restarting in 0.5 s (restart 1); "
+                     "its data is lost (not --durable)"]

@@ -136,15 +136,16 @@ def test_up_restarts_a_killed_worker_keeps_serving_and_ctrl_c_still_stops_everyt
     assert text.count("pdq up: decode-0 restarted") == 1 and text.count(" restarted (pid ") == 1  # none while stopping
 
 
-def test_ctrl_c_while_up_starts_stops_what_started_with_status_130(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_while_up_starts_stops_what_started_with_status_128_plus_the_signal(tmp_path, sig):
     log = tmp_path / "up.log"
     with open(log, "w") as err:
         proc = subprocess.Popen([*PDQ, "up", "--port", str(free_port())], stdout=subprocess.PIPE, stderr=err, text=True)
     try:
         wait_for("a worker process", lambda: child_running(proc.pid, "decode_worker"))  # started, not yet healthy
         family = children_of(proc.pid)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 130
+        proc.send_signal(sig)
+        assert proc.wait(timeout=60) == 128 + sig
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -7,6 +7,7 @@ stderr, so scripts can use the output.
 import argparse
 import json
 import os
+import signal
 import sys
 
 import grpc
@@ -15,6 +16,7 @@ from pdq import cpu
 from pdq.config import UP_COLOCATE_HELP, UP_CONTROL_POLICY_HELP
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+INTERRUPTED = 130  # the exit status after Ctrl-C, as a shell reports a command killed by SIGINT
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -85,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdq", description="pdq: an LLM batching service.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    up = sub.add_parser("up", help="start a whole local cluster (private Redis, all roles)")
+    up = sub.add_parser("up", help="start a whole local cluster (private Redis, all roles) and restart what exits")
     up.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     up.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     up.add_argument("--colocate", action="store_true", help=UP_COLOCATE_HELP)
@@ -152,11 +154,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Runs one subcommand and exits with its status; Ctrl-C (SIGINT) in any of them ends it with
+    one line on stderr and status 130 (128 + SIGINT), its calls cancelled and channels closed
+    on the way out."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ROLES:  # the role parses its own flags (REMAINDER would not take a leading --flag)
-        sys.exit(_role(ROLES[argv[0]], argv[1:]))
-    args = build_parser().parse_args(argv)
-    sys.exit(args.func(args))
+    try:
+        if argv and argv[0] in ROLES:  # the role parses its own flags (REMAINDER would not take a leading --flag)
+            code = _role(ROLES[argv[0]], argv[1:])
+        else:
+            args = build_parser().parse_args(argv)
+            code = args.func(args)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not interrupt the exit
+        print("pdq" + (f" {argv[0]}" if argv else "") + ": interrupted", file=sys.stderr, flush=True)
+        sys.exit(INTERRUPTED)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

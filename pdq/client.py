@@ -12,6 +12,8 @@
             print(chunk.text, end="", flush=True)
 """
 
+import asyncio
+import contextlib
 import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -86,6 +88,9 @@ class _Connection:
         self.close()
 
     def close(self) -> None:
+        """Cancels the calls in flight (a blocked call raises CANCELLED; their requests are
+        cancelled as when a client disconnects) and closes the channel; returns at once, and
+        again if called twice."""
         self.channel.close()
 
 
@@ -128,26 +133,35 @@ class Client(_Connection):
         finally:
             call.cancel()
 
-    def cancel(self, request_id: str) -> str:
-        return self.stub.Cancel(gen_pb.CancelRequest(request_id=request_id), metadata=self.metadata).state
+    def cancel(self, request_id: str, timeout: float | None = None) -> str:
+        """Cancels one of the caller's requests. -> its state after the call."""
+        return self.stub.Cancel(gen_pb.CancelRequest(request_id=request_id), timeout=timeout,
+                                metadata=self.metadata).state
 
-    def submit(self, prompt: str | list[int], **kw) -> str:
+    def submit(self, prompt: str | list[int], timeout: float | None = None, **kw) -> str:
         """Submit: the request id at once; fetch the result later with get_result/stream_result."""
-        return self.stub.Submit(self.request(prompt, **kw), metadata=self.metadata).request_id
+        return self.stub.Submit(self.request(prompt, **kw), timeout=timeout, metadata=self.metadata).request_id
 
-    def get_result(self, request_id: str, wait_ms: int = 0) -> gen_pb.GetResultResponse:
+    def get_result(self, request_id: str, wait_ms: int = 0, timeout: float | None = None) -> gen_pb.GetResultResponse:
         """The state, and the result once done; waits up to wait_ms for the end."""
-        return self.stub.GetResult(gen_pb.GetResultRequest(request_id=request_id, wait_ms=wait_ms),
+        return self.stub.GetResult(gen_pb.GetResultRequest(request_id=request_id, wait_ms=wait_ms), timeout=timeout,
                                    metadata=self.metadata)
 
-    def stream_result(self, request_id: str, offset: int = 0) -> Iterator[gen_pb.GenerateStreamResponse]:
-        """Follows a request's tokens from index `offset` (resume a broken stream)."""
+    def stream_result(self, request_id: str, offset: int = 0,
+                      timeout: float | None = None) -> Iterator[gen_pb.GenerateStreamResponse]:
+        """Follows a request's tokens from index `offset` (resume a broken stream). Closing the
+        iterator ends the call, not the request."""
         call = self.stub.StreamResult(gen_pb.StreamResultRequest(request_id=request_id, offset=offset),
-                                      metadata=self.metadata)
+                                      timeout=timeout, metadata=self.metadata)
         try:
             yield from call
         finally:
             call.cancel()
+
+
+def _closed() -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                "the client was closed")
 
 
 class AsyncClient:
@@ -155,9 +169,12 @@ class AsyncClient:
     concurrent calls, each a coroutine (or async iterator) instead of a blocked thread. Create
     and use it inside the running event loop; errors are grpc.aio.AioRpcError (a grpc.RpcError)."""
 
+    request = staticmethod(Client.request)
+
     def __init__(self, target: str = "127.0.0.1:50051", api_key: str | None = None, tls_ca: str | None = None):
         self.channel, self.metadata = connect(target, api_key, tls_ca, aio=True)
         self.stub = gen_grpc.GenerationStub(self.channel)
+        self._closed = False
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -166,29 +183,78 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        await self.channel.close()
+        """Cancels the calls in flight (each raises AioRpcError CANCELLED "the client was closed";
+        their requests are cancelled as when a client disconnects) and closes the channel,
+        without waiting for the server; safe to call twice."""
+        self._closed = True
+        await self.channel.close(grace=None)
+
+    @contextlib.contextmanager
+    def _call(self) -> Iterator[None]:
+        """grpc.aio ends the calls a closing channel cancels with asyncio.CancelledError, which
+        would look like the caller's task being cancelled, and a call that starts after with
+        UsageError: both become AioRpcError CANCELLED "the client was closed". A cancellation
+        of the caller's own task goes through as it is."""
+        try:
+            yield
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._closed and task is not None and not task.cancelling():
+                raise _closed() from None
+            raise
+        except grpc.aio.UsageError:  # a call that was about to start when the channel closed
+            if self._closed:
+                raise _closed() from None
+            raise
 
     async def generate(self, prompt: str | list[int], timeout: float | None = None, **kw) -> Result:
         """Unary Generate (keywords as `Client.request`)."""
-        return _result(await self.stub.Generate(Client.request(prompt, **kw), timeout=timeout, metadata=self.metadata))
+        with self._call():
+            return _result(await self.stub.Generate(Client.request(prompt, **kw), timeout=timeout,
+                                                    metadata=self.metadata))
 
     async def generate_stream(self, prompt: str | list[int], timeout: float | None = None,
                               **kw) -> AsyncIterator[gen_pb.GenerateStreamResponse]:
         """Streams GenerateStreamResponse messages; closing the iterator cancels the request."""
         call = self.stub.GenerateStream(Client.request(prompt, **kw), timeout=timeout, metadata=self.metadata)
         try:
-            async for msg in call:
-                yield msg
+            with self._call():
+                async for msg in call:
+                    yield msg
         finally:
             call.cancel()
 
-    async def submit(self, prompt: str | list[int], **kw) -> str:
+    async def submit(self, prompt: str | list[int], timeout: float | None = None, **kw) -> str:
         """Submit: the request id at once (keywords as `Client.request`)."""
-        return (await self.stub.Submit(Client.request(prompt, **kw), metadata=self.metadata)).request_id
+        with self._call():
+            return (await self.stub.Submit(Client.request(prompt, **kw), timeout=timeout,
+                                           metadata=self.metadata)).request_id
 
-    async def cancel(self, request_id: str) -> str:
+    async def cancel(self, request_id: str, timeout: float | None = None) -> str:
         """Cancels one of the caller's requests. -> its state after the call."""
-        return (await self.stub.Cancel(gen_pb.CancelRequest(request_id=request_id), metadata=self.metadata)).state
+        with self._call():
+            return (await self.stub.Cancel(gen_pb.CancelRequest(request_id=request_id), timeout=timeout,
+                                           metadata=self.metadata)).state
+
+    async def get_result(self, request_id: str, wait_ms: int = 0,
+                         timeout: float | None = None) -> gen_pb.GetResultResponse:
+        """The state, and the result once done; waits up to wait_ms for the end."""
+        with self._call():
+            return await self.stub.GetResult(gen_pb.GetResultRequest(request_id=request_id, wait_ms=wait_ms),
+                                             timeout=timeout, metadata=self.metadata)
+
+    async def stream_result(self, request_id: str, offset: int = 0,
+                            timeout: float | None = None) -> AsyncIterator[gen_pb.GenerateStreamResponse]:
+        """Follows a request's tokens from index `offset` (resume a broken stream). Closing the
+        iterator ends the call, not the request."""
+        call = self.stub.StreamResult(gen_pb.StreamResultRequest(request_id=request_id, offset=offset),
+                                      timeout=timeout, metadata=self.metadata)
+        try:
+            with self._call():
+                async for msg in call:
+                    yield msg
+        finally:
+            call.cancel()
 
 
 class OperatorClient(_Connection):

@@ -60,7 +60,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class RedisServer:
     """A redis-server child process. `durable=True` turns on AOF with appendfsync always;
-    `cpu_policy` is its scheduling policy (pdq.cpu)."""
+    `cpu_policy` is its scheduling policy (pdq.cpu).
+
+    It keeps its port and directory for its whole life: `start()` again after the process died
+    (or `launch()`, which does not wait) runs a new redis-server on the same port, which loads
+    the AOF a durable one left there. `stop()` ends it for good (and removes the directory it
+    made itself)."""
 
     def __init__(self, directory: str | None = None, port: int = 0, durable: bool = False, host: str = "127.0.0.1",
                  cpu_policy: str = "normal"):
@@ -76,7 +81,9 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://{self.host}:{self.port}/0"
 
-    def start(self, timeout_s: float = 10.0) -> "RedisServer":
+    def launch(self) -> subprocess.Popen:
+        """Starts redis-server on this port and directory and returns at once (it answers once
+        it has loaded its data; `start` waits for that)."""
         args = [find_redis_server(), "--port", str(self.port), "--bind", *dict.fromkeys(["127.0.0.1", self.host]),
                 "--dir", self.directory, "--save", "", "--daemonize", "no",
                 "--logfile", os.path.join(self.directory, "redis.log")]
@@ -85,6 +92,11 @@ class RedisServer:
             args += ["--protected-mode", "no"]
         self.process = spawn(args, cpu_policy=self.cpu_policy, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)
+        return self.process
+
+    def start(self, timeout_s: float = 10.0) -> "RedisServer":
+        """Starts redis-server and waits until it answers PING."""
+        self.launch()
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout_s
         while True:
@@ -93,7 +105,7 @@ class RedisServer:
                 return self
             except redis.ConnectionError:
                 if self.process.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
+                    stop(self.process, 5)  # the directory stays: its log says why, its AOF is kept
                     raise RuntimeError(f"redis-server did not start; see {self.directory}/redis.log")
                 time.sleep(0.02)
             finally:

@@ -2,10 +2,17 @@
 
 Starts a private Redis server (unless --redis-url is given), the scheduler, N prefill workers,
 M decode workers (or, colocated, M workers serving both roles) and the gateway as separate
-processes, waits until every one reports SERVING on grpc.health.v1, and stops them all on
-Ctrl-C / SIGTERM (children also die with this process, so nothing is left behind).
+processes, waits until every one reports SERVING on grpc.health.v1, then supervises them (a
+process that exits is started again the same way: same port, same worker id; pdq.supervisor)
+until Ctrl-C / SIGTERM stops them all (children also die with this process, so nothing is left
+behind).
+
+`Cluster` is also what the tests and benchmarks start; it supervises only when asked
+(`supervise()`, called often from the thread that started it), so a test that kills a process
+sees it stay dead unless it supervises.
 """
 
+import functools
 import os
 import shutil
 import signal
@@ -13,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +31,9 @@ from pdq.devkeys import remove_dev_keys, write_dev_keys
 from pdq.child import spawn
 from pdq.mtls import InternalTLS, dev_certificates, sync_channel
 from pdq.redis_server import RedisServer, free_port
+from pdq.supervisor import Child, RestartPolicy, Supervisor
+
+__all__ = ["Child", "Cluster", "RestartPolicy", "cpu_share_env", "run"]
 
 
 # Decode steps start at least this far apart while prefill runs on the same cores: measured on
@@ -72,17 +83,6 @@ def say(*parts: object) -> None:
 
 
 @dataclass
-class Child:
-    name: str
-    port: int
-    process: subprocess.Popen
-    metrics_port: int = -1  # its Prometheus /metrics port (-1 = none)
-
-    def metrics_url(self, host: str = "127.0.0.1") -> str:
-        return f"http://{host}:{self.metrics_port}/metrics"
-
-
-@dataclass
 class Cluster:
     prefill: int = 1
     decode: int = 1
@@ -112,8 +112,11 @@ class Cluster:
     metrics_port: int = field(default_factory=lambda: int(os.environ.get("PDQ_UP_METRICS_PORT") or 0))
     client_key: str = ""
     admin_key: str = ""
+    restart: RestartPolicy = field(default_factory=RestartPolicy)  # how `supervise` restarts what exits
     children: list[Child] = field(default_factory=list)
     redis: RedisServer | None = None
+    redis_child: Child | None = None  # the private Redis server, as supervised (name "redis")
+    _supervisor: Supervisor = field(default_factory=lambda: Supervisor(log=say), repr=False)
     _env: dict = field(default_factory=dict, repr=False)  # the children's environment
     _tls: InternalTLS | None = field(default=None, repr=False)  # set with mtls: how to reach internal ports
     _certs: str = field(default="", repr=False)  # the throwaway CA's directory, removed at stop
@@ -134,9 +137,13 @@ class Cluster:
         try:
             say(f"pdq: preparing model {self.model!r} ...")
             model_dir = str(resolve_model(self.model))  # build/cache once, before the workers load it
+            self._supervisor.policy, self._supervisor.stopping = self.restart, False
             if self.redis_url is None:
                 self.redis = RedisServer(durable=self.durable, cpu_policy=self.control_policy).start()
                 self.redis_url = self.redis.url
+                self.redis_child = Child("redis", self.redis.port, self.redis.process, launch=self.redis.launch,
+                                         note="" if self.durable else "its data is lost (not --durable)")
+                self._supervisor.watch(self.redis_child)
                 say(f"pdq: private Redis at {self.redis_url}")
             if self.port == 0:
                 self.port = free_port(self.host)
@@ -178,9 +185,11 @@ class Cluster:
         if module == "prefill_worker" and self._prefill_threads:
             env = dict(env, PDQ_THREADS=self._prefill_threads)
         model = module in ("prefill_worker", "decode_worker")
-        proc = spawn(args, nice=self.worker_nice if module == "decode_worker" else 0,
-                     cpu_policy="normal" if model else self.control_policy, env=env)
-        self.children.append(Child(name, port, proc, metrics_port))
+        launch = functools.partial(spawn, args, nice=self.worker_nice if module == "decode_worker" else 0,
+                                   cpu_policy="normal" if model else self.control_policy, env=env)
+        child = Child(name, port, launch(), metrics_port, launch=launch)
+        self.children.append(child)
+        self._supervisor.watch(child)
 
     def add_worker(self, role: str, *extra_args: str, timeout_s: float = 300.0) -> Child:
         """Starts one more `prefill` or `decode` worker on the running cluster, the way a worker
@@ -220,8 +229,73 @@ class Cluster:
     def dead_child(self) -> Child | None:
         return next((c for c in self.children if c.process.poll() is not None), None)
 
+    def child(self, name: str) -> Child:
+        """The process called `name`: "gateway", "scheduler", "prefill-0", "decode-1", ...,
+        or "redis" (the private Redis server)."""
+        for child in ([self.redis_child] if self.redis_child else []) + self.children:
+            if child.name == name:
+                return child
+        raise KeyError(f"no process {name!r} in this cluster")
+
+    def supervise(self) -> list[Child]:
+        """One round of supervision (never blocks): the processes that exited are started again
+        the same way (same port, same worker id; a durable Redis on its AOF), after the backoff
+        of `restart`, each logged on stderr. Call it every ~0.1-0.2 s from the thread that
+        started the cluster (a child dies with the thread that spawned it). -> the processes
+        started again in this round."""
+        return self._supervisor.poll()
+
+    def supervise_until(self, done: Callable[[], object], timeout_s: float = 120.0, what: str = "") -> object:
+        """Supervises until `done()` is true (-> its value); TimeoutError after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while not (value := done()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not {what or done} after {timeout_s:.0f}s of supervision")
+            self.supervise()
+            time.sleep(0.05)
+        return value
+
+    def kill(self, name: str, sig: int = signal.SIGKILL, down_s: float = 0.0) -> Child:
+        """Sends `sig` (SIGKILL: and waits until it is gone) to the process called `name` (see
+        `child`). Under supervision it is started again `down_s` after its exit is noticed, with
+        no backoff (a kill is not a crash loop)."""
+        child = self.child(name)
+        self._supervisor.kill(child, sig, down_s)
+        return child
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        """How many times supervision started each process again, by name."""
+        return {c.name: c.restarts for c in self._supervisor.children}
+
+    def serving(self, name: str, timeout_s: float = 1.0) -> bool:
+        """Whether the process called `name` answers: SERVING on grpc.health.v1 (Redis: PING)."""
+        child = self.child(name)
+        if child.down:
+            return False
+        if child is self.redis_child:
+            import redis
+
+            client = redis.Redis(host=self.redis.host, port=child.port, socket_timeout=timeout_s,
+                                 socket_connect_timeout=timeout_s)
+            try:
+                return bool(client.ping())
+            except redis.RedisError:
+                return False
+            finally:
+                client.close()
+        tls = None if child.name == "gateway" else self._tls
+        with sync_channel(f"{self.host}:{child.port}", tls) as channel:
+            try:
+                return (health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+                        .status == health_pb2.HealthCheckResponse.SERVING)
+            except grpc.RpcError:
+                return False
+
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM to every child (gateway first), then SIGKILL after grace_s; Redis last."""
+        """SIGTERM to every child (gateway first), then SIGKILL after grace_s; Redis last.
+        Nothing is restarted from here on."""
+        self._supervisor.stopping = True
         for child in reversed(self.children):
             if child.process.poll() is None:
                 child.process.send_signal(signal.SIGTERM)
@@ -239,6 +313,8 @@ class Cluster:
         if self.redis:
             self.redis.stop()
             self.redis = None
+        self.redis_child = None
+        self._supervisor.children.clear()
         if self._certs:
             shutil.rmtree(self._certs, ignore_errors=True)
             self._certs = ""
@@ -251,18 +327,30 @@ class Cluster:
 
 
 def run(cluster: Cluster) -> int:
-    """Foreground `pdq up`: start, print how to call, wait for Ctrl-C/SIGTERM or a crash."""
-    stopping = []
+    """Foreground `pdq up`: start, print how to call, then supervise the cluster (restart what
+    exits) until Ctrl-C/SIGTERM. -> 0 once stopped; 1 if it could not start; 128 + the signal
+    (130 for Ctrl-C) if stopped while starting."""
+    stopping: list[int] = []
+    starting = True
 
     def on_signal(signum: int, frame: object) -> None:
         stopping.append(signum)
+        if starting and len(stopping) == 1:  # abandon the start-up (it cleans up after itself)
+            raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     started = time.monotonic()
     try:
         cluster.start()
+        starting = False
+    except KeyboardInterrupt:
+        starting = False
+        cluster.stop()  # (start stopped what it had started, unless the signal came just after)
+        say("pdq up: interrupted while starting; stopped")
+        return 128 + stopping[0]  # as a shell reports a command killed by that signal
     except (RuntimeError, TimeoutError, FileNotFoundError, ValueError) as exc:
+        starting = False
         say(f"pdq up: {exc}")
         return 1
     say(f"pdq: cluster healthy in {time.monotonic() - started:.1f}s "
@@ -275,16 +363,11 @@ def run(cluster: Cluster) -> int:
     say(f"try:  .venv/bin/pdq generate \"Hello\" --target {cluster.target}")
     if cluster.metrics_port >= 0:
         say("metrics: " + "  ".join(f"{c.name} {c.metrics_url(cluster.host)}" for c in cluster.children))
-    say("stop: Ctrl-C")
-    code = 0
+    say("stop: Ctrl-C (a process that exits is restarted)")
     while not stopping:
-        dead = cluster.dead_child()
-        if dead:
-            say(f"pdq up: {dead.name} exited with code {dead.process.returncode}; stopping the cluster")
-            code = 1
-            break
+        cluster.supervise()
         time.sleep(0.2)
     say("pdq: stopping ...")
     cluster.stop()
     say("pdq: stopped")
-    return code
+    return 0

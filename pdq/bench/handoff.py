@@ -33,6 +33,7 @@ REPEATS = 10
 TRANSPORTS = ("grpc", "tcp")  # PushKV; the decode worker's TCP data plane (pdq.kv_tcp)
 LONG_PROMPT = 2000
 CONCURRENT = 4
+SLOT_WAIT_S = 120.0  # how long a hand-off waits for the decode worker to free a KV slot
 
 
 def say(*parts: object) -> None:
@@ -88,9 +89,15 @@ async def _push(address: str, runner, prompt: list[int], tag: str, chunk_bytes: 
                                          response_deserializer=pb.PushKVResponse.FromString)
 
         async def reserve(rid: str) -> str:
-            resp = await stub.Reserve(pb.ReserveRequest(request_id=rid, tokens=len(prompt) + 1), timeout=10)
-            if not resp.granted:
-                raise RuntimeError(f"decode worker {address} has no free KV slot")
+            """A KV slot for `rid`, once one is free: the sequences of the previous hand-offs leave
+            the decode worker's pool on its own time (slower on a busy machine), not before
+            their push returns. Not timed."""
+            deadline = time.monotonic() + SLOT_WAIT_S
+            while not (resp := await stub.Reserve(pb.ReserveRequest(request_id=rid, tokens=len(prompt) + 1),
+                                                  timeout=10)).granted:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"decode worker {address} has had no free KV slot for {SLOT_WAIT_S:.0f}s")
+                await asyncio.sleep(0.01)
             return resp.kv_address
 
         async def send(transport: str, rid: str, kv_address: str) -> None:

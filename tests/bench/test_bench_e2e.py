@@ -61,10 +61,12 @@ def test_pdq_bench_scheduler_reports_every_goal(tmp_path):
 
 def test_pdq_bench_handoff_reports_pdq_against_bare_grpc(tmp_path):
     """`pdq bench --handoff` on the tiny model: real hand-offs over both transports, the bare-gRPC
-    ceiling of the same bytes in the same run, the TTFT overhead and the decode split are all reported."""
+    ceiling of the same bytes in the same run, the TTFT overhead and the decode split are all reported.
+    The decode workers have as many KV slots as a concurrent round takes (4), so every round must
+    wait until the previous round's sequences have left the pool, however slow the machine."""
     out_json = tmp_path / "handoff.json"
     cmd = [sys.executable, "-m", "pdq.cli", "bench", "--handoff", "--model", "builtin:tiny", "--requests", "4",
-           "--json", str(out_json)]
+           "--env", "PDQ_MAX_BATCH_SIZE=4", "--json", str(out_json)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out_json.read_text())

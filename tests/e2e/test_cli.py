@@ -39,18 +39,49 @@ def port_is_free(port: int) -> bool:
 
 
 @pytest.fixture
-def up():
+def up(tmp_path):
+    """`pdq up` on a free port, its stderr (and its children's logs) in a file: -> (process, port, that file)."""
     port = free_port()
-    proc = subprocess.Popen([*PDQ, "up", "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "up.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([*PDQ, "up", "--port", str(port)], stdout=subprocess.PIPE, stderr=err, text=True)
     line = proc.stdout.readline()  # printed once every role is healthy
-    assert line.strip() == f"gateway: 127.0.0.1:{port}", proc.stderr.read() if proc.poll() is not None else line
-    yield proc, port
+    assert line.strip() == f"gateway: 127.0.0.1:{port}", log.read_text()[-3000:]
+    yield proc, port, log
     if proc.poll() is None:
         proc.kill()
+        proc.wait()
+
+
+def gone(pids: set[int], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
+        time.sleep(0.05)
+    return not [p for p in pids if Path(f"/proc/{p}").exists()]
+
+
+def child_running(parent: int, module: str) -> int:
+    """The pid of the `python -m module` process under `parent`, once it has exec'd."""
+    for pid in children_of(parent):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if module.encode() in argv and b"pdq.child" not in argv:
+            return pid
+    return 0
+
+
+def wait_for(what: str, check, timeout_s: float = 120.0):
+    deadline = time.monotonic() + timeout_s
+    while not (value := check()):
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        time.sleep(0.05)
+    return value
 
 
 def test_up_generate_and_ctrl_c_leaves_nothing_behind(up):
-    proc, port = up
+    proc, port, log = up
     target = f"127.0.0.1:{port}"
     streamed = subprocess.run([*PDQ, "generate", "Hello", "--target", target, "--max-tokens", "8", "--ignore-eos"],
                               capture_output=True, text=True, timeout=60)
@@ -70,11 +101,9 @@ def test_up_generate_and_ctrl_c_leaves_nothing_behind(up):
     assert len(family) >= 5  # redis, scheduler, prefill, decode, gateway
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 0
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in family):
-        time.sleep(0.05)
-    assert not [p for p in family if Path(f"/proc/{p}").exists()]
+    assert gone(family)
     assert port_is_free(port)
+    assert "Traceback" not in log.read_text()
 
 
 def test_gateway_never_imports_torch():
@@ -82,3 +111,86 @@ def test_gateway_never_imports_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_up_restarts_a_killed_worker_keeps_serving_and_ctrl_c_still_stops_everything(up):
+    proc, port, log = up
+    target = f"127.0.0.1:{port}"
+    decode = wait_for("the decode worker", lambda: child_running(proc.pid, "decode_worker"))
+    os.kill(decode, signal.SIGKILL)
+    wait_for("the restart", lambda: "pdq up: decode-0 restarted" in log.read_text())
+    assert "pdq up: decode-0 exited with code -9; restarting in 0.5 s (restart 1)" in log.read_text()
+    restarted = wait_for("the new decode worker", lambda: child_running(proc.pid, "decode_worker"))
+    assert restarted != decode
+    out = subprocess.run([*PDQ, "generate", "Hello", "--target", target, "--max-tokens", "8", "--ignore-eos", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and len(json.loads(out.stdout)["token_ids"]) == 8, out.stderr  # served by the new one
+
+    family = children_of(proc.pid)
+    assert restarted in family
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0
+    assert gone(family) and port_is_free(port)
+    text = log.read_text()
+    assert "Traceback" not in text
+    assert text.count("pdq up: decode-0 restarted") == 1 and text.count(" restarted (pid ") == 1  # none while stopping
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_while_up_starts_stops_what_started_with_status_128_plus_the_signal(tmp_path, sig):
+    log = tmp_path / "up.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([*PDQ, "up", "--port", str(free_port())], stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        wait_for("a worker process", lambda: child_running(proc.pid, "decode_worker"))  # started, not yet healthy
+        family = children_of(proc.pid)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=60) == 128 + sig
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert gone(family)
+    text = log.read_text()
+    assert "Traceback" not in text and "pdq up: interrupted while starting; stopped" in text
+    assert proc.stdout.read() == ""  # it never said it was up
+
+
+@pytest.mark.parametrize("mode", ["--stream", "--no-stream"])
+def test_ctrl_c_mid_generation_cancels_the_request_and_exits_130_with_one_line(up, mode):
+    from pdq.client import Client, OperatorClient
+
+    proc, port, _ = up
+    target = f"127.0.0.1:{port}"
+    key = f"cli-ctrl-c-{mode.strip('-')}-{os.getpid()}"
+    gen = subprocess.Popen([*PDQ, "generate", "Count to a million", "--target", target, "--max-tokens", "1500",
+                            "--ignore-eos", "--request-id", key, mode],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        with Client(target) as client:
+            if mode == "--stream":
+                assert gen.stdout.read(1)  # tokens are arriving
+            else:  # nothing is printed before the end: wait until it decodes
+                wait_for("the request decoding", lambda: _state(client, key) == "DECODING")
+            gen.send_signal(signal.SIGINT)
+            out, err = gen.communicate(timeout=30)
+            assert gen.returncode == 130, err
+            assert err.splitlines() == ["pdq generate: interrupted"]  # one line, no traceback
+            done = client.get_result(key, wait_ms=30_000)
+        assert done.done and done.state == "CANCELLED", done
+        with OperatorClient(target) as op:
+            assert op.get_request(done.request_id).state == "CANCELLED"
+    finally:
+        if gen.poll() is None:
+            gen.kill()
+            gen.wait()
+
+
+def _state(client, key: str) -> str:
+    import grpc
+
+    try:
+        return client.get_result(key).state
+    except grpc.RpcError as exc:  # not submitted yet
+        assert exc.code() == grpc.StatusCode.NOT_FOUND, exc
+        return ""

@@ -4,10 +4,12 @@ at once, fetch returns the state and, once done, the result."""
 import importlib.util
 import time
 import uuid
+from functools import lru_cache
 from pathlib import Path
 
 import pytest
 
+from pdq.redis_server import free_port
 from tests.e2e.conftest import KEYS
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "serverless"
@@ -26,10 +28,15 @@ def handlers(cluster, monkeypatch):
     monkeypatch.setenv("PDQ_API_KEY", KEYS["acme"])
     monkeypatch.delenv("PDQ_TLS_CA", raising=False)
     submit, fetch = load("submit"), load("fetch")
+    made = []  # every client the handlers cached, closed at the end
+    for module in (submit, fetch):
+        def tracked(target, api_key, make=module.client.__wrapped__):
+            made.append(make(target, api_key))
+            return made[-1]
+        module.client = lru_cache(maxsize=4)(tracked)
     yield submit.handler, fetch.handler
-    for module in (submit, fetch):  # close the channels the handlers cached
-        module.client(cluster.target, KEYS["acme"]).close()
-        module.client.cache_clear()
+    for c in made:
+        c.close()
 
 
 def fetch_until_done(fetch, request_id: str, timeout_s: float = 60.0) -> dict:
@@ -85,3 +92,64 @@ def test_fetch_follows_a_cancelled_request(handlers, client):
     client.cancel(rid)
     done = fetch_until_done(fetch, rid)
     assert done["state"] == "CANCELLED" and done["finish_reason"] == "cancelled"
+
+
+@pytest.mark.parametrize("event, names", [
+    (None, "JSON object"),
+    (["prompt"], "JSON object"),
+    ({"max_tokens": 4}, "give a prompt"),
+    ({"prompt": 42}, "event.prompt"),
+    ({"prompt": ""}, "event.prompt"),
+    ({"prompt": "x", "prompt_token_ids": [1, 2]}, "not both"),
+    ({"prompt_token_ids": [1, "two"]}, "event.prompt_token_ids"),
+    ({"prompt_token_ids": "1 2 3"}, "event.prompt_token_ids"),
+    ({"prompt": "x", "max_tokens": "ten"}, "event.max_tokens: expected an integer, got 'ten'"),
+    ({"prompt": "x", "max_tokens": 4.5}, "event.max_tokens"),
+    ({"prompt": "x", "temperature": "hot"}, "event.temperature: expected a number"),
+    ({"prompt": "x", "top_p": True}, "event.top_p"),
+    ({"prompt": "x", "ignore_eos": "yes"}, "event.ignore_eos: expected a boolean"),
+    ({"prompt": "x", "stop": "\n"}, "event.stop: expected a list of strings"),
+    ({"prompt": "x", "stop": [1]}, "event.stop"),
+    ({"prompt": "x", "request_id": 42}, "event.request_id: expected a string"),
+    ({"prompt": "x", "tier": ["batch"]}, "event.tier"),
+    ({"prompt": "x", "seed": -1}, "event: "),
+    ({"prompt": "x", "seed": 2 ** 64}, "event: "),
+    ({"prompt": "x", "timeout_ms": 2 ** 70}, "event: "),
+])
+def test_submit_answers_a_bad_event_with_an_error_naming_what_is_wrong(handlers, event, names):
+    submit, _ = handlers
+    out = submit(event, None)
+    assert set(out) == {"error", "message"} and out["error"] == "INVALID_ARGUMENT", out
+    assert names in out["message"], out
+
+
+@pytest.mark.parametrize("event, names", [
+    (None, "JSON object"),
+    ("req-1", "JSON object"),
+    ({}, "request_id is required"),
+    ({"request_id": 42}, "event.request_id: expected a string, got 42"),
+    ({"request_id": "r", "wait_ms": "soon"}, "event.wait_ms: expected an integer, got 'soon'"),
+    ({"request_id": "r", "wait_ms": 1.5}, "event.wait_ms"),
+    ({"request_id": "r", "wait_ms": False}, "event.wait_ms"),
+])
+def test_fetch_answers_a_bad_event_with_an_error_naming_what_is_wrong(handlers, event, names):
+    _, fetch = handlers
+    out = fetch(event, None)
+    assert set(out) == {"error", "message"} and out["error"] == "INVALID_ARGUMENT", out
+    assert names in out["message"], out
+
+
+def test_an_unknown_request_id_is_not_found_by_name(handlers):
+    _, fetch = handlers
+    out = fetch({"request_id": "no-such-request-7", "wait_ms": 0}, None)
+    assert out["error"] == "NOT_FOUND" and "no-such-request-7" in out["message"], out
+
+
+def test_grpc_failures_come_back_as_their_status_name(handlers, cluster, monkeypatch):
+    submit, fetch = handlers
+    monkeypatch.setenv("PDQ_API_KEY", "not-a-real-key-123")
+    assert submit({"prompt": "x"}, None)["error"] == "UNAUTHENTICATED"
+    assert fetch({"request_id": "r"}, None)["error"] == "UNAUTHENTICATED"
+    monkeypatch.setenv("PDQ_TARGET", f"127.0.0.1:{free_port()}")  # nothing listens there
+    assert submit({"prompt": "x"}, None)["error"] == "UNAVAILABLE"
+    assert fetch({"request_id": "r", "wait_ms": 0}, None)["error"] == "UNAVAILABLE"

@@ -1,5 +1,5 @@
-"""What prefill and decode workers share: the model thread, model loading, registry heartbeats,
-cancel notices."""
+"""What prefill and decode workers share: the model thread, the model loops' life, model loading,
+registry heartbeats, cancel notices."""
 
 import asyncio
 import functools
@@ -10,10 +10,15 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
+from pdq import liveness, redisconn
 from pdq.config import WorkerConfig
 from pdq.keys import Keys
+from pdq.liveness import Liveness
 from pdq.registry import WorkerInfo, deregister, heartbeat
+from pdq.request import TERMINAL
 from pdq.store import RequestStore
 
 log = logging.getLogger("pdq.worker")
@@ -62,22 +67,50 @@ class ModelThread:
                     done.set_exception(exc)
 
 
+# A model loop idle this long wakes to mark its liveness (a loop blocked on an empty inbox makes no rounds).
+IDLE_BEAT_S = 5.0
+
+
 class ModelLoop:
     """The life of a model loop (prefill, decode, colocated): `start(thread)` runs its `_run` in
     `thread`, the ModelThread that loaded the model (else a thread of its own); `stop()` puts the
-    stop sentinel (None) in its `inbox` and returns once `_run` has returned."""
+    stop sentinel (None) in its `inbox` and returns once `_run` has returned.
+
+    `_run` beats `liveness` once a round. It rides what it can (a failed forward pass gives its
+    sequences back; Redis errors are ridden by the store's client for redis_outage_s); whatever
+    escapes it (Redis unreachable past that window, a bug) takes the process down through
+    `pdq.liveness.fatal`: never a loop that died while its worker goes on taking work. `alive`
+    says whether it runs and was not told to stop: workers grant work only then."""
 
     thread_name = "model-loop"
     inbox: queue.Queue
+    liveness: Liveness
     _done: Future | None = None
+    _stopping = False
 
     def _run(self) -> None:
         raise NotImplementedError
 
     def start(self, thread: ModelThread | None = None) -> None:
-        self._done = (thread or ModelThread(self.thread_name)).submit(self._run)
+        self.liveness = Liveness(self.thread_name)
+        self._done = (thread or ModelThread(self.thread_name)).submit(self._main)
+
+    def _main(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:
+            log.critical("%s died", self.thread_name, exc_info=True)
+            if not self._stopping:
+                liveness.fatal(self.thread_name, f"{type(exc).__name__}: {exc}")
+        finally:
+            self.liveness.stopped()
+
+    @property
+    def alive(self) -> bool:
+        return self._done is not None and not self._done.done() and not self._stopping
 
     def stop(self) -> None:
+        self._stopping = True
         self.inbox.put(None)
         if self._done is not None:
             self._done.result()
@@ -151,38 +184,121 @@ def load_runner(config: WorkerConfig, kv_budget_tokens: int, warm_up: tuple[int,
 
 
 class CancelListener:
-    """Follows the cancel and deadline channels in a thread: `ended` holds ids of requests that
-    just ended (cancelled, timed out, finished elsewhere), so a model loop can drop them at its
-    next step; `deadlines` holds deadlines an operator moved, for `deadline()`."""
+    """Follows the cancel and deadline channels in a thread of its own: `ended` holds ids of
+    requests that just ended (cancelled, timed out, finished elsewhere), so a model loop can drop
+    them at its next step; `deadlines` holds deadlines an operator moved, for `deadline()`.
 
-    def __init__(self, redis_url: str, keys: Keys):
-        self.client = redis.Redis.from_url(redis_url)
+    The thread rides Redis failures: a dropped connection is logged (once per streak), backed off
+    and subscribed again. Pub/sub keeps nothing for an absent subscriber, so after every
+    resubscribe `gaps` goes up, and a model loop that sees it change calls `catch_up` with the
+    requests it holds: their state and deadline are read back from their records, as if the
+    messages of the gap had been heard."""
+
+    def __init__(self, redis_url: str, keys: Keys, outage_s: float = redisconn.DEFAULT_OUTAGE_S):
+        """Returns once subscribed; raises redis.ConnectionError if that takes longer than outage_s."""
+        # no retries of its own: a broken connection must surface here, to be followed by a catch-up
+        self.client = redis.Redis.from_url(redis_url, retry=Retry(NoBackoff(), 0),
+                                           socket_connect_timeout=redisconn.CONNECT_TIMEOUT_S,
+                                           socket_keepalive=True, health_check_interval=redisconn.HEALTH_CHECK_INTERVAL_S)
         self.channel = keys.cancel_channel
+        self.deadline_channel = keys.deadline_channel
         self.ended: set[str] = set()
         self.deadlines: dict[str, int] = {}  # rid -> deadline (Unix ms) set by an operator
+        self.gaps = 0  # resubscriptions after a lost connection
+        self.subscribed = threading.Event()  # set while subscribed
+        self.liveness = Liveness("cancel-listener")
         self._lock = threading.Lock()
-        self._pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        self._pubsub.subscribe(**{self.channel: self._on_message, keys.deadline_channel: self._on_deadline})
-        # a message wakes the thread at once; sleep_time bounds how long close() waits for it.
-        # At 0.05 s the thread woke 20 times a second, each time taking a core from the model.
-        self._thread = self._pubsub.run_in_thread(sleep_time=1.0, daemon=True)
+        self._closed = threading.Event()
+        self._was_subscribed = False
+        self._thread = threading.Thread(target=self._main, name="cancel-listener", daemon=True)
+        self._thread.start()
+        if not self.subscribed.wait(outage_s):
+            self.close()
+            raise redis.ConnectionError(f"cannot subscribe to {self.channel} within {outage_s:g} s")
 
-    def _on_message(self, message: dict) -> None:
-        rid = message["data"].decode()
-        if not rid:  # a listener's close() waking its thread
+    def _main(self) -> None:
+        try:
+            while not self._closed.is_set():
+                pubsub = self.client.pubsub()
+                try:
+                    self._listen(pubsub)
+                except Exception as exc:
+                    if self._closed.is_set():
+                        return
+                    self.subscribed.clear()
+                    self._closed.wait(redisconn.backoff_s(self.liveness.error(exc)))
+                finally:
+                    try:
+                        pubsub.close()
+                    except Exception:
+                        pass
+        finally:
+            self.liveness.stopped()
+
+    def _listen(self, pubsub: Any) -> None:
+        """Subscribes, then hands messages on until closed (returns) or the connection fails (raises)."""
+        pubsub.subscribe(self.channel, self.deadline_channel)
+        confirmed = 0
+        while confirmed < 2:  # both subscriptions are in force once Redis confirmed them
+            message = pubsub.get_message(timeout=1.0)
+            if self._closed.is_set():
+                return
+            if message is not None:
+                confirmed += message["type"] == "subscribe"
+                self._handle(message)
+        if self._was_subscribed:
+            self.gaps += 1  # after the confirmations: what a catch-up reads covers the gap
+            log.warning("cancel listener subscribed again; model loops catch up on the requests they hold")
+        self._was_subscribed = True
+        self.subscribed.set()
+        self.liveness.beat()
+        while not self._closed.is_set():
+            message = pubsub.get_message(timeout=1.0)  # a message wakes it at once; close() sends one
+            if message is not None:
+                self._handle(message)
+            self.liveness.beat()
+
+    def _handle(self, message: dict) -> None:
+        if message["type"] != "message":
             return
+        channel, data = message["channel"].decode(), message["data"].decode()
+        if channel == self.channel:
+            if data:  # "": a listener's close() waking its thread
+                self._on_ended(data)
+        elif channel == self.deadline_channel:
+            rid, _, deadline = data.partition(" ")
+            self._on_deadline(rid, int(deadline))
+
+    def _on_ended(self, rid: str) -> None:
         with self._lock:
             self.ended.add(rid)
             self.deadlines.pop(rid, None)
             if len(self.ended) > 100_000:  # ids of requests we never held; bound the memory
                 self.ended.clear()
 
-    def _on_deadline(self, message: dict) -> None:
-        rid, _, deadline = message["data"].decode().partition(" ")
+    def _on_deadline(self, rid: str, deadline: int) -> None:
         with self._lock:
             if len(self.deadlines) > 100_000:
                 self.deadlines.clear()
-            self.deadlines[rid] = int(deadline)
+            self.deadlines[rid] = deadline
+
+    def catch_up(self, store: RequestStore, held: list[tuple[str, int]]) -> None:
+        """After a gap (`gaps` changed; read it before calling): reads the state, epoch and
+        deadline of each held (request id, epoch) in one round trip, and notes as ended those
+        that ended or moved on to another attempt, and the deadlines of the rest, as the
+        messages missed would have. Called from a model loop, with its store's client."""
+        if not held:
+            return
+        pipe = store.client.pipeline(transaction=False)
+        for rid, _ in held:
+            pipe.hmget(store.keys.request(rid), "state", "epoch", "deadline_ms")
+        rows = pipe.execute()
+        terminal = {state.value for state in TERMINAL}
+        for (rid, epoch), (state, record_epoch, deadline) in zip(held, rows):
+            if state is None or state.decode() in terminal or int(record_epoch or 0) != epoch:
+                self._on_ended(rid)
+            elif deadline is not None:
+                self._on_deadline(rid, int(deadline))
 
     def deadline(self, rid: str, given_ms: int) -> int:
         """The request's deadline (Unix ms, 0 = none): the latest an operator set, else `given_ms`."""
@@ -197,31 +313,37 @@ class CancelListener:
             return False
 
     def close(self) -> None:
-        self._thread.stop()
-        try:  # wake the thread now rather than at its next sleep_time
+        """Stops the thread: at once while it backs off, else when the wake-up message below
+        reaches it (or its 1 s poll ends); waits at most 2 s (the thread is a daemon)."""
+        self._closed.set()
+        try:
             self.client.publish(self.channel, "")
-        except redis.RedisError:
+        except (redis.RedisError, OSError):
             pass
         self._thread.join(timeout=2)
-        self._pubsub.close()
         self.client.close()
 
 
 class Heartbeat:
-    """Keeps this worker in the registry: now, every period, and whenever `poke()` is called."""
+    """Keeps this worker in the registry: every period, and whenever `poke()` is called, while
+    `alive()` (the server is ready and its model loop runs). The first beat waits for that, so a
+    worker enters the registry only once it can serve; a worker whose loop died leaves it."""
 
-    def __init__(self, config: WorkerConfig, keys: Keys, info: Callable[[], WorkerInfo]):
+    def __init__(self, config: WorkerConfig, keys: Keys, info: Callable[[], WorkerInfo],
+                 alive: Callable[[], bool] = lambda: True):
         self.config = config
         self.keys = keys
         self.info = info
+        self.alive = alive
         self.client = config.redis()
         self.store = RequestStore(self.client, keys.prefix)
+        self.liveness = Liveness(f"heartbeat-{info().role}")
+        self.registered = asyncio.Event()  # set once the first beat landed
         self._poke = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopping = False
 
     async def start(self) -> None:
-        await self._beat()
         self._task = asyncio.create_task(self._run())
 
     def poke(self) -> None:
@@ -231,18 +353,33 @@ class Heartbeat:
         await heartbeat(self.store, self.info(), ttl_s=max(3 * self.config.heartbeat_s, 5.0))
 
     async def _run(self) -> None:
+        beaten = False
         while not self._stopping:
-            try:
-                await asyncio.wait_for(self._poke.wait(), self.config.heartbeat_s)
+            if self.alive():
+                try:
+                    await self._beat()
+                    beaten = True
+                    self.registered.set()
+                    self.liveness.beat()
+                except Exception as exc:  # Redis down past the client's window: again next period
+                    self.liveness.error(exc)
+            elif self.registered.is_set():
+                log.warning("model loop not running: leaving the registry")
+                self.registered.clear()
+                await self._leave()
+            try:  # until the first beat, a short wait: it follows the server's readiness at once
+                await asyncio.wait_for(self._poke.wait(), self.config.heartbeat_s if beaten else 0.02)
             except asyncio.TimeoutError:
                 pass
             self._poke.clear()
-            if self._stopping:
-                return
-            try:
-                await self._beat()
-            except (redis.RedisError, OSError) as exc:
-                log.warning("heartbeat failed: %s", exc)
+        self.liveness.stopped()
+
+    async def _leave(self) -> None:
+        info = self.info()
+        try:
+            await asyncio.wait_for(deregister(self.client, self.keys, info.worker_id, info.role), timeout=5.0)
+        except Exception as exc:  # the scheduler reaps it once its heartbeats stop
+            log.warning("could not leave the registry: %s", exc)
 
     async def stop(self) -> None:
         """Stops beating (a beat in flight finishes first, so none lands after the
@@ -252,11 +389,10 @@ class Heartbeat:
         if self._task:
             try:
                 await asyncio.wait_for(self._task, timeout=5.0)  # cancels it if a beat hangs
-            except (asyncio.TimeoutError, asyncio.CancelledError, redis.RedisError, OSError):
+            except (asyncio.TimeoutError, asyncio.CancelledError):
                 pass
-        info = self.info()
         try:
-            await deregister(self.client, self.keys, info.worker_id, info.role)
+            await self._leave()
         finally:
             await self.client.aclose()
 

@@ -335,7 +335,9 @@ def build_server(config: DecodeConfig) -> Server:
         await reclaim_previous_life(store, worker_id, config.max_attempts)
         if prefill is not None:
             await reclaim_previous_life(store, prefill_config.name("prefill"), config.max_attempts)
-        # the first beats wait for the server to be ready (after this hook): the model is loaded and warm
+        # the model is loaded and warm and its loop runs: calls are served from now (pdq.rpc_guard),
+        # and then the worker enters the registry
+        server.ready = True
         alive = lambda: server.ready and model_loop.alive  # noqa: E731
         state["heartbeat"] = hb = Heartbeat(config, keys, info, alive)
         service.on_change = hb.poke

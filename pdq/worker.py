@@ -325,9 +325,10 @@ class CancelListener:
 
 
 class Heartbeat:
-    """Keeps this worker in the registry: every period, and whenever `poke()` is called, while
-    `alive()` (the server is ready and its model loop runs). The first beat waits for that, so a
-    worker enters the registry only once it can serve; a worker whose loop died leaves it."""
+    """Keeps this worker in the registry: at `start()`, every period, and whenever `poke()` is
+    called, while `alive()` (the server takes calls and its model loop runs). Start it last, once
+    the model is loaded and warm: a worker in the registry can serve. A worker whose loop died
+    leaves it."""
 
     def __init__(self, config: WorkerConfig, keys: Keys, info: Callable[[], WorkerInfo],
                  alive: Callable[[], bool] = lambda: True):
@@ -338,40 +339,42 @@ class Heartbeat:
         self.client = config.redis()
         self.store = RequestStore(self.client, keys.prefix)
         self.liveness = Liveness(f"heartbeat-{info().role}")
-        self.registered = asyncio.Event()  # set once the first beat landed
+        self.registered = False
         self._poke = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopping = False
 
     async def start(self) -> None:
+        """The first beat (the worker is in the registry when this returns, if alive), then the rest."""
+        await self._round()
         self._task = asyncio.create_task(self._run())
 
     def poke(self) -> None:
         self._poke.set()
 
-    async def _beat(self) -> None:
-        await heartbeat(self.store, self.info(), ttl_s=max(3 * self.config.heartbeat_s, 5.0))
+    async def _round(self) -> None:
+        if self.alive():
+            try:
+                await heartbeat(self.store, self.info(), ttl_s=max(3 * self.config.heartbeat_s, 5.0))
+                self.registered = True
+                self.liveness.beat()
+            except Exception as exc:  # Redis down past the client's window: again next period
+                self.liveness.error(exc)
+        elif self.registered:
+            log.warning("model loop not running: leaving the registry")
+            self.registered = False
+            await self._leave()
 
     async def _run(self) -> None:
-        beaten = False
         while not self._stopping:
-            if self.alive():
-                try:
-                    await self._beat()
-                    beaten = True
-                    self.registered.set()
-                    self.liveness.beat()
-                except Exception as exc:  # Redis down past the client's window: again next period
-                    self.liveness.error(exc)
-            elif self.registered.is_set():
-                log.warning("model loop not running: leaving the registry")
-                self.registered.clear()
-                await self._leave()
-            try:  # until the first beat, a short wait: it follows the server's readiness at once
-                await asyncio.wait_for(self._poke.wait(), self.config.heartbeat_s if beaten else 0.02)
+            try:
+                await asyncio.wait_for(self._poke.wait(), self.config.heartbeat_s)
             except asyncio.TimeoutError:
                 pass
             self._poke.clear()
+            if self._stopping:
+                break
+            await self._round()
         self.liveness.stopped()
 
     async def _leave(self) -> None:

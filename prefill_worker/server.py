@@ -180,7 +180,9 @@ def build_server(config: PrefillConfig) -> Server:
                                    eos_token_ids(path), config.max_batched_tokens, config.prefill_chunk)
         service.loop.start(model)
         await reclaim_previous_life(service.loop.store, worker_id, config.max_attempts)
-        # its first beat waits for the server to be ready (after this hook): the model is loaded and warm
+        # the model is loaded and warm and its loop runs: calls are served from now (pdq.rpc_guard),
+        # and then the worker enters the registry
+        server.ready = True
         state["heartbeat"] = Heartbeat(config, keys, info, lambda: server.ready and service.loop.alive)
         await state["heartbeat"].start()
         log.info("prefill worker %s at %s (KV slots %d)", worker_id, address, runner.capacity)

@@ -4,6 +4,7 @@ registry heartbeats, cancel notices."""
 import asyncio
 import functools
 import logging
+import os
 import queue
 import threading
 from concurrent.futures import Future
@@ -196,10 +197,12 @@ class CancelListener:
 
     def __init__(self, redis_url: str, keys: Keys, outage_s: float = redisconn.DEFAULT_OUTAGE_S):
         """Returns once subscribed; raises redis.ConnectionError if that takes longer than outage_s."""
-        # no retries of its own: a broken connection must surface here, to be followed by a catch-up
+        # no retries of its own: a broken connection must surface here, to be followed by a catch-up.
+        # Named (CLIENT LIST) after this process, so an operator or a drill can find it.
         self.client = redis.Redis.from_url(redis_url, retry=Retry(NoBackoff(), 0),
-                                           socket_connect_timeout=redisconn.CONNECT_TIMEOUT_S,
-                                           socket_keepalive=True, health_check_interval=redisconn.HEALTH_CHECK_INTERVAL_S)
+                                           client_name=f"pdq-cancels-{os.getpid()}",
+                                           socket_connect_timeout=redisconn.CONNECT_TIMEOUT_S, socket_keepalive=True,
+                                           health_check_interval=redisconn.HEALTH_CHECK_INTERVAL_S)
         self.channel = keys.cancel_channel
         self.deadline_channel = keys.deadline_channel
         self.ended: set[str] = set()

@@ -60,22 +60,22 @@ def stream(r: redis.Redis, rid: str) -> list[tuple[int, int]]:
 
 
 @pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
+def own_redis(tmp_path_factory):
     server = RedisServer(directory=str(tmp_path_factory.mktemp("redis")), durable=True).start()
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
-def cluster(redis_server):
-    with Cluster(model="builtin:tiny", port=0, redis_url=redis_server.url, auth=False, metrics_port=-1,
+def cluster(own_redis):
+    with Cluster(model="builtin:tiny", port=0, redis_url=own_redis.url, auth=False, metrics_port=-1,
                  extra_env=ENV) as c:
         yield c
 
 
 @pytest.fixture
-def r(redis_server):
-    client = redis.Redis.from_url(redis_server.url)
+def r(own_redis):
+    client = redis.Redis.from_url(own_redis.url)
     yield client
     client.close()
 
@@ -96,7 +96,7 @@ def test_a_decode_worker_still_takes_a_deadline_move_after_its_pubsub_connection
     assert (rec["state"], rec["n_out"], rec["attempts"]) == ("COMPLETED", "450", "1")
 
 
-def test_a_decode_worker_rides_dropped_connections_and_a_redis_crash_mid_generation(cluster, redis_server, r):
+def test_a_decode_worker_rides_dropped_connections_and_a_redis_crash_mid_generation(cluster, own_redis, r):
     """Every connection dropped (CLIENT KILL TYPE normal), then Redis frozen with the worker's
     step unanswered, killed and restarted from its AOF: the worker keeps its sequences, and
     each stream is whole (no gap, no repeat) and equal to a fault-free run, in its first
@@ -110,11 +110,11 @@ def test_a_decode_worker_rides_dropped_connections_and_a_redis_crash_mid_generat
         assert r.client_kill_filter(_type="normal", skipme=True) >= 1
         time.sleep(0.1)
     assert all(record(r, x)["state"] == "DECODING" for x in rids)  # still generating
-    redis_server.process.send_signal(signal.SIGSTOP)  # the worker's next step is sent and never answered
+    own_redis.process.send_signal(signal.SIGSTOP)  # the worker's next step is sent and never answered
     time.sleep(0.5)
-    redis_server.process.send_signal(signal.SIGKILL)
-    redis_server.process.wait()
-    redis_server.start()  # same port, same AOF
+    own_redis.process.send_signal(signal.SIGKILL)
+    own_redis.process.wait()
+    own_redis.start()  # same port, same AOF
     r.connection_pool.disconnect()
     wait_for("the requests to complete", lambda: all(record(r, x)["state"] == "COMPLETED" for x in rids))
     for rid, expected in zip(rids, reference):

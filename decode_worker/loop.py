@@ -26,13 +26,14 @@ import torch
 from decode_worker.kv_receive import Arrived, Discard
 from decode_worker.strategy import Strategy
 from pdq import metrics, redisconn, telemetry
+from pdq.cancel_listener import CancelListener
 from pdq.convert import sampling_from_pb
 from pdq.engine.sampling import SamplingParams, sample_each
 from pdq.faults import Faults
 from pdq.output_text import TextOutput
 from pdq.request import State
 from pdq.store import RequestStore, SentStep, StepItem, now_ms
-from pdq.worker import IDLE_BEAT_S, CancelListener, ModelLoop
+from pdq.worker import IDLE_BEAT_S, ModelLoop
 
 log = logging.getLogger("pdq.decode")
 

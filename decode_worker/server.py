@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pdq import kv_tcp, telemetry
+from pdq.cancel_listener import CancelListener
 from pdq.config import DecodeConfig
 from pdq.keys import Keys
 from pdq.kv_tcp import Refused
@@ -20,7 +21,7 @@ from pdq.registry import WorkerInfo
 from pdq.serving import Server
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
-from pdq.worker import CancelListener, Heartbeat, ModelThread, load_runner, reclaim_previous_life, sync_store
+from pdq.worker import Heartbeat, ModelThread, load_runner, reclaim_previous_life, sync_store
 from decode_worker.colocated import ColocatedLoop
 from decode_worker.kv_receive import Arrived, Discard, SlotSink
 from decode_worker.loop import DecodeLoop

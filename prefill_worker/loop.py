@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from pdq import metrics, redisconn, telemetry
+from pdq.cancel_listener import CancelListener
 from pdq.convert import sampling_from_pb
 from pdq.engine.kv_pool import KVPoolFull
 from pdq.engine.runner import PrefillItem as ChunkItem
@@ -25,7 +26,7 @@ from pdq.output_text import TextOutput
 from pdq.request import State
 from pdq.store import RequestStore, StepItem, now_ms
 from pdq.v1 import internal_pb2 as pb
-from pdq.worker import IDLE_BEAT_S, CancelListener, ModelLoop
+from pdq.worker import IDLE_BEAT_S, ModelLoop
 from prefill_worker.chunking import plan_chunks
 
 log = logging.getLogger("pdq.prefill")

@@ -7,6 +7,7 @@ import time
 import grpc
 
 from pdq import kv_tcp, kv_transfer, metrics, mtls, telemetry
+from pdq.cancel_listener import CancelListener
 from pdq.config import PrefillConfig
 from pdq.faults import Faults
 from pdq.keys import Keys
@@ -17,7 +18,7 @@ from pdq.serving import GRPC_OPTIONS, Server
 from pdq.status import StatusError
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
-from pdq.worker import CancelListener, Heartbeat, ModelThread, load_runner, reclaim_previous_life, sync_store
+from pdq.worker import Heartbeat, ModelThread, load_runner, reclaim_previous_life, sync_store
 from prefill_worker.loop import Job, Outcome, PrefillLoop
 
 log = logging.getLogger("pdq.prefill")

@@ -1,4 +1,4 @@
-"""pdq.worker.CancelListener rides dropped connections: it subscribes again (its thread never
+"""pdq.cancel_listener.CancelListener rides dropped connections: it subscribes again (its thread never
 dies), hears cancels and deadline moves after that, and a catch-up reads back from the records
 what was published while it was away. A real Redis; connections dropped with CLIENT KILL."""
 
@@ -11,7 +11,7 @@ from pdq.keys import Keys
 from pdq.redis_server import RedisServer
 from pdq.request import State
 from pdq.store import RequestStore
-from pdq.worker import CancelListener
+from pdq.cancel_listener import CancelListener
 from tests.test_store import make_spec
 
 

@@ -12,11 +12,11 @@ import threading
 import time
 
 import pytest
-import redis
 
 from decode_worker.kv_receive import Arrived
 from decode_worker.loop import DecodeLoop
 from pdq import liveness, redisconn
+from pdq.cancel_listener import CancelListener
 from pdq.engine.runner import ModelRunner, PrefillItem
 from pdq.keys import Keys
 from pdq.model.loader import eos_token_ids, resolve_model
@@ -26,7 +26,7 @@ from pdq.request import State
 from pdq.store import RequestStore, StepItem, now_ms
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import internal_pb2 as pb
-from pdq.worker import CancelListener, ModelThread
+from pdq.worker import ModelThread
 from prefill_worker.loop import Job, PrefillLoop
 
 PROMPTS = [[5, 17, 99, 3, 42], [7, 7, 8, 120, 64, 11, 2], [200, 1, 33]]

@@ -18,7 +18,8 @@ import queue
 import time
 
 from decode_worker.loop import DecodeLoop, take
-from pdq.worker import ModelLoop
+from pdq import redisconn
+from pdq.worker import ModelLoop, ModelThread
 from prefill_worker.loop import Job, Outcome, PrefillLoop
 
 log = logging.getLogger("pdq.colocated")
@@ -44,10 +45,18 @@ class ColocatedLoop(ModelLoop):
     def busy(self) -> bool:
         return bool(self.pending or self.decode.busy)
 
+    def start(self, thread: ModelThread | None = None) -> None:
+        super().start(thread)
+        self.prefill._done = self.decode._done = self._done  # the halves live and die with this loop
+
+    def stop(self) -> None:
+        self.prefill._stopping = self.decode._stopping = True
+        super().stop()
+
     def _wait_s(self) -> float | None:
         """How long the next take may block: not at all while prompts are pending or sequences
         run; while sequences wait to be admitted (a hand-off this thread took after its pass),
-        what the strategy hints; with nothing at all, until an item comes (None)."""
+        what the strategy hints; with nothing at all, until an item comes (or IDLE_BEAT_S)."""
         d = self.decode
         if self.pending or d.running:
             return 0
@@ -55,21 +64,27 @@ class ColocatedLoop(ModelLoop):
 
     def _run(self) -> None:
         d = self.decode
-        while True:
-            idle = not (self.pending or d.running or d.waiting)
-            if not take(self.inbox, self._wait_s(), self._take):
-                self._shutdown()
-                return
-            if idle and self.pending and not self._gather():
-                self._shutdown()
-                return
-            try:
-                d._drop_ended()
-                d._admit()
-                self._step()
-            except Exception as exc:
-                log.exception("colocated step failed; requeueing its sequences")
-                self._fail_all(f"step failed: {exc}")
+        try:
+            while True:
+                try:
+                    idle = not (self.pending or d.running or d.waiting)
+                    if not take(self.inbox, self._wait_s(), self._take):
+                        break
+                    if idle and self.pending and not self._gather():
+                        break
+                    d._drop_ended()
+                    d._admit()
+                    self._step()
+                except Exception as exc:
+                    if redisconn.unavailable(exc):
+                        raise  # Redis stayed unreachable past the client's window: the process goes down
+                    log.exception("colocated step failed; requeueing its sequences")
+                    self._fail_all(f"step failed: {exc}")
+                self.liveness.beat()
+        except BaseException:
+            self._answer_pending("prefill worker lost its model loop")
+            raise
+        self._shutdown()
 
     def _gather(self) -> bool:
         """The first pass after idling waits, at most gather_s, while the scheduler says more
@@ -112,14 +127,15 @@ class ColocatedLoop(ModelLoop):
         if rows:
             d.after(seqs, logits[len(chunks):], started)
 
-    def _fail_all(self, why: str) -> None:
+    def _answer_pending(self, error: str) -> None:
         for job in self.pending:
-            self.prefill._end(job, Outcome("error", error=f"prefill failed: {why}"))
+            self.prefill._end(job, Outcome("error", error=error))
         self.pending = []
+
+    def _fail_all(self, why: str) -> None:
+        self._answer_pending(f"prefill failed: {why}")
         self.decode._requeue_all(f"decode {why}")
 
     def _shutdown(self) -> None:
-        for job in self.pending:
-            self.prefill._end(job, Outcome("error", error="prefill worker shutting down"))
-        self.pending = []
+        self._answer_pending("prefill worker shutting down")
         self.decode._shutdown()

@@ -6,6 +6,12 @@ cancelled or times out, and its KV slot is freed then. With the request-level st
 finished sequence keeps its seat until its whole batch is done, as naive servers run. Each
 step's tokens (and ends) go to Redis in one command, whose reply is read after the next
 forward pass (`RequestStore.send_step`): Redis applies them while the model runs.
+
+Redis trouble never gives sequences back: every write is retried (the store's client rides an
+outage for redis_outage_s; a step whose reply was lost with its connection is applied again
+through it, and Redis skips the tokens it already has), and an outage longer than that takes the
+process down (`ModelLoop`), its sequences then resumed elsewhere. Only a failed forward pass
+gives the running sequences back to the scheduler.
 """
 
 import logging
@@ -19,14 +25,15 @@ import torch
 
 from decode_worker.kv_receive import Arrived, Discard
 from decode_worker.strategy import Strategy
-from pdq import metrics, telemetry
+from pdq import metrics, redisconn, telemetry
+from pdq.cancel_listener import CancelListener
 from pdq.convert import sampling_from_pb
-from pdq.engine.sampling import SamplingParams, sample
+from pdq.engine.sampling import SamplingParams, sample_each
 from pdq.faults import Faults
 from pdq.output_text import TextOutput
 from pdq.request import State
 from pdq.store import RequestStore, SentStep, StepItem, now_ms
-from pdq.worker import CancelListener, ModelLoop
+from pdq.worker import IDLE_BEAT_S, ModelLoop
 
 log = logging.getLogger("pdq.decode")
 
@@ -101,7 +108,10 @@ class DecodeLoop(ModelLoop):
         self.stats = LoopStats()
         self.step_metrics = metrics.DecodeStepStats(strategy.name)
         self._first_pending: list[Sequence] = []  # traced sequences whose next token is their first here
-        self._sent: tuple[SentStep, list[Sequence]] | None = None  # the last step's, reply unread (settle)
+        # the last step sent, its reply unread (settle): (SentStep, or None if it could not be
+        # sent; the sequence of each item, None where it ended; the items)
+        self._sent: tuple[SentStep | None, list[Sequence | None], list[StepItem]] | None = None
+        self._gaps_seen = cancels.gaps if cancels is not None else 0  # the listener's gaps caught up on
         self._left: list[str] | None = None  # during `after`: who left, told in one on_leave call at its end
         # fault injection (PDQ_FAULTS decode_step_delay_ms): every forward pass takes this much longer
         self.step_delay_s = Faults.from_env().get("decode_step_delay_ms") / 1000
@@ -122,17 +132,20 @@ class DecodeLoop(ModelLoop):
 
     def _run(self) -> None:
         while True:
-            if not take(self.inbox, self._yield_s() if self.running else self._idle_timeout(), self._arrive):
-                self._shutdown()
-                return
             try:
+                if not take(self.inbox, self._yield_s() if self.running else self._idle_timeout(), self._arrive):
+                    break
                 self._drop_ended()
                 self._admit()
                 if self.running and not self._yield_s():
                     self._step()
-            except Exception:
+            except Exception as exc:
+                if redisconn.unavailable(exc):
+                    raise  # Redis stayed unreachable past the client's window: the process goes down
                 log.exception("decode step failed; requeueing its sequences")
-                self._requeue_all("decode step failed")
+                self._requeue_all(f"decode step failed: {exc}")
+            self.liveness.beat()
+        self._shutdown()
 
     def _yield_s(self) -> float:
         """Seconds the next step waits, leaving the cores to prefill: while a request reserved
@@ -143,9 +156,9 @@ class DecodeLoop(ModelLoop):
             return 0.0
         return max(0.0, self._last_step_end + self.yield_to_prefill_ms / 1000 - time.monotonic())
 
-    def _idle_timeout(self) -> float | None:
+    def _idle_timeout(self) -> float:
         if not self.waiting:
-            return None
+            return IDLE_BEAT_S
         oldest = (time.monotonic() - self.waiting[0].arrived) * 1000
         return max(0.001, self.strategy.wait_hint_ms(oldest) / 1000)
 
@@ -163,18 +176,18 @@ class DecodeLoop(ModelLoop):
                                            "pdq.resumed_tokens": len(h.generated_token_ids) - 1})
         try:  # anything wrong here frees the slot and the hold: no KV leaks on a bad hand-off
             params = sampling_from_pb(h.spec.sampling)
+            prompt = list(h.spec.prompt_token_ids)
+            generated = list(h.generated_token_ids)
+            seq = Sequence(rid, h.epoch, len(prompt), params,
+                           TextOutput(self.tokenizer, params.stop, prompt, generated), generated, h.spec.deadline_ms)
             self.runner.rename(kv.key, rid)  # the K/V was received into the slot (kv_receive)
         except Exception as exc:
             log.error("cannot take KV of %s: %s", rid, exc)
             self.runner.free(kv.key)
-            self.store.finish(rid, State.FAILED, "error", f"decode worker could not load KV: {exc}", epoch=h.epoch)
             telemetry.end(span, "failed", f"could not load KV: {exc}")
             self.on_leave([rid])
+            self.store.finish(rid, State.FAILED, "error", f"decode worker could not load KV: {exc}", epoch=h.epoch)
             return
-        prompt = list(h.spec.prompt_token_ids)
-        generated = list(h.generated_token_ids)
-        seq = Sequence(rid, h.epoch, len(prompt), params, TextOutput(self.tokenizer, params.stop, prompt, generated),
-                       generated, h.spec.deadline_ms)
         seq.labels = (h.spec.tier, h.spec.tenant)
         seq.arrival_ms = h.spec.arrival_ms
         seq.last_token_at = seq.arrived  # the first gap here runs from the KV cache's arrival
@@ -228,8 +241,15 @@ class DecodeLoop(ModelLoop):
         else:
             self._leave(seq)
 
+    def _held(self) -> list[Sequence]:
+        return [s for s in self.waiting + list(self.running.values()) if not s.done]
+
     def _drop_ended(self) -> None:
-        """Drops sequences that ended elsewhere (cancel) and ends those past their deadline."""
+        """Drops sequences that ended elsewhere (cancel) and ends those past their deadline. After
+        a gap in the cancel listener's subscription, it first catches up on what it missed."""
+        if self.cancels.gaps != self._gaps_seen:
+            self._gaps_seen = self.cancels.gaps
+            self.cancels.catch_up(self.store, [(s.rid, s.epoch) for s in self._held()])
         now = now_ms()
         ended: list[StepItem] = []
         for seq in self.waiting + list(self.running.values()):
@@ -270,12 +290,22 @@ class DecodeLoop(ModelLoop):
     def settle(self) -> None:
         """Reads the reply of the step sent last: its running sequences that Redis dropped
         (cancelled, timed out or failed elsewhere, or a stale epoch) leave now, one step later
-        than a blocking round trip would have let them (the cancel notice usually came first)."""
+        than a blocking round trip would have let them (the cancel notice usually came first).
+        A step that could not be sent, or whose reply was lost with its connection, is applied
+        now through the store's client, which rides an outage (Redis skips tokens it has)."""
         if self._sent is None:
             return
-        sent, owners = self._sent
+        sent, owners, items = self._sent
         self._sent = None
-        for seq, ok in zip(owners, sent.result()):
+        kept = None
+        if sent is not None:
+            try:
+                kept = sent.result()
+            except redisconn.UNAVAILABLE_ERRORS as exc:
+                log.warning("reply of a decode step lost (%s); applying it again", exc)
+        if kept is None:
+            kept = self.store.step(items)
+        for seq, ok in zip(owners, kept):
             if not ok and seq is not None and self.running.get(seq.rid) is seq:
                 self._end_span(seq, "dropped", reason="request ended elsewhere (cancelled, timed out or stale)")
                 self._leave(seq)
@@ -293,13 +323,16 @@ class DecodeLoop(ModelLoop):
         ~0.3 ms before the send). Those that leave are told to `on_leave` in one call, after
         the send, so the event loop wakes once a step, not once a sequence."""
         self.settle()
-        tokens = sample(logits, [s.params for s in seqs], [len(s.generated) for s in seqs])
+        tokens = sample_each(logits, [s.params for s in seqs], [len(s.generated) for s in seqs])
         self.stats.steps += 1
         self.stats.seq_steps += len(seqs)
         now = time.monotonic()
         items, owners, live, itl = [], [], [], []  # owners: the sequence of each item (None: it ended)
         for seq, token in zip(seqs, tokens):
             if self.running.get(seq.rid) is not seq:  # it left when the previous step settled
+                continue
+            if isinstance(token, Exception):  # this request's own: it alone ends
+                self._fail(seq, f"sampling failed: {token}")
                 continue
             seq.generated.append(token)
             if seq.done:  # a seat kept for a finished sequence: wasted work
@@ -325,7 +358,7 @@ class DecodeLoop(ModelLoop):
             for seq, reason in live:
                 if reason:  # it leaves below: its K/V goes now, before the send (see the docstring)
                     self.runner.free(seq.rid)
-        sent = self.store.send_step(items) if items else None
+        sent = self._send(items) if items else None
         if self._first_pending:
             for seq in self._first_pending:
                 if seq.span is not None:
@@ -338,8 +371,8 @@ class DecodeLoop(ModelLoop):
                     metrics.E2E.labels(*seq.labels).observe(max(0, now_ms() - seq.arrival_ms) / 1000)
                     self._end_span(seq, "finish", reason=reason)
                     self._finish_seat(seq)
-            if sent is not None:
-                self._sent = (sent, owners)
+            if items:
+                self._sent = (sent, owners, items)
             self.step_metrics.step(self.stats.seq_steps, self.stats.wasted_seq_steps, len(seqs),
                                    time.perf_counter() - started, itl)
             metrics.kv_pool("decode", self.runner.capacity - self.runner.num_free, self.runner.capacity)
@@ -354,16 +387,38 @@ class DecodeLoop(ModelLoop):
             self.settle()
         self._last_step_end = time.monotonic()
 
+    def _send(self, items: list[StepItem]) -> SentStep | None:
+        """Sends a step (`RequestStore.send_step`). -> None when it could not be sent (its
+        connection broke): `settle` applies it through the store's client."""
+        try:
+            return self.store.send_step(items)
+        except redisconn.UNAVAILABLE_ERRORS as exc:
+            log.warning("could not send a decode step (%s); it is applied when it settles", exc)
+            return None
+
+    def _fail(self, seq: Sequence, error: str) -> None:
+        """Ends one sequence FAILED (its own fault, e.g. its sampling raised); the rest go on."""
+        log.error("request %s failed: %s", seq.rid, error)
+        self.store.finish(seq.rid, State.FAILED, "error", error, epoch=seq.epoch)
+        self._end_span(seq, "failed", error)
+        self._leave(seq)
+
     def _shutdown(self) -> None:
-        self._requeue_all("decode worker shut down")
+        try:
+            self._requeue_all("decode worker shut down")
+        except Exception as exc:  # Redis down: the scheduler reaps them once this worker's heartbeats stop
+            log.error("could not give back the held sequences at shutdown: %s", exc)
 
     def _requeue_all(self, why: str) -> None:
-        """Gives every held sequence back to the scheduler. A new attempt regenerates the same
-        tokens (seeded per index) and Redis drops the indices already streamed."""
+        """Gives every held sequence back to the scheduler (a failed forward pass, or shutdown).
+        A new attempt regenerates the same tokens (seeded per index) and Redis drops the indices
+        already streamed. Redis errors go up (the store's client rode them as long as it may)."""
         try:
             self.settle()  # the last step's tokens are in Redis before their requests go back
-        except Exception as exc:  # Redis failed it (maybe why we are here): requeue regardless
-            log.warning("could not read the last decode step's reply: %s", exc)
+        except Exception as exc:
+            if redisconn.unavailable(exc):
+                raise
+            log.warning("could not apply the last decode step: %s", exc)
         for seq in self.waiting + list(self.running.values()):
             if not seq.done:
                 state = self.store.requeue(seq.rid, seq.epoch, why, self.max_attempts)

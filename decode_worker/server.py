@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pdq import kv_tcp, telemetry
+from pdq.cancel_listener import CancelListener
 from pdq.config import DecodeConfig
 from pdq.keys import Keys
 from pdq.kv_tcp import Refused
@@ -20,7 +21,7 @@ from pdq.registry import WorkerInfo
 from pdq.serving import Server
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
-from pdq.worker import CancelListener, Heartbeat, ModelThread, load_runner, reclaim_previous_life, sync_store
+from pdq.worker import Heartbeat, ModelThread, load_runner, reclaim_previous_life, sync_store
 from decode_worker.colocated import ColocatedLoop
 from decode_worker.kv_receive import Arrived, Discard, SlotSink
 from decode_worker.loop import DecodeLoop
@@ -33,6 +34,10 @@ log = logging.getLogger("pdq.decode")
 
 class NoReservation(Exception):
     """A hand-off for a request that holds no reservation here (FAILED_PRECONDITION)."""
+
+
+class NotServing(NoReservation):
+    """A hand-off while the model loop is not running: starting, stopping or dead (UNAVAILABLE)."""
 
 
 class DecodeService(pb_grpc.DecodeWorkerServicer):
@@ -62,6 +67,11 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         return self.config.threads if self.prefilling() or not self.config.burst_threads else self.config.burst_threads
 
     @property
+    def serving(self) -> bool:
+        """Whether the model loop runs (not starting, stopping or dead): only then is work taken."""
+        return self.loop is not None and self.loop.alive
+
+    @property
     def free_slots(self) -> int:
         return max(0, self.capacity - len(self.holds))
 
@@ -86,14 +96,16 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         self.expire()
         out, took = [], False
         expiry = time.monotonic() + self.config.reservation_timeout_s
+        serving = self.serving
         with self._lock:
             for request in requests:
                 rid = request.request_id
-                fresh = rid not in self.holds and self.loop is not None and self.free_slots > request.keep_free
+                fresh = serving and rid not in self.holds and self.free_slots > request.keep_free
                 if fresh:
                     self.holds[rid] = expiry
                 took |= fresh
-                out.append(pb.ReserveResponse(granted=rid in self.holds, free_slots=self.free_slots,
+                out.append(pb.ReserveResponse(granted=serving and rid in self.holds,
+                                              free_slots=self.free_slots if serving else 0,
                                               kv_address=self.kv_address))
         if took:
             self.on_change()
@@ -110,8 +122,9 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
 
     def _admit(self, header: pb.KVHeader) -> None:
         rid = header.spec.request_id
-        if self.loop is None:
-            raise NoReservation("decode worker is not started")
+        if not self.serving:
+            raise NotServing("this decode worker is not serving (its model loop is not running: starting, "
+                             "stopping or failed)")
         if self.holds.get(rid, None) is None:  # none, or its sequence is already running here
             raise NoReservation(f"no KV reservation for {rid} (expired or released)")
 
@@ -169,7 +182,8 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             rid = asm.header.spec.request_id if asm.header else "?"
             if isinstance(exc, NoReservation):
                 telemetry.event("rejected", error=str(exc))
-                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+                code = grpc.StatusCode.UNAVAILABLE if isinstance(exc, NotServing) else grpc.StatusCode.FAILED_PRECONDITION
+                raise Refused(code, str(exc)) from None
             log.warning("rejected KV hand-off of %s: %s", rid, exc)
             telemetry.event("rejected", {"pdq.request_id": rid, "pdq.kv.bytes": asm.total}, error=str(exc))
             raise Refused(grpc.StatusCode.DATA_LOSS, f"KV hand-off rejected: {exc}") from None
@@ -306,7 +320,7 @@ def build_server(config: DecodeConfig) -> Server:
             state["kv"] = kv = await kv_tcp.serve(config.host, config.kv_port, service.receive_tcp,
                                                   InternalTLS.from_config(config))
             service.kv_address = kv_tcp.join_address(kv_tcp.split_address(address)[0], kv.sockets[0].getsockname()[1])
-        state["cancels"] = cancels = CancelListener(config.redis_url, keys)
+        state["cancels"] = cancels = CancelListener(config.redis_url, keys, config.redis_outage_s)
         store, tokenizer, eos = sync_store(config), load_tokenizer(path), eos_token_ids(path)
         alone = not config.colocate  # the thread and pacing knobs are for sharing cores with a prefill process
         service.loop = DecodeLoop(runner, store, cancels, tokenizer, eos, address,
@@ -320,12 +334,17 @@ def build_server(config: DecodeConfig) -> Server:
             model_loop = state["model"] = ColocatedLoop(prefill.loop, service.loop, config.step_tokens, config.gather_ms)
         model_loop.start(model)
         await reclaim_previous_life(store, worker_id, config.max_attempts)
-        state["heartbeat"] = hb = Heartbeat(config, keys, info)
+        if prefill is not None:
+            await reclaim_previous_life(store, prefill_config.name("prefill"), config.max_attempts)
+        # the model is loaded and warm and its loop runs: calls are served from now (pdq.rpc_guard),
+        # and then the worker enters the registry
+        server.ready = True
+        alive = lambda: server.ready and model_loop.alive  # noqa: E731
+        state["heartbeat"] = hb = Heartbeat(config, keys, info, alive)
         service.on_change = hb.poke
         await hb.start()
         if prefill is not None:
-            await reclaim_previous_life(store, prefill_config.name("prefill"), config.max_attempts)
-            state["prefill_heartbeat"] = Heartbeat(prefill_config, keys, prefill_info)
+            state["prefill_heartbeat"] = Heartbeat(prefill_config, keys, prefill_info, alive)
             await state["prefill_heartbeat"].start()
         log.info("%s worker %s at %s (KV slots %d%s)", "colocated prefill+decode" if prefill else "decode",
                  worker_id, address, service.capacity,
@@ -338,7 +357,7 @@ def build_server(config: DecodeConfig) -> Server:
         service.capacity = 0
         if "model" in state:
             deadline = time.monotonic() + config.grace_s
-            while state["model"].busy and time.monotonic() < deadline:
+            while state["model"].alive and state["model"].busy and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             await asyncio.to_thread(state["model"].stop)
         if prefill is not None:

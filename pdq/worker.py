@@ -1,5 +1,5 @@
-"""What prefill and decode workers share: the model thread, model loading, registry heartbeats,
-cancel notices."""
+"""What prefill and decode workers share: the model thread, the model loops' life, model loading,
+registry heartbeats (cancel notices: `pdq.cancel_listener`)."""
 
 import asyncio
 import functools
@@ -9,10 +9,10 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable
 
-import redis
-
+from pdq import liveness
 from pdq.config import WorkerConfig
 from pdq.keys import Keys
+from pdq.liveness import Liveness
 from pdq.registry import WorkerInfo, deregister, heartbeat
 from pdq.store import RequestStore
 
@@ -62,22 +62,50 @@ class ModelThread:
                     done.set_exception(exc)
 
 
+# A model loop idle this long wakes to mark its liveness (a loop blocked on an empty inbox makes no rounds).
+IDLE_BEAT_S = 5.0
+
+
 class ModelLoop:
     """The life of a model loop (prefill, decode, colocated): `start(thread)` runs its `_run` in
     `thread`, the ModelThread that loaded the model (else a thread of its own); `stop()` puts the
-    stop sentinel (None) in its `inbox` and returns once `_run` has returned."""
+    stop sentinel (None) in its `inbox` and returns once `_run` has returned.
+
+    `_run` beats `liveness` once a round. It rides what it can (a failed forward pass gives its
+    sequences back; Redis errors are ridden by the store's client for redis_outage_s); whatever
+    escapes it (Redis unreachable past that window, a bug) takes the process down through
+    `pdq.liveness.fatal`: never a loop that died while its worker goes on taking work. `alive`
+    says whether it runs and was not told to stop: workers grant work only then."""
 
     thread_name = "model-loop"
     inbox: queue.Queue
+    liveness: Liveness
     _done: Future | None = None
+    _stopping = False
 
     def _run(self) -> None:
         raise NotImplementedError
 
     def start(self, thread: ModelThread | None = None) -> None:
-        self._done = (thread or ModelThread(self.thread_name)).submit(self._run)
+        self.liveness = Liveness(self.thread_name)
+        self._done = (thread or ModelThread(self.thread_name)).submit(self._main)
+
+    def _main(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:
+            log.critical("%s died", self.thread_name, exc_info=True)
+            if not self._stopping:
+                liveness.fatal(self.thread_name, f"{type(exc).__name__}: {exc}")
+        finally:
+            self.liveness.stopped()
+
+    @property
+    def alive(self) -> bool:
+        return self._done is not None and not self._done.done() and not self._stopping
 
     def stop(self) -> None:
+        self._stopping = True
         self.inbox.put(None)
         if self._done is not None:
             self._done.result()
@@ -150,85 +178,46 @@ def load_runner(config: WorkerConfig, kv_budget_tokens: int, warm_up: tuple[int,
     return runner
 
 
-class CancelListener:
-    """Follows the cancel and deadline channels in a thread: `ended` holds ids of requests that
-    just ended (cancelled, timed out, finished elsewhere), so a model loop can drop them at its
-    next step; `deadlines` holds deadlines an operator moved, for `deadline()`."""
-
-    def __init__(self, redis_url: str, keys: Keys):
-        self.client = redis.Redis.from_url(redis_url)
-        self.channel = keys.cancel_channel
-        self.ended: set[str] = set()
-        self.deadlines: dict[str, int] = {}  # rid -> deadline (Unix ms) set by an operator
-        self._lock = threading.Lock()
-        self._pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        self._pubsub.subscribe(**{self.channel: self._on_message, keys.deadline_channel: self._on_deadline})
-        # a message wakes the thread at once; sleep_time bounds how long close() waits for it.
-        # At 0.05 s the thread woke 20 times a second, each time taking a core from the model.
-        self._thread = self._pubsub.run_in_thread(sleep_time=1.0, daemon=True)
-
-    def _on_message(self, message: dict) -> None:
-        rid = message["data"].decode()
-        if not rid:  # a listener's close() waking its thread
-            return
-        with self._lock:
-            self.ended.add(rid)
-            self.deadlines.pop(rid, None)
-            if len(self.ended) > 100_000:  # ids of requests we never held; bound the memory
-                self.ended.clear()
-
-    def _on_deadline(self, message: dict) -> None:
-        rid, _, deadline = message["data"].decode().partition(" ")
-        with self._lock:
-            if len(self.deadlines) > 100_000:
-                self.deadlines.clear()
-            self.deadlines[rid] = int(deadline)
-
-    def deadline(self, rid: str, given_ms: int) -> int:
-        """The request's deadline (Unix ms, 0 = none): the latest an operator set, else `given_ms`."""
-        return self.deadlines.get(rid, given_ms)
-
-    def pop(self, rid: str) -> bool:
-        """True (once) when rid has ended since it was last asked about."""
-        with self._lock:
-            if rid in self.ended:
-                self.ended.discard(rid)
-                return True
-            return False
-
-    def close(self) -> None:
-        self._thread.stop()
-        try:  # wake the thread now rather than at its next sleep_time
-            self.client.publish(self.channel, "")
-        except redis.RedisError:
-            pass
-        self._thread.join(timeout=2)
-        self._pubsub.close()
-        self.client.close()
-
-
 class Heartbeat:
-    """Keeps this worker in the registry: now, every period, and whenever `poke()` is called."""
+    """Keeps this worker in the registry: at `start()`, every period, and whenever `poke()` is
+    called, while `alive()` (the server takes calls and its model loop runs). Start it last, once
+    the model is loaded and warm: a worker in the registry can serve. A worker whose loop died
+    leaves it."""
 
-    def __init__(self, config: WorkerConfig, keys: Keys, info: Callable[[], WorkerInfo]):
+    def __init__(self, config: WorkerConfig, keys: Keys, info: Callable[[], WorkerInfo],
+                 alive: Callable[[], bool] = lambda: True):
         self.config = config
         self.keys = keys
         self.info = info
+        self.alive = alive
         self.client = config.redis()
         self.store = RequestStore(self.client, keys.prefix)
+        self.liveness = Liveness(f"heartbeat-{info().role}")
+        self.registered = False
         self._poke = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopping = False
 
     async def start(self) -> None:
-        await self._beat()
+        """The first beat (the worker is in the registry when this returns, if alive), then the rest."""
+        await self._round()
         self._task = asyncio.create_task(self._run())
 
     def poke(self) -> None:
         self._poke.set()
 
-    async def _beat(self) -> None:
-        await heartbeat(self.store, self.info(), ttl_s=max(3 * self.config.heartbeat_s, 5.0))
+    async def _round(self) -> None:
+        if self.alive():
+            try:
+                await heartbeat(self.store, self.info(), ttl_s=max(3 * self.config.heartbeat_s, 5.0))
+                self.registered = True
+                self.liveness.beat()
+            except Exception as exc:  # Redis down past the client's window: again next period
+                self.liveness.error(exc)
+        elif self.registered:
+            log.warning("model loop not running: leaving the registry")
+            self.registered = False
+            await self._leave()
 
     async def _run(self) -> None:
         while not self._stopping:
@@ -238,11 +227,16 @@ class Heartbeat:
                 pass
             self._poke.clear()
             if self._stopping:
-                return
-            try:
-                await self._beat()
-            except (redis.RedisError, OSError) as exc:
-                log.warning("heartbeat failed: %s", exc)
+                break
+            await self._round()
+        self.liveness.stopped()
+
+    async def _leave(self) -> None:
+        info = self.info()
+        try:
+            await asyncio.wait_for(deregister(self.client, self.keys, info.worker_id, info.role), timeout=5.0)
+        except Exception as exc:  # the scheduler reaps it once its heartbeats stop
+            log.warning("could not leave the registry: %s", exc)
 
     async def stop(self) -> None:
         """Stops beating (a beat in flight finishes first, so none lands after the
@@ -252,11 +246,10 @@ class Heartbeat:
         if self._task:
             try:
                 await asyncio.wait_for(self._task, timeout=5.0)  # cancels it if a beat hangs
-            except (asyncio.TimeoutError, asyncio.CancelledError, redis.RedisError, OSError):
+            except (asyncio.TimeoutError, asyncio.CancelledError):
                 pass
-        info = self.info()
         try:
-            await deregister(self.client, self.keys, info.worker_id, info.role)
+            await self._leave()
         finally:
             await self.client.aclose()
 

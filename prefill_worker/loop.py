@@ -1,5 +1,11 @@
 """The prefill model loop (a thread): chunked, batched prefill under a token budget, then the
-first token written to Redis and the KV cache exported for the hand-off."""
+first token written to Redis and the KV cache exported for the hand-off.
+
+A failed forward pass answers its jobs with an error (the scheduler retries them); a request whose
+own parameters cannot be sampled ends FAILED alone. Redis errors are ridden by the store's client
+for redis_outage_s; one that outlasts it takes the process down (`pdq.worker.ModelLoop`), after
+answering the pending jobs.
+"""
 
 import logging
 import queue
@@ -10,16 +16,17 @@ from typing import Any
 
 import torch
 
-from pdq import metrics, telemetry
+from pdq import metrics, redisconn, telemetry
+from pdq.cancel_listener import CancelListener
 from pdq.convert import sampling_from_pb
 from pdq.engine.kv_pool import KVPoolFull
 from pdq.engine.runner import PrefillItem as ChunkItem
-from pdq.engine.sampling import sample
+from pdq.engine.sampling import SamplingParams, sample_each
 from pdq.output_text import TextOutput
 from pdq.request import State
 from pdq.store import RequestStore, StepItem, now_ms
 from pdq.v1 import internal_pb2 as pb
-from pdq.worker import CancelListener, ModelLoop
+from pdq.worker import IDLE_BEAT_S, ModelLoop
 from prefill_worker.chunking import plan_chunks
 
 log = logging.getLogger("pdq.prefill")
@@ -51,6 +58,8 @@ class Job:
     started: bool = False
     span: Any = None  # this attempt's prefill span (None when tracing is off)
     more_coming: bool = False  # its batch's PrefillBatch.more_coming: the scheduler is sending more
+    params: SamplingParams | None = None  # its sampling parameters, read when it starts
+    ended: bool = False  # `done` was called
 
     @property
     def rid(self) -> str:
@@ -96,6 +105,7 @@ class PrefillLoop(ModelLoop):
         self.max_batched_tokens = max_batched_tokens
         self.prefill_chunk = prefill_chunk
         self.inbox: queue.Queue[Job | None] = queue.Queue()
+        self._gaps_seen = cancels.gaps if cancels is not None else 0  # the listener's gaps caught up on
 
     def submit(self, job: Job) -> None:
         self.inbox.put(job)
@@ -105,6 +115,11 @@ class PrefillLoop(ModelLoop):
         those tokens (all but the last, which the decode worker feeds next) and samples nothing,
         so the client sees every token index once. -> False when the job ended here."""
         job.started = True
+        try:
+            job.params = sampling_from_pb(job.item.spec.sampling)
+        except ValueError as exc:  # the request's own fault: it alone ends, before any pass
+            self._fail(job, f"invalid sampling parameters: {exc}")
+            return False
         prompt = list(job.item.spec.prompt_token_ids)
         # a first attempt (epoch 1) has streamed nothing: no Redis round trip in the model thread
         job.generated = self.store.streamed_tokens(job.rid) if job.item.epoch > 1 else []
@@ -120,27 +135,44 @@ class PrefillLoop(ModelLoop):
 
     def _run(self) -> None:
         pending: list[Job] = []
-        while True:
-            try:
-                got = self.inbox.get(block=not pending)
-                while True:
-                    if got is None:
-                        for job in pending:
-                            self._end(job, Outcome("error", error="prefill worker shutting down"))
-                        return
-                    pending.append(got)
-                    got = self.inbox.get_nowait()
-            except queue.Empty:
-                pass
-            try:
-                pending = self._pass(pending)
-            except Exception as exc:  # a bad batch must not kill the worker
-                log.exception("prefill pass failed")
-                for job in pending:
-                    self._end(job, Outcome("error", error=f"prefill failed: {exc}"))
-                pending = []
+        try:
+            while True:
+                try:
+                    got = self.inbox.get(timeout=IDLE_BEAT_S) if not pending else self.inbox.get_nowait()
+                    while True:
+                        if got is None:
+                            for job in pending:
+                                self._end(job, Outcome("error", error="prefill worker shutting down"))
+                            return
+                        pending.append(got)
+                        got = self.inbox.get_nowait()
+                except queue.Empty:
+                    pass
+                try:
+                    pending = self._pass(pending)
+                except Exception as exc:  # a bad batch must not kill the worker
+                    if redisconn.unavailable(exc):
+                        raise  # Redis stayed unreachable past the client's window: the process goes down
+                    log.exception("prefill pass failed")
+                    for job in pending:
+                        self._end(job, Outcome("error", error=f"prefill failed: {exc}"))
+                    pending = []
+                self.liveness.beat()
+        except BaseException:
+            for job in pending:
+                self._end(job, Outcome("error", error="prefill worker lost its model loop"))
+            raise
+
+    def _fail(self, job: Job, error: str) -> None:
+        """Ends one request FAILED (its own fault); its call answers it as ended ("dropped")."""
+        log.error("request %s failed: %s", job.rid, error)
+        self.store.finish(job.rid, State.FAILED, "error", error, epoch=job.item.epoch)
+        self._end(job, Outcome("dropped", error=error))
 
     def _end(self, job: Job, outcome: Outcome) -> None:
+        if job.ended:  # answered already (a pass that failed after ending some of its jobs)
+            return
+        job.ended = True
         if job.admitted:
             self.runner.free(job.key)
             job.admitted = False
@@ -180,6 +212,9 @@ class PrefillLoop(ModelLoop):
         """Drops jobs that ended, admits what fits and plans the next chunks under `budget`
         tokens. -> (jobs still live, chunks to run, the job of each chunk)."""
         live = []
+        if self.cancels.gaps != self._gaps_seen:  # the cancel listener missed messages: catch up
+            self._gaps_seen = self.cancels.gaps
+            self.cancels.catch_up(self.store, [(j.rid, j.item.epoch) for j in pending])
         now = now_ms()
         for job in pending:
             deadline = self.cancels.deadline(job.rid, job.item.spec.deadline_ms)
@@ -229,10 +264,13 @@ class PrefillLoop(ModelLoop):
 
     def _first_tokens(self, logits: torch.Tensor, complete: list[tuple[int, Job]]) -> None:
         rows = torch.tensor([r for r, _ in complete], device=logits.device)
-        params = [sampling_from_pb(j.item.spec.sampling) for _, j in complete]
-        tokens = sample(logits.index_select(0, rows), params, [0] * len(complete))
+        params = [j.params for _, j in complete]
+        tokens = sample_each(logits.index_select(0, rows), params, [0] * len(complete))
         items, results = [], []
         for (_, job), p, token in zip(complete, params, tokens):
+            if isinstance(token, Exception):  # this request's own: it alone ends
+                self._fail(job, f"sampling failed: {token}")
+                continue
             text = TextOutput(self.tokenizer, p.stop, job.prompt)
             delta, stopped = text.add(token)
             reason = ("stop" if stopped else "eos" if (token in self.eos_ids and not p.ignore_eos)
@@ -242,6 +280,8 @@ class PrefillLoop(ModelLoop):
             items.append(StepItem(job.rid, job.item.epoch, 0, token, delta,
                                   State.COMPLETED if reason else None, reason))
             results.append((job, token, reason))
+        if not results:
+            return
         # the DECODING moves of prompts this process's decode side takes go in the same round trip
         local = [(job, token) for job, token, reason in results if not reason and self.adopt and self._local(job)]
         kept, moved = self.store.step_and_transition(

@@ -7,6 +7,7 @@ import time
 import grpc
 
 from pdq import kv_tcp, kv_transfer, metrics, mtls, telemetry
+from pdq.cancel_listener import CancelListener
 from pdq.config import PrefillConfig
 from pdq.faults import Faults
 from pdq.keys import Keys
@@ -14,9 +15,10 @@ from pdq.model.loader import eos_token_ids, resolve_model
 from pdq.model.tokenizer import load_tokenizer
 from pdq.registry import WorkerInfo
 from pdq.serving import GRPC_OPTIONS, Server
+from pdq.status import StatusError
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
-from pdq.worker import CancelListener, Heartbeat, ModelThread, load_runner, reclaim_previous_life, sync_store
+from pdq.worker import Heartbeat, ModelThread, load_runner, reclaim_previous_life, sync_store
 from prefill_worker.loop import Job, Outcome, PrefillLoop
 
 log = logging.getLogger("pdq.prefill")
@@ -46,7 +48,10 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                                                     response_deserializer=pb.PushKVResponse.FromString)
 
     async def Prefill(self, request: pb.PrefillBatch, context: grpc.aio.ServicerContext) -> pb.PrefillBatchResult:
-        assert self.loop is not None
+        if self.loop is None or not self.loop.alive:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, "this prefill worker is not serving (its model loop is "
+                              "not running: starting, stopping or failed); send the batch to another worker",
+                              reason="WORKER_NOT_SERVING", retry_ms=1000)
         aio_loop = asyncio.get_running_loop()
         futures = []
         batch = telemetry.start("pdq.prefill_batch", links=[telemetry.span_context_of(it.spec.traceparent)
@@ -171,12 +176,15 @@ def build_server(config: PrefillConfig) -> Server:
         runner = await model.run(load_runner, config, config.max_batched_tokens + config.max_seq_len * 4,
                                  (config.max_batched_tokens, config.prefill_chunk))
         state["runner"] = runner
-        state["cancels"] = CancelListener(config.redis_url, keys)
+        state["cancels"] = CancelListener(config.redis_url, keys, config.redis_outage_s)
         service.loop = PrefillLoop(runner, sync_store(config), state["cancels"], load_tokenizer(path),
                                    eos_token_ids(path), config.max_batched_tokens, config.prefill_chunk)
         service.loop.start(model)
         await reclaim_previous_life(service.loop.store, worker_id, config.max_attempts)
-        state["heartbeat"] = Heartbeat(config, keys, info)
+        # the model is loaded and warm and its loop runs: calls are served from now (pdq.rpc_guard),
+        # and then the worker enters the registry
+        server.ready = True
+        state["heartbeat"] = Heartbeat(config, keys, info, lambda: server.ready and service.loop.alive)
         await state["heartbeat"].start()
         log.info("prefill worker %s at %s (KV slots %d)", worker_id, address, runner.capacity)
 

@@ -95,18 +95,19 @@ def test_a_stop_during_the_wait_stops_the_loop():
 def test_a_sequence_waiting_to_join_does_not_let_the_loop_sleep():
     """A hand-off taken on the model thread after a pass leaves its sequence waiting, with nothing
     running or pending: the next take must not block (continuous), and an empty loop blocks
-    until something comes."""
+    until something comes (or its liveness beat is due)."""
     import time
     import types
 
     from decode_worker.loop import DecodeLoop
     from decode_worker.strategy import Strategy
+    from pdq.worker import IDLE_BEAT_S
 
     loop = colocated([])
     decode = SimpleNamespace(running={}, waiting=[], strategy=Strategy("continuous", flush_ms=2000))
     decode._idle_timeout = types.MethodType(DecodeLoop._idle_timeout, decode)
     loop.decode = decode
-    assert loop._wait_s() is None  # nothing at all
+    assert loop._wait_s() == IDLE_BEAT_S  # nothing at all
     decode.waiting.append(SimpleNamespace(arrived=time.monotonic()))
     assert loop._wait_s() <= 0.001
     decode.strategy = Strategy("dynamic", window_ms=50)  # a window to wait out, no longer

@@ -2,12 +2,14 @@
 OpenMP thread pool: see its docstring). Calls run one at a time, in order, on that one thread."""
 
 import asyncio
+import queue
 import threading
 
 import pytest
 
 from decode_worker.loop import DecodeLoop
-from pdq.worker import ModelThread
+from pdq import liveness
+from pdq.worker import ModelLoop, ModelThread
 
 
 def test_calls_run_in_order_on_one_thread_and_errors_reach_the_caller():
@@ -47,6 +49,29 @@ def test_a_model_loop_runs_on_the_thread_that_loaded_the_model():
     loop.start(thread)
     loop.stop()  # returns once the loop has ended
     assert loop.ran_on == loaded_on
+
+
+class Broken(ModelLoop):
+    thread_name = "broken-loop"
+
+    def __init__(self):
+        self.inbox = queue.Queue()
+
+    def _run(self) -> None:
+        raise RuntimeError("a bug")
+
+
+def test_a_model_loop_that_dies_takes_the_process_down_instead_of_vanishing():
+    reasons: list[str] = []
+    liveness.on_fatal(reasons.append)
+    try:
+        loop = Broken()
+        loop.start(ModelThread("model"))
+        loop._done.result(timeout=10)  # its thread ended; the error did not stay in the future
+        assert reasons == ["broken-loop: RuntimeError: a bug"] and not loop.alive
+        loop.stop()  # returns: nothing left to stop
+    finally:
+        liveness.on_fatal(lambda reason: None)
 
 
 def test_a_worker_that_owns_the_cpus_loads_its_model_with_its_threads_pinned_one_per_cpu():

@@ -10,7 +10,7 @@ from pdq.keys import Keys
 from pdq.registry import WorkerInfo, forget, heartbeat, live_workers, set_drained
 from pdq.request import State
 from pdq.store import RequestStore
-from pdq.worker import CancelListener
+from pdq.cancel_listener import CancelListener
 from tests.test_store import make_spec
 
 

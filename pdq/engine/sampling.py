@@ -4,6 +4,11 @@ Seeded sampling is a pure function of (logits row, params, token index): the ran
 output token `step` of a request with seed `s` comes from a generator seeded with
 `mix(s, step)`, so the token does not depend on the batch it ran in nor on which process
 sampled it (prefill worker for token 0, decode worker for the rest, or a migrated sequence).
+A seed is any uint64 (the proto's type): `mix` folds all 64 bits into the generator's range.
+
+Nothing one row carries can fail or change another: a tiny temperature is a tiny temperature
+(its limit is greedy, never NaN), and `sample_each` samples row by row after a batch raised, so
+a row that cannot be sampled costs only its own request.
 """
 
 import math
@@ -22,7 +27,7 @@ class SamplingParams:
     max_tokens: output tokens to generate at most (>= 1).
     temperature: 0 = greedy (argmax), else logits are divided by it.
     top_k: keep the k most likely tokens (0 = off). top_p: nucleus mass in (0, 1] (1 = off).
-    seed: None = process RNG; an int makes the output reproducible anywhere.
+    seed: None = process RNG; an integer in [0, 2**64) makes the output reproducible anywhere.
     stop: stop strings, matched by the caller on detokenized text (the engine ignores them).
     ignore_eos: keep generating past EOS until max_tokens (for benchmarks).
     """
@@ -49,8 +54,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= _MASK64):
+            raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if not isinstance(self.ignore_eos, bool):
@@ -66,7 +71,9 @@ def _is_int(x) -> bool:
 
 
 def token_seed(seed: int, step: int) -> int:
-    """Generator seed for output token `step` of a request seeded `seed` (splitmix64 mix)."""
+    """Generator seed for output token `step` of a request seeded `seed` (any uint64): a
+    splitmix64 mix of seed and step, a bijection of the 64-bit state, kept to the 63 bits
+    that torch's generators take."""
     z = (seed * 0x9E3779B97F4A7C15 + step + 1) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
@@ -91,10 +98,32 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequen
     return out.tolist()
 
 
+def sample_each(logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int]
+                ) -> list[int | Exception]:
+    """`sample`, except that a row whose sampling raises fails alone: after the batch raised, each
+    row is sampled by itself (a seeded row draws the same token alone as in a batch), and a row
+    that still raises gets its exception in place of a token."""
+    try:
+        return list(sample(logits, params, steps))
+    except Exception:
+        out: list[int | Exception] = []
+        for i in range(len(params)):
+            try:
+                out += sample(logits[i:i + 1], [params[i]], [steps[i]])
+            except Exception as exc:
+                out.append(exc)
+        return out
+
+
 def _sample_rows(logits, params, steps, rows: list[int]) -> torch.Tensor:
     dev = logits.device
     sub = [params[i] for i in rows]
-    x = logits[rows].float() / torch.tensor([p.temperature for p in sub], device=dev)[:, None]
+    x = logits[rows].float()
+    # the row's max goes first: x / 1e-38 overflows to inf, and softmax(inf - inf) is NaN; this way
+    # the top token stays at 0 and the rest fall towards -inf (the limit is greedy). A temperature
+    # below float32's smallest normal would round to 0 here: it is floored there.
+    temperature = torch.tensor([p.temperature for p in sub], dtype=x.dtype, device=dev).clamp_min_(torch.finfo(x.dtype).tiny)
+    x = (x - x.max(dim=-1, keepdim=True).values) / temperature[:, None]
     vocab = x.shape[-1]
     if any(p.top_k or p.top_p < 1 for p in sub):
         x = _filter_top_k_top_p(x, [min(p.top_k, vocab) or vocab for p in sub], [p.top_p for p in sub])

@@ -144,9 +144,10 @@ def decode_stub(child: Child, cluster: Cluster) -> tuple[grpc.Channel, pb_grpc.D
     return channel, pb_grpc.DecodeWorkerStub(channel)
 
 
-def worker_id_of(rdb: redis.Redis, child: Child) -> str:
-    return next(w for w in rdb.zrange("pdq:workers:decode", 0, -1)
-                if (rdb.hget(f"pdq:worker:{w}", "address") or "").endswith(f":{child.port}"))
+def worker_id_of(rdb: redis.Redis, child: Child) -> str | None:
+    """The registry id of a worker, None until it registered (its first heartbeat follows SERVING)."""
+    return next((w for w in rdb.zrange("pdq:workers:decode", 0, -1)
+                 if (rdb.hget(f"pdq:worker:{w}", "address") or "").endswith(f":{child.port}")), None)
 
 
 def test_unused_reservation_expires_and_frees_its_slot(cluster, rdb):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from pdq.engine import SamplingParams, sample
+from pdq.engine.sampling import sample_each
 
 V = 50
 
@@ -23,6 +24,7 @@ def logits(rows: int, seed: int = 0) -> torch.Tensor:
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"seed": -1}, "seed"),
+        ({"seed": 2**64}, "seed"),
         ({"seed": "7"}, "seed"),
         ({"stop": ("",)}, "stop"),
         ({"ignore_eos": 1}, "ignore_eos"),
@@ -92,3 +94,41 @@ def test_temperature_matches_distribution():
         got = torch.tensor(sample(x.expand(n, 4), [SamplingParams(temperature=temp, seed=7)] * n, list(range(n))))
         freq = torch.bincount(got, minlength=4).float() / n
         torch.testing.assert_close(freq, (x[0] / temp).softmax(-1), atol=0.03, rtol=0)
+
+
+@pytest.mark.parametrize("seed", [0, 2**63 - 1, 2**63, 2**64 - 1])
+def test_every_uint64_seed_samples_reproducibly_however_batched(seed):
+    x = logits(6, seed=8)
+    params = [SamplingParams(temperature=1.5, seed=seed)] * 6
+    steps = list(range(6))
+    batched = sample(x, params, steps)
+    assert batched == sample(x, params, steps)
+    assert batched == [sample(x[i:i + 1], [params[i]], [i])[0] for i in range(6)]
+    others = [SamplingParams(temperature=0.7, seed=seed ^ 1), SamplingParams(temperature=0)]
+    assert sample(torch.cat([x[:2], x[3:4]]), others + [params[3]], [3, 0, 3])[2] == batched[3]
+
+
+def test_seeds_past_2_63_are_not_folded_onto_those_below():
+    x = logits(1, seed=9).expand(40, V)
+    low = sample(x, [SamplingParams(temperature=5.0, seed=7)] * 40, list(range(40)))
+    high = sample(x, [SamplingParams(temperature=5.0, seed=7 + 2**63)] * 40, list(range(40)))
+    assert low != high
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-45, 5e-324, 1e-30, 1e-6])
+def test_a_tiny_temperature_matches_greedy_and_never_gives_nan(temperature):
+    x = logits(8, seed=10) * 50  # large logits: x / t overflows to inf without the max subtracted first
+    greedy = x.argmax(-1).tolist()
+    for extra in ({}, {"seed": 3}, {"top_k": 5}, {"top_p": 0.5}):
+        assert sample(x, [SamplingParams(temperature=temperature, **extra)] * 8, list(range(8))) == greedy
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone():
+    x = logits(4, seed=11)
+    good = [SamplingParams(temperature=1.0, seed=5), SamplingParams(temperature=0), SamplingParams(temperature=2.0, seed=6)]
+    poisoned = SamplingParams(temperature=1.0)
+    object.__setattr__(poisoned, "temperature", "hot")  # past validation: sampling this row raises
+    got = sample_each(x, [good[0], poisoned, good[1], good[2]], [0, 0, 0, 1])
+    assert isinstance(got[1], Exception)
+    assert [got[0], got[2], got[3]] == sample(x[[0, 2, 3]], good, [0, 0, 1])
+    assert sample_each(x, [good[0]] * 4, [0] * 4) == sample(x, [good[0]] * 4, [0] * 4)

@@ -1,0 +1,292 @@
+"""The workers' model loops under Redis trouble and poisoned requests: a real DecodeLoop or
+PrefillLoop in this process, over the built-in tiny model and a real Redis server.
+
+A request is dispatched to a loop as the scheduler and a prefill worker would: submitted and
+claimed with the store's scripts, its prompt prefilled into a KV slot of the loop's runner, its
+first token written, and the hand-off (`Arrived`) given to the loop.
+"""
+
+import logging
+import signal
+import threading
+import time
+
+import pytest
+
+from decode_worker.kv_receive import Arrived
+from decode_worker.loop import DecodeLoop
+from pdq import liveness, redisconn
+from pdq.cancel_listener import CancelListener
+from pdq.engine.runner import ModelRunner, PrefillItem
+from pdq.keys import Keys
+from pdq.model.loader import eos_token_ids, resolve_model
+from pdq.model.tokenizer import load_tokenizer
+from pdq.redis_server import RedisServer
+from pdq.request import State
+from pdq.store import RequestStore, StepItem, now_ms
+from pdq.v1 import generation_pb2 as gen_pb
+from pdq.v1 import internal_pb2 as pb
+from pdq.worker import ModelThread
+from prefill_worker.loop import Job, PrefillLoop
+
+PROMPTS = [[5, 17, 99, 3, 42], [7, 7, 8, 120, 64, 11, 2], [200, 1, 33]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    path = resolve_model("builtin:tiny")
+    return str(path), load_tokenizer(path), eos_token_ids(path)
+
+
+@pytest.fixture
+def fatal():
+    """What `liveness.fatal` was asked (the reasons), instead of taking this process down."""
+    reasons: list[str] = []
+    called = threading.Event()
+
+    def record(reason: str) -> None:
+        reasons.append(reason)
+        called.set()
+
+    liveness.on_fatal(record)
+    yield reasons, called
+    liveness.on_fatal(lambda reason: None)
+
+
+class Rig:
+    """A decode loop (not started) over its own runner, with the store and listener a worker uses."""
+
+    def __init__(self, url: str, prefix: str, model, outage_s: float = 30.0, max_seq_len: int = 512):
+        path, self.tokenizer, self.eos = model
+        self.runner = ModelRunner.from_pretrained(path, kv_budget_tokens=6 * max_seq_len, max_seq_len=max_seq_len)
+        self.client = redisconn.connect(url, outage_s=outage_s)
+        self.store = RequestStore(self.client, prefix, result_ttl_s=600)
+        self.cancels = CancelListener(url, Keys(prefix), outage_s)
+        self.left: list[str] = []
+        self.loop = DecodeLoop(self.runner, self.store, self.cancels, self.tokenizer, self.eos, "here", self.left.extend)
+
+    def dispatch(self, rid: str, prompt: list[int], max_tokens: int, deadline_ms: int = 0, **sampling) -> Arrived:
+        """Queues, claims and prefills a request; -> its hand-off (give it to the loop)."""
+        spec = pb.RequestSpec(request_id=rid, tenant="acme", tier="interactive", prompt_token_ids=prompt,
+                              sampling=gen_pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling),
+                              arrival_ms=now_ms(), deadline_ms=deadline_ms)
+        assert self.store.submit(spec).kind == "created"
+        (claimed,) = self.store.claim([(rid, "decode-here")], "prefill-here")
+        key = ("kv-in", rid)
+        self.runner.allocate(key)
+        token = int(self.runner.prefill([PrefillItem(key, prompt, 0)])[0].argmax())
+        assert self.store.step([StepItem(rid, claimed.epoch, 0, token, "")]) == [True]
+        assert self.store.transition(rid, claimed.epoch, State.TRANSFERRING)
+        return Arrived(pb.KVHeader(spec=spec, epoch=claimed.epoch, generated_token_ids=[token],
+                                   num_tokens=len(prompt)), key)
+
+    def record(self, rid: str) -> dict:
+        return {k: v for k, v in self.store.record(rid).items() if k != "spec"}
+
+    def stream(self, rid: str) -> list[tuple[int, int]]:
+        """(index, token id) of every token in the request's output stream, in stream order."""
+        out = []
+        for _, entry in self.client.xrange(self.store.keys.output(rid)):
+            if b"i" in entry:
+                first = int(entry[b"i"])
+                out += [(first + k, int(t)) for k, t in enumerate(entry[b"t"].split(b","))]
+        return out
+
+    def close(self) -> None:
+        self.cancels.close()
+        self.client.close()
+
+
+@pytest.fixture
+def rig(redis_server, prefix, model):
+    r = Rig(redis_server.url, prefix, model)
+    yield r
+    r.close()
+
+
+def wait_for(what: str, check, timeout_s: float = 60.0):
+    deadline = time.monotonic() + timeout_s
+    while not (got := check()):
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        time.sleep(0.01)
+    return got
+
+
+def run_to_completion(rig: Rig, rids: list[str], during=None) -> None:
+    """Runs the loop in a model thread until the requests completed (`during()` meanwhile)."""
+    rig.loop.start(ModelThread("test-decode"))
+    try:
+        if during is not None:
+            during()
+        wait_for("the requests to complete", lambda: all(rig.record(r)["state"] == "COMPLETED" for r in rids))
+    finally:
+        rig.loop.stop()
+
+
+def test_a_decode_loop_whose_redis_connections_are_dropped_mid_generation_keeps_its_sequences(rig, redis_client):
+    """Connections killed under the loop (CLIENT KILL TYPE normal, Redis up) break the step in
+    flight and the idle pooled ones: every step is applied again through the riding client, so
+    each stream is whole (no gap, no repeat), equal to a fault-free run, in its first attempt."""
+    n = 150
+    for i, prompt in enumerate(PROMPTS):
+        rig.loop.add(rig.dispatch(f"clean-{i}", prompt, n))
+    run_to_completion(rig, [f"clean-{i}" for i in range(len(PROMPTS))])
+    rig.loop = DecodeLoop(rig.runner, rig.store, rig.cancels, rig.tokenizer, rig.eos, "here", rig.left.extend)
+    rig.loop.step_delay_s = 0.005  # so that the kills land mid-generation
+    rids = [f"kill-{i}" for i in range(len(PROMPTS))]
+    for rid, prompt in zip(rids, PROMPTS):
+        rig.loop.add(rig.dispatch(rid, prompt, n))
+    kills = []
+
+    def kill_connections() -> None:
+        wait_for("tokens from the loop", lambda: all(int(rig.record(r)["n_out"]) >= 3 for r in rids))
+        while len(kills) < 30 and not all(rig.record(r)["state"] == "COMPLETED" for r in rids):
+            kills.append(redis_client.client_kill_filter(_type="normal", skipme=True))
+            time.sleep(0.02)
+
+    run_to_completion(rig, rids, kill_connections)
+    assert sum(kills) >= 5  # the loop's connections were dropped, repeatedly
+    for i, rid in enumerate(rids):
+        rec, clean = rig.record(rid), rig.stream(f"clean-{i}")
+        assert (rec["state"], rec["attempts"], rec["epoch"], rec["n_out"]) == ("COMPLETED", "1", "1", str(n))
+        assert rig.stream(rid) == clean and [i for i, _ in clean] == list(range(n))
+
+
+def test_a_decode_loop_rides_a_redis_crash_that_loses_a_steps_reply_and_its_restart(prefix, model, tmp_path, caplog):
+    """Redis frozen with a step sent and unanswered, then killed (its reply is lost with the
+    connection) and restarted from its AOF: the loop applies the step again through the riding
+    client, and each stream is whole and equal to a fault-free run, in its first attempt."""
+    caplog.set_level(logging.WARNING, logger="pdq.decode")
+    server = RedisServer(directory=str(tmp_path), durable=True).start()
+    rig = Rig(server.url, prefix, model)
+    try:
+        n = 120
+        rids = [f"r{i}" for i in range(len(PROMPTS))]
+        for i, prompt in enumerate(PROMPTS):
+            rig.loop.add(rig.dispatch(f"clean-{i}", prompt, n))
+        run_to_completion(rig, [f"clean-{i}" for i in range(len(PROMPTS))])
+        rig.loop = DecodeLoop(rig.runner, rig.store, rig.cancels, rig.tokenizer, rig.eos, "here", rig.left.extend)
+        for rid, prompt in zip(rids, PROMPTS):
+            rig.loop.add(rig.dispatch(rid, prompt, n))
+
+        def crash_and_restart() -> None:
+            wait_for("tokens from the loop", lambda: all(int(rig.record(r)["n_out"]) >= 3 for r in rids))
+            server.process.send_signal(signal.SIGSTOP)  # the next step is sent and never answered
+            wait_for("a step waiting for its reply", lambda: rig.loop._sent is not None and rig.loop._sent[0] is not None)
+            time.sleep(0.3)  # the loop is blocked reading that reply (it reads it before the next send)
+            server.process.send_signal(signal.SIGKILL)
+            server.process.wait()
+            server.start()  # same port, same AOF
+
+        run_to_completion(rig, rids, crash_and_restart)
+        assert any("reply of a decode step lost" in r.getMessage() for r in caplog.records)
+        for i, rid in enumerate(rids):
+            rec, clean = rig.record(rid), rig.stream(f"clean-{i}")
+            assert (rec["state"], rec["attempts"], rec["epoch"], rec["n_out"]) == ("COMPLETED", "1", "1", str(n))
+            assert rig.stream(rid) == clean and [i for i, _ in clean] == list(range(n))
+    finally:
+        rig.close()
+        server.stop()
+
+
+def test_a_redis_outage_longer_than_the_window_takes_the_decode_loop_down_through_fatal(prefix, model, fatal, tmp_path):
+    reasons, called = fatal
+    server = RedisServer(directory=str(tmp_path)).start()
+    rig = Rig(server.url, prefix, model, outage_s=0.5)
+    try:
+        rig.loop.step_delay_s = 0.01
+        rig.loop.add(rig.dispatch("r", PROMPTS[0], 400))
+        rig.loop.start(ModelThread("test-decode"))
+        wait_for("tokens from the loop", lambda: int(rig.record("r")["n_out"]) >= 3)
+        server.stop()  # from this (the spawning) thread; it stays down
+        assert called.wait(60), "the loop did not call liveness.fatal"
+        assert "decode-loop" in reasons[0] and "Error" in reasons[0]
+        wait_for("the loop to end", lambda: not rig.loop.alive)
+    finally:
+        rig.loop.stop()
+        rig.close()
+        server.stop()
+
+
+def test_a_decode_step_with_one_poisoned_row_fails_only_that_request(rig):
+    rids = ["a", "poisoned", "b"]
+    for rid, prompt in zip(rids, PROMPTS):
+        rig.loop._arrive(rig.dispatch(rid, prompt, 6, temperature=0.8, seed=7))
+    rig.loop._admit()
+    assert sorted(rig.loop.running) == sorted(rids)
+    object.__setattr__(rig.loop.running["poisoned"].params, "temperature", "hot")  # sampling raises for it
+    while rig.loop.running:
+        rig.loop._step()
+    rig.loop.settle()
+    poisoned = rig.record("poisoned")
+    assert poisoned["state"] == "FAILED" and "sampling failed" in poisoned["error"]
+    assert [rig.record(r)["state"] for r in ("a", "b")] == ["COMPLETED", "COMPLETED"]
+    assert [len(rig.stream(r)) for r in ("a", "b")] == [6, 6]
+    assert sorted(rig.left) == sorted(rids) and rig.runner.num_free == rig.runner.capacity
+
+
+def test_a_prefill_pass_with_one_poisoned_row_fails_only_that_request(rig):
+    prefill = PrefillLoop(rig.runner, rig.store, rig.cancels, rig.tokenizer, rig.eos, 256, 64)
+    outcomes = {}
+    jobs = []
+    for rid, prompt in zip(["a", "poisoned", "b"], PROMPTS):
+        spec = pb.RequestSpec(request_id=rid, tenant="acme", tier="interactive", prompt_token_ids=prompt,
+                              sampling=gen_pb.SamplingParams(max_tokens=4, temperature=0.8, seed=2**64 - 1))
+        rig.store.submit(spec)
+        (claimed,) = rig.store.claim([(rid, "decode-there")], "prefill-here")
+        item = pb.PrefillItem(spec=spec, epoch=claimed.epoch, decode_address="elsewhere:1")
+        jobs.append(Job(item, lambda outcome, rid=rid: outcomes.__setitem__(rid, outcome)))
+    live, chunks, chunk_jobs = prefill.plan(jobs, 256)
+    assert len(chunks) == 3
+    object.__setattr__(jobs[1].params, "temperature", "hot")
+    logits = rig.runner.prefill(chunks)
+    assert prefill.finish(live, chunks, chunk_jobs, logits, time.perf_counter()) == []
+    assert {rid: o.kind for rid, o in outcomes.items()} == {"a": "handoff", "poisoned": "dropped", "b": "handoff"}
+    poisoned = rig.record("poisoned")
+    assert poisoned["state"] == "FAILED" and "sampling failed" in poisoned["error"]
+    assert [rig.record(r)["state"] for r in ("a", "b")] == ["TRANSFERRING", "TRANSFERRING"]
+    assert rig.runner.num_free == rig.runner.capacity
+
+
+def test_a_request_with_a_seed_past_2_63_is_prefilled_with_the_rest(rig):
+    """A seed >= 2**63 (a valid uint64) made the whole pass raise; now each seed samples."""
+    prefill = PrefillLoop(rig.runner, rig.store, rig.cancels, rig.tokenizer, rig.eos, 256, 64)
+    outcomes = {}
+    jobs = []
+    for rid, seed in [("low", 1), ("high", 2**63), ("top", 2**64 - 1)]:
+        spec = pb.RequestSpec(request_id=rid, tenant="acme", tier="interactive", prompt_token_ids=PROMPTS[0],
+                              sampling=gen_pb.SamplingParams(max_tokens=4, temperature=1.0, seed=seed))
+        rig.store.submit(spec)
+        (claimed,) = rig.store.claim([(rid, "decode-there")], "prefill-here")
+        jobs.append(Job(pb.PrefillItem(spec=spec, epoch=claimed.epoch, decode_address="elsewhere:1"),
+                        lambda outcome, rid=rid: outcomes.__setitem__(rid, outcome)))
+    assert prefill._pass(jobs) == []
+    assert {rid: o.kind for rid, o in outcomes.items()} == {"low": "handoff", "high": "handoff", "top": "handoff"}
+
+
+def test_the_decode_loop_takes_a_deadline_moved_while_its_listener_was_away(redis_server, redis_client, rig):
+    """A deadline moved while the listener could not subscribe (its message lost) reaches the
+    running sequence once the listener is back: the loop reads the records of what it holds."""
+    user = f"u{rig.store.keys.prefix}"
+    redis_client.acl_setuser(user, enabled=True, passwords=["+pw"], keys=["*"], channels=["*"], commands=["+@all"])
+    rig.cancels.close()
+    rig.cancels = CancelListener(redis_server.url.replace("redis://", f"redis://{user}:pw@"), rig.store.keys)
+    rig.loop.cancels = rig.cancels
+    rig.loop.step_delay_s = 0.02
+    old = now_ms() + 600_000
+    rig.loop.add(rig.dispatch("r", PROMPTS[0], 400, deadline_ms=old))
+    rig.loop.start(ModelThread("test-decode"))
+    try:
+        wait_for("the sequence to run", lambda: "r" in rig.loop.running)
+        redis_client.acl_setuser(user, enabled=True, commands=["-subscribe"])  # it cannot subscribe again for now
+        assert redis_client.client_kill_filter(_type="pubsub", user=user) == 1
+        wait_for("a failed resubscribe", lambda: rig.cancels.liveness.failing >= 1)
+        new = now_ms() + 900_000
+        assert rig.store.set_deadline("r", new) == State.DECODING  # published to nobody
+        redis_client.acl_setuser(user, enabled=True, commands=["+subscribe"])
+        wait_for("the listener to be back", lambda: rig.cancels.gaps == 1)
+        wait_for("the moved deadline to reach the sequence",
+                 lambda: getattr(rig.loop.running.get("r"), "deadline_ms", None) == new)
+    finally:
+        rig.loop.stop()
+        redis_client.acl_deluser(user)

@@ -32,7 +32,7 @@ from pdq.engine.sampling import SamplingParams, sample_each
 from pdq.faults import Faults
 from pdq.output_text import TextOutput
 from pdq.request import State
-from pdq.store import RequestStore, SentStep, StepItem, now_ms
+from pdq.store import FAILURE, LOST, RequestStore, SentStep, StepItem, now_ms
 from pdq.worker import IDLE_BEAT_S, ModelLoop
 
 log = logging.getLogger("pdq.decode")
@@ -186,7 +186,8 @@ class DecodeLoop(ModelLoop):
             self.runner.free(kv.key)
             telemetry.end(span, "failed", f"could not load KV: {exc}")
             self.on_leave([rid])
-            self.store.finish(rid, State.FAILED, "error", f"decode worker could not load KV: {exc}", epoch=h.epoch)
+            # a failed attempt: retried on another worker after a backoff, FAILED once attempts are spent
+            self.store.requeue(rid, h.epoch, f"decode worker could not load KV: {exc}", self.max_attempts)
             return
         seq.labels = (h.spec.tier, h.spec.tenant)
         seq.arrival_ms = h.spec.arrival_ms
@@ -405,11 +406,11 @@ class DecodeLoop(ModelLoop):
 
     def _shutdown(self) -> None:
         try:
-            self._requeue_all("decode worker shut down")
+            self._requeue_all("decode worker shut down", LOST)
         except Exception as exc:  # Redis down: the scheduler reaps them once this worker's heartbeats stop
             log.error("could not give back the held sequences at shutdown: %s", exc)
 
-    def _requeue_all(self, why: str) -> None:
+    def _requeue_all(self, why: str, kind: str = FAILURE) -> None:
         """Gives every held sequence back to the scheduler (a failed forward pass, or shutdown).
         A new attempt regenerates the same tokens (seeded per index) and Redis drops the indices
         already streamed. Redis errors go up (the store's client rode them as long as it may)."""
@@ -421,7 +422,7 @@ class DecodeLoop(ModelLoop):
             log.warning("could not apply the last decode step: %s", exc)
         for seq in self.waiting + list(self.running.values()):
             if not seq.done:
-                state = self.store.requeue(seq.rid, seq.epoch, why, self.max_attempts)
+                state = self.store.requeue(seq.rid, seq.epoch, why, self.max_attempts, kind)
                 metrics.REQUEUES.labels("decode", state or "stale").inc()
                 self._end_span(seq, "requeued", why, reason=f"{why}: {state or 'stale'}")
             self._leave(seq)

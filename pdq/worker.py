@@ -14,7 +14,7 @@ from pdq.config import WorkerConfig
 from pdq.keys import Keys
 from pdq.liveness import Liveness
 from pdq.registry import WorkerInfo, deregister, heartbeat
-from pdq.store import RequestStore
+from pdq.store import RequestStore, RetryLimits
 
 log = logging.getLogger("pdq.worker")
 
@@ -268,4 +268,4 @@ async def reclaim_previous_life(store: RequestStore, worker_id: str, max_attempt
 
 
 def sync_store(config: WorkerConfig) -> RequestStore:
-    return RequestStore(config.redis(aio=False), config.key_prefix, config.result_ttl_s)
+    return RequestStore(config.redis(aio=False), config.key_prefix, config.result_ttl_s, RetryLimits.of(config))

@@ -45,6 +45,7 @@ class Outcome:
     layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     error: str = ""
     key: Any = None  # "local": the pool slot holding the K/V
+    lost: bool = False  # "error": lost to this worker's own trouble (shutting down), not the request's failure
 
 
 @dataclass
@@ -142,7 +143,7 @@ class PrefillLoop(ModelLoop):
                     while True:
                         if got is None:
                             for job in pending:
-                                self._end(job, Outcome("error", error="prefill worker shutting down"))
+                                self._end(job, Outcome("error", error="prefill worker shutting down", lost=True))
                             return
                         pending.append(got)
                         got = self.inbox.get_nowait()
@@ -160,7 +161,7 @@ class PrefillLoop(ModelLoop):
                 self.liveness.beat()
         except BaseException:
             for job in pending:
-                self._end(job, Outcome("error", error="prefill worker lost its model loop"))
+                self._end(job, Outcome("error", error="prefill worker lost its model loop", lost=True))
             raise
 
     def _fail(self, job: Job, error: str) -> None:

@@ -79,7 +79,8 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         outcome: Outcome = await fut
         rid = item.spec.request_id
         if outcome.kind == "error":
-            return pb.PrefillItemResult(request_id=rid, ok=False, error=outcome.error)
+            return pb.PrefillItemResult(request_id=rid, ok=False, error=outcome.error,
+                                        failure=pb.ATTEMPT_FAILURE_LOST if outcome.lost else pb.ATTEMPT_FAILURE_REQUEST)
         if outcome.kind == "local":
             return self._local(item, outcome)
         if outcome.kind != "handoff":  # finished at the first token, or ended elsewhere
@@ -103,26 +104,27 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             chunks = self.faults.kv_frames(chunks)
             if self.faults.get("kv_delay_ms"):
                 await asyncio.sleep(self.faults.get("kv_delay_ms") / 1000)
-        error = None
+        error, code = None, grpc.StatusCode.OK
         if transport == "tcp":
             try:
                 await self._tcp.push(item.decode_kv_address, chunks, telemetry.traceparent(span) if span else "")
             except kv_tcp.Refused as exc:
-                error = f"KV hand-off to {item.decode_kv_address}: {exc.code.name} {exc.details}"
+                error, code = f"KV hand-off to {item.decode_kv_address}: {exc.code.name} {exc.details}", exc.code
         else:
             try:
                 with telemetry.use(span):  # PushKV carries this span's context
                     resp = await self._push_kv(item.decode_address)(chunks, timeout=30.0)
                 if not resp.accepted:
-                    error = "decode worker refused the KV hand-off"
+                    error, code = "decode worker refused the KV hand-off", grpc.StatusCode.FAILED_PRECONDITION
             except grpc.aio.AioRpcError as exc:
-                error = f"KV hand-off to {item.decode_address}: {exc.code().name} {exc.details()}"
+                error, code = f"KV hand-off to {item.decode_address}: {exc.code().name} {exc.details()}", exc.code()
         result = "ok" if error is None else "error"
         metrics.KV_TRANSFER.labels(result, transport).observe(time.perf_counter() - started)
         metrics.KV_TRANSFER_BYTES.labels(result, transport).inc(n_bytes)
         telemetry.end(span, "failed" if error else None, error)
-        if error:
-            return pb.PrefillItemResult(request_id=rid, ok=False, error=error)
+        if error:  # a decode worker that is down or not serving (restarting) lost the attempt; else it failed
+            failure = pb.ATTEMPT_FAILURE_LOST if code == grpc.StatusCode.UNAVAILABLE else pb.ATTEMPT_FAILURE_HANDOFF
+            return pb.PrefillItemResult(request_id=rid, ok=False, error=error, failure=failure)
         return pb.PrefillItemResult(request_id=rid, ok=True)
 
     def _local(self, item: pb.PrefillItem, outcome: Outcome) -> pb.PrefillItemResult:
@@ -138,7 +140,8 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         error = f"KV hand-off to {item.decode_address} (local): {outcome.error}" if outcome.error else ""
         metrics.KV_TRANSFER.labels("error" if error else "ok", "local").observe(0.0)
         telemetry.end(span, "failed" if error else None, error)
-        return pb.PrefillItemResult(request_id=rid, ok=not error, error=error or "")
+        return pb.PrefillItemResult(request_id=rid, ok=not error, error=error or "",
+                                    failure=pb.ATTEMPT_FAILURE_HANDOFF if error else pb.ATTEMPT_FAILURE_UNSPECIFIED)
 
     async def _release(self, item: pb.PrefillItem) -> None:
         try:

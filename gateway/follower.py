@@ -159,6 +159,8 @@ class _Reader:
                     self.client_id = int(await self.conn.read_response())
                 if self._closing.is_set():
                     return
+                if not self.streams:  # all left while it connected
+                    continue
                 streams = self.streams.copy()
                 reply = await self._xread(streams)
             except Exception as exc:

@@ -2,7 +2,7 @@
 
 A call that ran its own blocking XREAD held a Redis connection for its whole life: 300
 StreamResult followers and 150 GetResult long-polls of one request needed 450 connections. Here
-READERS connections, each blocking in one XREAD over its share of the followed streams, serve
+a few connections, each blocking in one XREAD over its share of the followed streams, serve
 every streaming call, unary call and long-poll of the gateway, however many follow one stream:
 
 - `subscribe(key)` -> a `Subscription`. Its queue gets, in order, every entry of the stream after
@@ -13,8 +13,11 @@ every streaming call, unary call and long-poll of the gateway, however many foll
 - A stream followed for the first time wakes its reader's XREAD with CLIENT UNBLOCK (sent by
   `waker`, any client of the same Redis) so that its entries are read at once, not after the
   block time; a subscriber of a stream already followed costs no Redis command.
-- Each XREAD is packed once per round from pieces each stream keeps encoded: an XREAD over
-  thousands of keys costs a join, not thousands of argument encodings.
+- An XREAD costs Redis time in proportion to its keys, and a reader sends it again after every
+  entry: so a stream starts on a "cold" reader, and moves to a "hot" one with its first entry.
+  Streams that wait (queued requests) cost the hot path nothing; a token of a running request
+  waits for an XREAD over the running streams only. Each XREAD is packed from pieces each
+  stream keeps encoded: thousands of keys cost a join, not thousands of argument encodings.
 - Redis unreachable: a reader reconnects with backoff and resumes every stream from the last
   entry it delivered (nothing lost, nothing repeated); its subscriptions wait meanwhile. A
   subscription that has waited through `outage_s` of failures gets `FollowerUnavailable` in its
@@ -28,6 +31,7 @@ reconnected and re-reads its client id before the next XREAD: a wake never names
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -39,10 +43,15 @@ from pdq.liveness import Liveness
 
 log = logging.getLogger("pdq.gateway")
 
-READERS = 4  # XREAD connections: a round re-sends its reader's keys, so readers share the streams
-MAX_BLOCK_MS = 1000  # one XREAD blocks at most this long
+COLD_READERS = 2  # XREAD connections for streams without an entry yet
+HOT_READERS = 2  # and for those that have one (running requests)
+# One XREAD blocks at most this long (a wake ends it sooner): a cold reader's keys are many and
+# rarely have news, and each XREAD over them costs Redis time.
+HOT_BLOCK_MS = 1000
+COLD_BLOCK_MS = 10_000
 COUNT = 512  # entries per stream per read
 WAKE_BACKOFF_CAP_S = 0.05
+WAKES_PER_TURN = 128  # subscribers handed entries per turn of the event loop
 RETRY_CAP_S = 1.0  # a reader retries Redis at least this often during an outage
 
 
@@ -84,14 +93,18 @@ class _Stream:
 class _Reader:
     """One connection blocking in XREAD over some of the followed streams."""
 
-    def __init__(self, name: str, url: str, waker, outage_s: float):
+    def __init__(self, name: str, url: str, waker, outage_s: float, block_ms: int,
+                 promote: Callable[[_Stream], None] | None = None):
+        """promote: where a stream goes once it has delivered entries (None: it stays)."""
         self.name = name
+        self.block_ms = block_ms
+        self.promote = promote
         self.waker = waker
         self.outage_s = outage_s
         pool = aioredis.ConnectionPool.from_url(
             url, retry=Retry(NoBackoff(), 0), socket_keepalive=True,
             socket_connect_timeout=redisconn.CONNECT_TIMEOUT_S,
-            socket_timeout=MAX_BLOCK_MS / 1000 + redisconn.SOCKET_TIMEOUT_S)
+            socket_timeout=block_ms / 1000 + redisconn.SOCKET_TIMEOUT_S)
         self.conn = pool.make_connection()
         self.streams: dict[bytes, _Stream] = {}
         self.client_id: int | None = None  # of the live connection; None until read after a (re)connect
@@ -181,7 +194,7 @@ class _Reader:
                 redisconn.OUTAGES.recovered()
             self.liveness.beat()
             if reply:
-                self._deliver(reply, streams)
+                await self._deliver(reply, streams)
 
     async def _xread(self, streams: dict[bytes, _Stream]) -> list:
         # no await between reading `self.streams` and setting `reading`: a stream added later
@@ -191,14 +204,20 @@ class _Reader:
         try:
             values = streams.values()
             head = b"*%d\r\n$5\r\nXREAD\r\n$5\r\nCOUNT\r\n%s$5\r\nBLOCK\r\n%s$7\r\nSTREAMS\r\n" % (
-                6 + 2 * len(streams), _arg(b"%d" % COUNT), _arg(b"%d" % MAX_BLOCK_MS))
+                6 + 2 * len(streams), _arg(b"%d" % COUNT), _arg(b"%d" % self.block_ms))
             await self.conn.send_packed_command(b"".join([head, *[s.key_arg for s in values],
                                                           *[s.last_arg for s in values]]), check_health=False)
             return await self.conn.read_response()
         finally:
             self.reading = 0
 
-    def _deliver(self, reply, streams: dict[bytes, _Stream]) -> None:
+    async def _deliver(self, reply, streams: dict[bytes, _Stream]) -> None:
+        """Hands each stream's new entries to its subscribers, WAKES_PER_TURN at a time: a token
+        of a stream with thousands of followers (or of thousands of streams) wakes that many
+        calls, and between those turns the event loop also runs everything else (the gRPC
+        server accepts one new call per turn). Who gets what is fixed before the first turn: a
+        subscriber that joins meanwhile starts after these entries (`Subscription.start`)."""
+        wakes = []
         for key, entries in (reply.items() if isinstance(reply, dict) else reply):
             stream = streams.get(key)
             if stream is None or self.streams.get(key) is not stream or not entries:
@@ -207,8 +226,15 @@ class _Reader:
             stream.last = entries[-1][0]
             stream.last_arg = _arg(stream.last)
             if batch:
-                for sub in stream.subs:
-                    sub.queue.put_nowait(batch)
+                wakes += [(sub.queue, batch) for sub in stream.subs]
+            if self.promote is not None:
+                del self.streams[key]
+                self.promote(stream)
+        for i in range(0, len(wakes), WAKES_PER_TURN):
+            if i:
+                await asyncio.sleep(0)
+            for queue, batch in wakes[i:i + WAKES_PER_TURN]:
+                queue.put_nowait(batch)
 
     def _failed(self, exc: BaseException) -> int:
         """A round failed: note it; give up on subscriptions that waited through the outage
@@ -236,13 +262,20 @@ class _Reader:
 
 
 class OutputFollower:
-    """`url`: the Redis the readers connect to (READERS connections of their own); `waker`: a
+    """`url`: the Redis the readers connect to (cold + hot connections of their own); `waker`: a
     client of the same Redis (sends CLIENT UNBLOCK); `outage_s`: how long a subscription waits
     through a Redis outage before it gets FollowerUnavailable."""
 
-    def __init__(self, url: str, waker, outage_s: float = redisconn.DEFAULT_OUTAGE_S, readers: int = READERS):
-        self.readers = [_Reader(f"output_follower_{i}", url, waker, outage_s) for i in range(readers)]
+    def __init__(self, url: str, waker, outage_s: float = redisconn.DEFAULT_OUTAGE_S, cold: int = COLD_READERS,
+                 hot: int = HOT_READERS):
+        self.hot = [_Reader(f"output_follower_hot_{i}", url, waker, outage_s, HOT_BLOCK_MS) for i in range(hot)]
+        self.cold = [_Reader(f"output_follower_cold_{i}", url, waker, outage_s, COLD_BLOCK_MS, self._promote)
+                     for i in range(cold)]
+        self.readers = self.cold + self.hot
         self._closed = False
+
+    def _promote(self, stream: _Stream) -> None:
+        min(self.hot, key=lambda r: len(r.streams)).add(stream)
 
     def _find(self, key: bytes) -> tuple[_Reader | None, _Stream | None]:
         for reader in self.readers:
@@ -261,7 +294,7 @@ class OutputFollower:
             stream.subs[sub] = None
         else:
             stream = _Stream(key, _arg(key), subs={sub: None})
-            min(self.readers, key=lambda r: len(r.streams)).add(stream)
+            min(self.cold, key=lambda r: len(r.streams)).add(stream)
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:

@@ -34,6 +34,16 @@ async def reading(follower: OutputFollower) -> None:
         await asyncio.sleep(0)
 
 
+def never_returns(monkeypatch) -> None:
+    """XREADs block for an hour: an entry gets through in time only if its reader is woken."""
+    monkeypatch.setattr(follower_mod, "HOT_BLOCK_MS", 3_600_000)
+    monkeypatch.setattr(follower_mod, "COLD_BLOCK_MS", 3_600_000)
+
+
+def reader_of(follower: OutputFollower, key: str):
+    return next(r for r in follower.readers if key.encode() in r.streams)
+
+
 @pytest.fixture
 def restartable():
     """A durable redis-server on a fixed port and directory: stopped and started again under
@@ -67,15 +77,18 @@ async def test_a_stream_followed_while_the_read_blocks_is_read_at_once(redis_ser
     other = aioredis.Redis.from_url(redis_server.url)
     # A blocked XREAD that nothing wakes would hold a new stream's entries for the whole block
     # time: with an hour, only the CLIENT UNBLOCK wake-up gets the entry through in time.
-    monkeypatch.setattr(follower_mod, "MAX_BLOCK_MS", 3_600_000)
-    follower = OutputFollower(redis_server.url, other, readers=1)
+    never_returns(monkeypatch)
+    follower = OutputFollower(redis_server.url, other, cold=1, hot=1)
+    follower.subscribe(f"{prefix}:idle")
     first = follower.subscribe(f"{prefix}:a")
     await other.xadd(f"{prefix}:a", {"n": 1})
     assert await entries(first, 1) == [{b"n": b"1"}]
-    await reading(follower)
+    await reading(follower)  # the hot reader on a, the cold one on idle
     await other.xadd(f"{prefix}:b", {"n": 2})  # written before b is followed: read from the start
     second = follower.subscribe(f"{prefix}:b")
     assert await entries(second, 1) == [{b"n": b"2"}]
+    await other.xadd(f"{prefix}:a", {"n": 3})  # and a, on the hot reader, goes on
+    assert await entries(first, 1) == [{b"n": b"3"}]
     await follower.close()
     await other.aclose()
 
@@ -105,6 +118,24 @@ async def test_every_follower_of_one_stream_gets_all_of_it_however_late_it_joins
     await other.aclose()
 
 
+async def test_a_stream_moves_to_a_hot_reader_with_its_first_entry(redis_server, prefix):
+    # a token of a running request waits for an XREAD over the running streams only, not
+    # over every stream of a queued request
+    other = aioredis.Redis.from_url(redis_server.url)
+    follower = OutputFollower(redis_server.url, other)
+    waiting = [follower.subscribe(f"{prefix}:queued:{i}") for i in range(500)]
+    running = follower.subscribe(f"{prefix}:running")
+    assert reader_of(follower, f"{prefix}:running") in follower.cold
+    for n in range(3):
+        await other.xadd(f"{prefix}:running", {"n": n})
+        assert await entries(running, 1) == [{b"n": str(n).encode()}]
+        assert reader_of(follower, f"{prefix}:running") in follower.hot
+    assert sum(len(r.streams) for r in follower.hot) == 1
+    assert sum(len(r.streams) for r in follower.cold) == len(waiting)
+    await follower.close()
+    await other.aclose()
+
+
 async def test_a_long_poll_returns_what_came_within_its_wait(redis_server, prefix):
     other = aioredis.Redis.from_url(redis_server.url)
     store = RequestStore(other, prefix)
@@ -126,27 +157,30 @@ async def test_connections_stay_bounded_however_many_follow(redis_server, prefix
     await other.xadd(f"{prefix}:s7", {"n": 1})
     for sub in subs[7::200]:
         assert await entries(sub, 1) == [{b"n": b"1"}]
-    assert (await other.info("clients"))["connected_clients"] <= before + follower_mod.READERS
+    assert (await other.info("clients"))["connected_clients"] <= before + len(follower.readers)
     await follower.close()
     await other.aclose()
 
 
 async def test_an_outage_shorter_than_the_window_pauses_the_stream_and_loses_nothing(restartable, prefix, monkeypatch):
-    monkeypatch.setattr(follower_mod, "MAX_BLOCK_MS", 3_600_000)  # only a wake to the new connection's id helps
+    never_returns(monkeypatch)  # only a wake to the new connection's id helps
     client = redisconn.connect_async(restartable.url, outage_s=30)
-    follower = OutputFollower(restartable.url, client, outage_s=30, readers=1)
+    follower = OutputFollower(restartable.url, client, outage_s=30, cold=1, hot=1)
+    follower.subscribe(f"{prefix}:idle")  # keeps the cold reader blocked in its XREAD
     sub = follower.subscribe(f"{prefix}:a")
     await client.xadd(f"{prefix}:a", {"n": 1})
     assert await entries(sub, 1) == [{b"n": b"1"}]
-    old_id = follower.readers[0].client_id
+    await reading(follower)
+    old_ids = [r.client_id for r in follower.readers]
     restartable.stop()
     restartable.start()  # its AOF back: the stream as it was
     await client.xadd(f"{prefix}:a", {"n": 2})
     await client.xadd(f"{prefix}:a", {"n": 3})
     assert await entries(sub, 2, timeout=30) == [{b"n": b"2"}, {b"n": b"3"}]  # nothing lost, nothing again
-    assert follower.readers[0].client_id not in (None, old_id)
+    while not all(r.client_id not in (None, old) for r, old in zip(follower.readers, old_ids)):
+        await asyncio.sleep(0.01)  # the cold reader reconnects too (its XREAD failed)
     await reading(follower)
-    second = follower.subscribe(f"{prefix}:b")  # its wake names the new connection
+    second = follower.subscribe(f"{prefix}:b")  # its wake names the cold reader's new connection
     await client.xadd(f"{prefix}:b", {"n": 4})
     assert await entries(second, 1) == [{b"n": b"4"}]
     await follower.close()

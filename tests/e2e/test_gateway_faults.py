@@ -6,6 +6,7 @@ output stream itself where a decode worker would) on a durable Redis that the te
 start again under them, with a 2 s outage window (PDQ_REDIS_OUTAGE_S).
 """
 
+import asyncio
 import signal
 import tempfile
 import time
@@ -303,6 +304,44 @@ def test_broken_input_to_every_rpc_is_invalid_argument_naming_the_field(bare, ch
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (method, words, code, err and err.details())
         assert words in err.details(), (method, err.details())
     assert bare.dead_child() is None
+
+
+async def submit_flood(target: str, key: str, n: int) -> list[grpc.aio.AioRpcError | None]:
+    """n Submits at once (over a few channels): None for each accepted one, else its error."""
+    channels = [grpc.aio.insecure_channel(target) for _ in range(4)]
+    stubs = [gen_grpc.GenerationStub(ch) for ch in channels]
+    metadata = (("authorization", f"Bearer {key}"),)
+
+    async def one(i: int):
+        try:
+            await stubs[i % 4].Submit(gen_pb.GenerateRequest(prompt=f"flood {i}"), metadata=metadata,
+                                      timeout=CALL_TIMEOUT_S)
+        except grpc.aio.AioRpcError as err:
+            return err
+        return None
+
+    try:
+        return await asyncio.gather(*(one(i) for i in range(n)))
+    finally:
+        for ch in channels:
+            await ch.close()
+
+
+def test_a_flood_of_submits_is_accepted_and_refused_only_at_the_queue_bound(bare, op):
+    got = asyncio.run(submit_flood(bare.target, KEYS["acme"], 1000))
+    assert [e for e in got if e is not None] == []  # all 1,000 accepted: no "scheduler unreachable"
+    op.SetTenantPolicy(op_pb.TenantPolicy(tenant="globex", weight=2.0, max_queued=300), metadata=ADMIN)
+    try:
+        got = asyncio.run(submit_flood(bare.target, KEYS["globex"], 500))
+    finally:
+        op.SetTenantPolicy(op_pb.TenantPolicy(tenant="globex", weight=2.0), metadata=ADMIN)
+        for tenant in ("acme", "globex"):
+            op.CancelTenant(op_pb.CancelTenantRequest(tenant=tenant), metadata=ADMIN)
+    refused = [e for e in got if e is not None]
+    assert len(refused) == 200  # exactly the ones past the bound
+    for err in refused:
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and has_retry_info(err), err.details()
+        assert "TENANT_QUEUE_FULL" in err.details()
 
 
 def test_a_stopping_gateway_ends_its_streams_unavailable_and_leaves_their_requests_alone(bare, gen, store):

@@ -142,7 +142,7 @@ class _Reader:
         await self.conn.disconnect(nowait=True)
         if self._task is not None:
             await self._task
-        await self.conn.disconnect(nowait=True)
+        await self.conn.disconnect(nowait=True)  # in case it connected again meanwhile
         self.liveness.stopped()
 
     async def _wake(self, generation: int) -> None:
@@ -176,6 +176,8 @@ class _Reader:
                     continue
                 streams = self.streams.copy()
                 reply = await self._xread(streams)
+                if reply:
+                    await self._deliver(reply, streams)
             except Exception as exc:
                 self.client_id = None
                 if self._closing.is_set():
@@ -193,8 +195,6 @@ class _Reader:
                 self.failing_since = None
                 redisconn.OUTAGES.recovered()
             self.liveness.beat()
-            if reply:
-                await self._deliver(reply, streams)
 
     async def _xread(self, streams: dict[bytes, _Stream]) -> list:
         # no await between reading `self.streams` and setting `reading`: a stream added later
@@ -217,7 +217,7 @@ class _Reader:
         calls, and between those turns the event loop also runs everything else (the gRPC
         server accepts one new call per turn). Who gets what is fixed before the first turn: a
         subscriber that joins meanwhile starts after these entries (`Subscription.start`)."""
-        wakes = []
+        wakes, moved = [], []
         for key, entries in (reply.items() if isinstance(reply, dict) else reply):
             stream = streams.get(key)
             if stream is None or self.streams.get(key) is not stream or not entries:
@@ -227,14 +227,17 @@ class _Reader:
             stream.last_arg = _arg(stream.last)
             if batch:
                 wakes += [(sub.queue, batch) for sub in stream.subs]
-            if self.promote is not None:
-                del self.streams[key]
-                self.promote(stream)
+            moved.append(stream)
         for i in range(0, len(wakes), WAKES_PER_TURN):
             if i:
                 await asyncio.sleep(0)
             for queue, batch in wakes[i:i + WAKES_PER_TURN]:
                 queue.put_nowait(batch)
+        if self.promote is not None:  # only now: the hot reader's entries come after these
+            for stream in moved:
+                if self.streams.get(stream.key) is stream:
+                    del self.streams[stream.key]
+                    self.promote(stream)
 
     def _failed(self, exc: BaseException) -> int:
         """A round failed: note it; give up on subscriptions that waited through the outage

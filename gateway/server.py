@@ -4,8 +4,8 @@ request's output stream in Redis; it holds no queue state."""
 
 import asyncio
 import json
-import re
 import logging
+import re
 import time
 import uuid
 from pathlib import Path
@@ -13,15 +13,16 @@ from pathlib import Path
 import grpc
 
 from gateway.auth import KeyRing, Principal
+from gateway.errors import resumable, rpc, scheduler_error
 from gateway.follower import FollowerUnavailable, OutputFollower
 from gateway.results import Collected, follow, response, usage_and_timings
 from gateway.validation import REQUEST_ID, Limits, build_spec, check_request, shown
-from pdq import metrics, mtls, redisconn, telemetry
+from pdq import metrics, mtls, telemetry
 from pdq.config import GatewayConfig
 from pdq.model.tokenizer import load_tokenizer
 from pdq.request import FINISH_REASONS, STATUS_OF_STATE, State
 from pdq.serving import GRPC_OPTIONS, Server
-from pdq.status import StatusError, abort
+from pdq.status import StatusError
 from pdq.store import RequestStore, TenantPolicy
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import generation_pb2_grpc as gen_grpc
@@ -43,94 +44,6 @@ UNARY_STREAM_INTERVAL = 16
 # A call to the scheduler may ride out a Redis outage there (redis_outage_s); it waits this much
 # longer before the gateway calls the scheduler unreachable.
 SCHEDULER_MARGIN_S = 5.0
-RETRY_MS = 1000  # the retry hint of a call the gateway could not serve now
-# Statuses of the scheduler that are answers, forwarded as they are (with their details).
-FORWARDED = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT,
-                       grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.NOT_FOUND})
-DETAILS = ("grpc-retry-pushback-ms", "grpc-status-details-bin")
-
-
-def rpc(method):
-    """Turns StatusError raised below a servicer method into the call's status."""
-    import functools
-    import inspect
-
-    if inspect.isasyncgenfunction(method):
-        @functools.wraps(method)
-        async def stream(self, request, context):
-            try:
-                async for item in method(self, request, context):
-                    yield item
-            except StatusError as exc:
-                note_refusal(exc)
-                await abort(context, exc)
-        return stream
-
-    @functools.wraps(method)
-    async def unary(self, request, context):
-        try:
-            return await method(self, request, context)
-        except StatusError as exc:
-            note_refusal(exc)
-            await abort(context, exc)
-    return unary
-
-
-REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
-            grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS}
-
-
-def note_refusal(exc: StatusError) -> None:
-    """Counts a request refused at the door (metric by reason, event on the call's span)."""
-    if exc.code not in REFUSALS:
-        return
-    reason = exc.reason or _forwarded_reason(exc) or exc.code.name
-    metrics.REJECTIONS.labels(reason).inc()
-    telemetry.event("rejected", {"pdq.reason": reason, "pdq.error": exc.message})
-
-
-def _forwarded_reason(exc: StatusError) -> str:
-    """The ErrorInfo reason of an error forwarded from the scheduler, if any."""
-    raw = dict(exc.trailing).get("grpc-status-details-bin")
-    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not raw:
-        return "QUEUE_FULL"
-    if not raw:
-        return ""
-    from google.rpc import error_details_pb2, status_pb2
-
-    status = status_pb2.Status.FromString(raw)
-    for detail in status.details:
-        info = error_details_pb2.ErrorInfo()
-        if detail.Unpack(info):
-            return info.reason
-    return ""
-
-
-def scheduler_error(exc: grpc.aio.AioRpcError, retry: str) -> StatusError:
-    """The status a failed call to the scheduler gives the client's call: the scheduler's answers
-    (FORWARDED, or an UNAVAILABLE carrying its own retry hint) as they are, details included;
-    the scheduler unreachable or not answering in time: UNAVAILABLE with a retry hint. `retry`
-    tells the client how to retry safely."""
-    code = exc.code()
-    trailing = tuple((k, v) for k, v in (exc.trailing_metadata() or ()) if k in DETAILS)
-    if code in FORWARDED or (code == grpc.StatusCode.UNAVAILABLE and dict(trailing).get(DETAILS[1])):
-        return StatusError(code, exc.details() or code.name, trailing)  # the details carry this very message
-    return StatusError(grpc.StatusCode.UNAVAILABLE, f"scheduler unreachable ({code.name}: {exc.details()}); {retry}",
-                       reason="SCHEDULER_UNAVAILABLE", retry_ms=RETRY_MS)
-
-
-def resumable(exc: BaseException, how: str) -> StatusError | None:
-    """UNAVAILABLE with a retry hint when `exc` is the gateway's own failure to follow a request
-    (Redis unreachable past the outage window, the gateway stopping), else None: the request is
-    untouched and `how` tells the client where to pick it up."""
-    if isinstance(exc, FollowerUnavailable):
-        reason = exc.reason
-    elif redisconn.unavailable(exc):
-        reason = "REDIS_UNAVAILABLE"
-    else:
-        return None
-    return StatusError(grpc.StatusCode.UNAVAILABLE, f"{exc}; the request goes on: {how}", reason=reason,
-                       retry_ms=RETRY_MS)
 
 
 class GenerationService(gen_grpc.GenerationServicer):

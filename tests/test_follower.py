@@ -93,7 +93,10 @@ async def test_a_stream_followed_while_the_read_blocks_is_read_at_once(redis_ser
     await other.aclose()
 
 
-async def test_every_follower_of_one_stream_gets_all_of_it_however_late_it_joins(redis_server, prefix):
+async def test_every_follower_of_one_stream_gets_all_of_it_however_late_it_joins(redis_server, prefix, monkeypatch):
+    # subscribers get their entries a few per event-loop turn, while the stream moves from its
+    # cold reader to a hot one and more entries come: each still sees every entry once, in order
+    monkeypatch.setattr(follower_mod, "WAKES_PER_TURN", 8)
     other = aioredis.Redis.from_url(redis_server.url)
     store = RequestStore(other, prefix)
     follower = OutputFollower(redis_server.url, other)
@@ -114,6 +117,23 @@ async def test_every_follower_of_one_stream_gets_all_of_it_however_late_it_joins
     got = await asyncio.wait_for(asyncio.gather(*early, *late), 30)
     assert got == [list(range(6))] * 100  # every one from the first entry, none twice
     assert follower.streams == 0  # the last to leave stops following it
+    await follower.close()
+    await other.aclose()
+
+
+async def test_entries_keep_their_order_while_a_stream_moves_to_a_hot_reader(redis_server, prefix, monkeypatch):
+    # one entry per read and one subscriber per event-loop turn: the cold reader hands out the
+    # first entry over 500 turns while the later ones already wait in Redis for the hot reader
+    monkeypatch.setattr(follower_mod, "COUNT", 1)
+    monkeypatch.setattr(follower_mod, "WAKES_PER_TURN", 1)
+    other = aioredis.Redis.from_url(redis_server.url)
+    follower = OutputFollower(redis_server.url, other)
+    key = f"{prefix}:order"
+    for n in range(4):
+        await other.xadd(key, {"n": n})
+    subs = [follower.subscribe(key) for _ in range(500)]
+    want = [{b"n": str(n).encode()} for n in range(4)]
+    assert [await entries(sub, 4) for sub in subs] == [want] * 500
     await follower.close()
     await other.aclose()
 

@@ -1,12 +1,12 @@
 """How the gateway turns a failed call to the scheduler, or its own failure to follow a request,
-into the client's status (pure mapping; gateway.server.scheduler_error and resumable)."""
+into the client's status (pure mapping; gateway.errors)."""
 
 import grpc
 import pytest
 import redis
 
 from gateway.follower import FollowerUnavailable
-from gateway.server import resumable, scheduler_error
+from gateway.errors import resumable, scheduler_error
 from pdq.status import StatusError
 
 

@@ -2,6 +2,8 @@
 GenerateStreams on a handful of running requests, on a bounded number of Redis connections.
 
     python -m pdq.bench.followers --calls 10000        # spawns a cluster, prints a JSON report
+    python -m pdq.bench.followers --token-delay 10000  # the follower alone: a token's delay
+                                                       # with 10,000 other streams followed
 
 This machine cannot generate for 10,000 requests at once, so the crowd is honest about what it
 measures: REQUESTS requests run (slowed by PDQ_FAULTS decode_step_delay_ms so that they outlive
@@ -180,6 +182,33 @@ async def crowd(target: str, api_key: str, redis_url: str, calls: int, requests:
     return report
 
 
+async def token_delay(redis_url: str, idle: int, tokens: int = 200, step_s: float = 0.02) -> dict:
+    """How long one running stream's entries take from XADD to its subscriber's queue while
+    `idle` other streams (queued requests) are followed too, one entry every `step_s`. -> ms."""
+    import redis.asyncio as aioredis
+
+    from gateway.follower import OutputFollower
+
+    writer = aioredis.Redis.from_url(redis_url)
+    follower = OutputFollower(redis_url, writer)
+    for i in range(idle):
+        follower.subscribe(f"bench:idle:{i}")
+    running = follower.subscribe("bench:running")
+    delays = []
+    for i in range(tokens):
+        started = time.perf_counter()
+        await writer.xadd("bench:running", {"i": i})
+        await running.queue.get()
+        delays.append((time.perf_counter() - started) * 1000)
+        await asyncio.sleep(step_s)
+    await follower.close()
+    await writer.delete("bench:running")
+    await writer.aclose()
+    delays.sort()
+    return {"idle_streams": idle, "tokens": tokens, "p50_ms": round(delays[len(delays) // 2], 3),
+            "p99_ms": round(delays[int(len(delays) * 0.99)], 3)}
+
+
 def main(argv: list[str] | None = None) -> int:
     from gateway.follower import COLD_READERS, HOT_READERS
     from pdq.up import Cluster
@@ -192,7 +221,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-delay-ms", type=int, default=150,
                         help="decode_step_delay_ms of the decode worker: the requests outlive the crowd's arrival")
     parser.add_argument("--redis-max-connections", type=int, default=16, help="pool bound of every process")
+    parser.add_argument("--token-delay", type=int, metavar="IDLE", default=-1,
+                        help="instead: a running stream's XADD-to-subscriber delay with IDLE other streams followed "
+                             "(and with none), on a private Redis")
     args = parser.parse_args(argv)
+    if args.token_delay >= 0:
+        from pdq.redis_server import RedisServer
+
+        with RedisServer() as server:
+            rows = [asyncio.run(token_delay(server.url, idle)) for idle in sorted({0, args.token_delay})]
+        print(json.dumps(rows, indent=2))
+        return 0
     env = {"PDQ_FAULTS": f"decode_step_delay_ms={args.step_delay_ms}",
            "PDQ_REDIS_MAX_CONNECTIONS": str(args.redis_max_connections)}
     say(f"starting a cluster (colocated decode worker, {env})")

@@ -6,7 +6,7 @@ a few connections, each blocking in one XREAD over its share of the followed str
 every streaming call, unary call and long-poll of the gateway, however many follow one stream:
 
 - `subscribe(key)` -> a `Subscription`. Its queue gets, in order, every entry of the stream after
-  `sub.start` as batches [(entry_id, fields), ...]; the entries up to `start` (those the stream
+  `sub.start` as batches [(entry_id, parse(fields)), ...]; the entries up to `start` (those the stream
   had when the call joined a stream already followed) are the subscriber's to read
   (`gateway.results.follow` reads them with XRANGE), so a late subscriber still sees the stream
   from its first entry, and nothing comes twice. `unsubscribe` when done.
@@ -33,6 +33,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -93,10 +94,11 @@ class _Stream:
 class _Reader:
     """One connection blocking in XREAD over some of the followed streams."""
 
-    def __init__(self, name: str, url: str, waker, outage_s: float, block_ms: int,
+    def __init__(self, name: str, url: str, waker, outage_s: float, block_ms: int, parse: Callable[[dict], Any],
                  promote: Callable[[_Stream], None] | None = None):
         """promote: where a stream goes once it has delivered entries (None: it stays)."""
         self.name = name
+        self.parse = parse
         self.block_ms = block_ms
         self.promote = promote
         self.waker = waker
@@ -222,9 +224,9 @@ class _Reader:
             stream = streams.get(key)
             if stream is None or self.streams.get(key) is not stream or not entries:
                 continue  # no longer followed (or followed anew, from its start, since the XREAD)
-            batch = [(entry_id, dict(zip(flat[::2], flat[1::2]))) for entry_id, flat in entries if flat is not None]
             stream.last = entries[-1][0]
             stream.last_arg = _arg(stream.last)
+            batch = self._batch(key, entries)
             if batch:
                 wakes += [(sub.queue, batch) for sub in stream.subs]
             moved.append(stream)
@@ -238,6 +240,17 @@ class _Reader:
                 if self.streams.get(stream.key) is stream:
                     del self.streams[stream.key]
                     self.promote(stream)
+
+    def _batch(self, key: bytes, entries: list) -> list | FollowerUnavailable:
+        """The entries as subscribers get them: [(entry_id, parse(fields))], parsed once for all
+        of them; an entry that does not parse fails this stream's subscribers only."""
+        try:
+            return [(entry_id, self.parse(dict(zip(flat[::2], flat[1::2])))) for entry_id, flat in entries
+                    if flat is not None]
+        except Exception as exc:
+            log.error("%s: an entry of %s does not parse", self.name, key, exc_info=exc)
+            return FollowerUnavailable(f"an entry of the output stream does not parse ({type(exc).__name__}: "
+                                       f"{exc}; it is logged)", "SERVER_ERROR")
 
     def _failed(self, exc: BaseException) -> int:
         """A round failed: note it; give up on subscriptions that waited through the outage
@@ -267,12 +280,13 @@ class _Reader:
 class OutputFollower:
     """`url`: the Redis the readers connect to (cold + hot connections of their own); `waker`: a
     client of the same Redis (sends CLIENT UNBLOCK); `outage_s`: how long a subscription waits
-    through a Redis outage before it gets FollowerUnavailable."""
+    through a Redis outage before it gets FollowerUnavailable; `parse`: what an entry's fields
+    become, once for all its subscribers (a stream with thousands of followers is parsed once)."""
 
     def __init__(self, url: str, waker, outage_s: float = redisconn.DEFAULT_OUTAGE_S, cold: int = COLD_READERS,
-                 hot: int = HOT_READERS):
-        self.hot = [_Reader(f"output_follower_hot_{i}", url, waker, outage_s, HOT_BLOCK_MS) for i in range(hot)]
-        self.cold = [_Reader(f"output_follower_cold_{i}", url, waker, outage_s, COLD_BLOCK_MS, self._promote)
+                 hot: int = HOT_READERS, parse: Callable[[dict], Any] = lambda fields: fields):
+        self.hot = [_Reader(f"output_follower_hot_{i}", url, waker, outage_s, HOT_BLOCK_MS, parse) for i in range(hot)]
+        self.cold = [_Reader(f"output_follower_cold_{i}", url, waker, outage_s, COLD_BLOCK_MS, parse, self._promote)
                      for i in range(cold)]
         self.readers = self.cold + self.hot
         self._closed = False

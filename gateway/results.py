@@ -73,8 +73,8 @@ async def follow(store: RequestStore, follower: OutputFollower, rid: str,
                     return
             if isinstance(batch, Exception):
                 raise batch
-            for _, fields in batch:
-                event = Event(fields)
+            for _, entry in batch:
+                event = entry if isinstance(entry, Event) else Event(entry)  # parsed by the follower, or not
                 yield event
                 if event.state is not None:
                     return

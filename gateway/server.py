@@ -15,7 +15,7 @@ import grpc
 from gateway.auth import KeyRing, Principal
 from gateway.errors import resumable, rpc, scheduler_error
 from gateway.follower import FollowerUnavailable, OutputFollower
-from gateway.results import Collected, follow, response, usage_and_timings
+from gateway.results import Collected, Event, follow, response, usage_and_timings
 from gateway.validation import REQUEST_ID, Limits, build_spec, check_request, shown
 from pdq import metrics, mtls, telemetry
 from pdq.config import GatewayConfig
@@ -310,7 +310,7 @@ def build_server(config: GatewayConfig) -> Server:
 
     async def start() -> None:
         await client.ping()
-        service.follower = OutputFollower(config.redis_url, client, config.redis_outage_s)
+        service.follower = OutputFollower(config.redis_url, client, config.redis_outage_s, parse=Event)
         for tenant, policy in keys.tenants.items():  # the key file's tenant policies, for the scheduler
             await store.set_tenant_policy(tenant, TenantPolicy(**policy))
 

@@ -9,7 +9,7 @@ import redis.asyncio as aioredis
 
 from gateway import follower as follower_mod
 from gateway.follower import FollowerUnavailable, OutputFollower
-from gateway.results import follow
+from gateway.results import Event, follow
 from pdq import redisconn
 from pdq.redis_server import RedisServer
 from pdq.store import RequestStore
@@ -152,6 +152,24 @@ async def test_a_stream_moves_to_a_hot_reader_with_its_first_entry(redis_server,
         assert reader_of(follower, f"{prefix}:running") in follower.hot
     assert sum(len(r.streams) for r in follower.hot) == 1
     assert sum(len(r.streams) for r in follower.cold) == len(waiting)
+    await follower.close()
+    await other.aclose()
+
+
+async def test_an_entry_that_does_not_parse_fails_its_own_streams_followers_only(redis_server, prefix):
+    other = aioredis.Redis.from_url(redis_server.url)
+    follower = OutputFollower(redis_server.url, other, cold=1, hot=1, parse=Event)
+    broken, fine = follower.subscribe(f"{prefix}:broken"), follower.subscribe(f"{prefix}:fine")
+    await other.xadd(f"{prefix}:broken", {"i": "not a number", "t": "7"})
+    await other.xadd(f"{prefix}:fine", {"i": 0, "t": "7", "x": "a"})
+    got = await asyncio.wait_for(broken.queue.get(), 10)
+    assert isinstance(got, FollowerUnavailable) and got.reason == "SERVER_ERROR"
+    assert "does not parse" in str(got)
+    (_, event), = await asyncio.wait_for(fine.queue.get(), 10)
+    assert isinstance(event, Event) and event.token_ids == [7]  # parsed once, by the follower
+    await other.xadd(f"{prefix}:fine", {"i": 1, "t": "8", "x": "b"})
+    (_, event), = await asyncio.wait_for(fine.queue.get(), 10)
+    assert event.index == 1
     await follower.close()
     await other.aclose()
 

@@ -1,10 +1,10 @@
 """Reading a request's output stream in Redis: tokens in order, then its end."""
 
-import time
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from gateway.follower import COUNT, MAX_BLOCK_MS, OutputFollower, Subscription
+from gateway.follower import COUNT, OutputFollower
 from pdq.request import FINISH_REASONS, State
 from pdq.store import RequestStore, _str
 from pdq.v1 import generation_pb2 as gen_pb
@@ -39,50 +39,60 @@ class Event:
         self.usage = dict(zip(USAGE_FIELDS, _str(f["u"]).split(","))) if "u" in f else None
 
 
-async def follow(store: RequestStore, rid: str, wait_ms: int | None = None,
-                 follower: OutputFollower | None = None) -> AsyncIterator[Event]:
-    """Yields the stream's entries from the start until the end entry; with wait_ms, stops
-    early (without an end) once that long has passed. Without wait_ms, reads through
-    `follower` (one XREAD for every stream the gateway follows) when given and the stream is
-    not followed already."""
+async def follow(store: RequestStore, follower: OutputFollower, rid: str,
+                 wait_ms: int | None = None) -> AsyncIterator[Event]:
+    """Yields the request's output stream from its first entry until its end entry; with
+    wait_ms, stops early (without an end) once that long has passed (0: what is there now).
+    Raises FollowerUnavailable when the stream cannot be followed (Redis unreachable past the
+    outage window, the gateway stopping): the request is untouched."""
     key = store.keys.output(rid)
-    sub = follower.subscribe(key) if follower is not None and wait_ms is None else None
-    entries = _read_alone(store, key, wait_ms) if sub is None else _read_followed(sub)
-    try:
-        async for fields in entries:
+    if wait_ms == 0:
+        async for fields in _entries(store, key, b"+"):
             event = Event(fields)
             yield event
             if event.state is not None:
                 return
+        return
+    sub = follower.subscribe(key)
+    deadline = None if wait_ms is None else asyncio.get_running_loop().time() + wait_ms / 1000
+    try:
+        if sub.start != b"0-0":  # joined a stream already followed: its entries so far are ours to read
+            async for fields in _entries(store, key, sub.start):
+                event = Event(fields)
+                yield event
+                if event.state is not None:
+                    return
+        while True:
+            if deadline is None:
+                batch = await sub.queue.get()
+            else:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        batch = await sub.queue.get()
+                except TimeoutError:
+                    return
+            if isinstance(batch, Exception):
+                raise batch
+            for _, entry in batch:
+                event = entry if isinstance(entry, Event) else Event(entry)  # parsed by the follower, or not
+                yield event
+                if event.state is not None:
+                    return
     finally:
-        if sub is not None:
-            follower.unsubscribe(sub)
+        follower.unsubscribe(sub)
 
 
-async def _read_followed(sub: Subscription) -> AsyncIterator[dict]:
+async def _entries(store: RequestStore, key: str, upto: bytes) -> AsyncIterator[dict]:
+    """The stream's entries from its first to `upto` (an entry id, or b"+": its last), read
+    COUNT at a time."""
+    start = b"-"
     while True:
-        got = await sub.queue.get()
-        if isinstance(got, Exception):
-            raise got
-        yield got[1]
-
-
-async def _read_alone(store: RequestStore, key: str, wait_ms: int | None) -> AsyncIterator[dict]:
-    last = "0-0"
-    deadline = None if wait_ms is None else time.monotonic() + wait_ms / 1000
-    while True:
-        block = MAX_BLOCK_MS
-        if deadline is not None:
-            block = min(MAX_BLOCK_MS, int((deadline - time.monotonic()) * 1000))
-            if block <= 0:
-                block = None  # one last non-blocking read
-        reply = await store.client.xread({key: last}, block=block, count=COUNT)
-        for _, entries in reply or []:
-            for entry_id, fields in entries:
-                last = _str(entry_id)
-                yield fields
-        if block is None:
+        entries = await store.client.xrange(key, start, upto, count=COUNT)
+        for _, fields in entries:
+            yield fields
+        if len(entries) < COUNT:
             return
+        start = b"(" + entries[-1][0]
 
 
 @dataclass

@@ -4,8 +4,8 @@ request's output stream in Redis; it holds no queue state."""
 
 import asyncio
 import json
-import re
 import logging
+import re
 import time
 import uuid
 from pathlib import Path
@@ -13,15 +13,16 @@ from pathlib import Path
 import grpc
 
 from gateway.auth import KeyRing, Principal
-from gateway.follower import OutputFollower
-from gateway.results import Collected, follow, response, usage_and_timings
+from gateway.errors import resumable, rpc, scheduler_error
+from gateway.follower import FollowerUnavailable, OutputFollower
+from gateway.results import Collected, Event, follow, response, usage_and_timings
 from gateway.validation import REQUEST_ID, Limits, build_spec, check_request, shown
-from pdq import metrics, mtls, redisconn, telemetry
+from pdq import metrics, mtls, telemetry
 from pdq.config import GatewayConfig
 from pdq.model.tokenizer import load_tokenizer
 from pdq.request import FINISH_REASONS, STATUS_OF_STATE, State
 from pdq.serving import GRPC_OPTIONS, Server
-from pdq.status import StatusError, abort
+from pdq.status import StatusError
 from pdq.store import RequestStore, TenantPolicy
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import generation_pb2_grpc as gen_grpc
@@ -40,62 +41,9 @@ DEADLINE_SLACK_S = 0.5
 # A unary Generate's stream interval unless it sets one: its decode worker writes its tokens to
 # Redis every this many steps, and the gateway reads them as often (see stream_interval).
 UNARY_STREAM_INTERVAL = 16
-
-
-def rpc(method):
-    """Turns StatusError raised below a servicer method into the call's status."""
-    import functools
-    import inspect
-
-    if inspect.isasyncgenfunction(method):
-        @functools.wraps(method)
-        async def stream(self, request, context):
-            try:
-                async for item in method(self, request, context):
-                    yield item
-            except StatusError as exc:
-                note_refusal(exc)
-                await abort(context, exc)
-        return stream
-
-    @functools.wraps(method)
-    async def unary(self, request, context):
-        try:
-            return await method(self, request, context)
-        except StatusError as exc:
-            note_refusal(exc)
-            await abort(context, exc)
-    return unary
-
-
-REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
-            grpc.StatusCode.RESOURCE_EXHAUSTED}
-
-
-def note_refusal(exc: StatusError) -> None:
-    """Counts a request refused at the door (metric by reason, event on the call's span)."""
-    if exc.code not in REFUSALS:
-        return
-    reason = exc.reason or _forwarded_reason(exc) or exc.code.name
-    metrics.REJECTIONS.labels(reason).inc()
-    telemetry.event("rejected", {"pdq.reason": reason, "pdq.error": exc.message})
-
-
-def _forwarded_reason(exc: StatusError) -> str:
-    """The ErrorInfo reason of an error forwarded from the scheduler, if any."""
-    raw = dict(exc.trailing).get("grpc-status-details-bin")
-    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not raw:
-        return "QUEUE_FULL"
-    if not raw:
-        return ""
-    from google.rpc import error_details_pb2, status_pb2
-
-    status = status_pb2.Status.FromString(raw)
-    for detail in status.details:
-        info = error_details_pb2.ErrorInfo()
-        if detail.Unpack(info):
-            return info.reason
-    return ""
+# A call to the scheduler may ride out a Redis outage there (redis_outage_s); it waits this much
+# longer before the gateway calls the scheduler unreachable.
+SCHEDULER_MARGIN_S = 5.0
 
 
 class GenerationService(gen_grpc.GenerationServicer):
@@ -108,6 +56,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         self.limits = limits
         self.keys = keys
         self.follower: OutputFollower | None = None  # set when the server starts (it needs a loop)
+        self.stopping = False  # set when the gateway stops: calls it ends are not clients leaving
 
     # -- the request's life, shared by every RPC ------------------------------------------
 
@@ -136,13 +85,11 @@ class GenerationService(gen_grpc.GenerationServicer):
             spec.traceparent = telemetry.traceparent(span)
         try:
             resp = await self.scheduler.Submit(pb.SubmitRequest(spec=spec, idempotency_key=request.request_id),
-                                               timeout=10.0)
+                                               timeout=self.scheduler_timeout(context))
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT):
-                forward = tuple((k, v) for k, v in (exc.trailing_metadata() or ())
-                                if k in ("grpc-retry-pushback-ms", "grpc-status-details-bin"))
-                raise StatusError(exc.code(), exc.details(), forward) from None
-            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"scheduler unreachable: {exc.details()}") from None
+            raise scheduler_error(exc, "retry with the same request_id (a retry with it never runs the request "
+                                       "twice)" if request.request_id else "retry (set request_id to make "
+                                       "retries safe: without it a retry may run the request twice)") from None
         if span is not None:
             span.set_attribute("pdq.request_id", resp.request_id)
             if not resp.created:
@@ -161,6 +108,19 @@ class GenerationService(gen_grpc.GenerationServicer):
             raise StatusError(grpc.StatusCode.NOT_FOUND, f"no request {shown(request_id)}")
         return rid
 
+    def scheduler_timeout(self, context: grpc.aio.ServicerContext | None) -> float:
+        """How long a call to the scheduler may take: through a Redis outage it rides, within
+        the client's own deadline."""
+        timeout = self.config.redis_outage_s + SCHEDULER_MARGIN_S
+        remaining = context.time_remaining() if context is not None else None
+        return timeout if remaining is None else max(0.001, min(timeout, remaining))
+
+    def client_left(self, exc: BaseException | None) -> bool:
+        """Whether a call that ended before its request did ended because its client went away
+        (it cancelled or closed the call, or its deadline passed: gRPC cancels the handler), as
+        opposed to a failure of the gateway's own or the gateway stopping."""
+        return isinstance(exc, (asyncio.CancelledError, GeneratorExit)) and not self.stopping
+
     async def cancel_on_exit(self, rid: str, context: grpc.aio.ServicerContext) -> None:
         """The client went away (or its deadline passed) before the end: end the request too."""
         remaining = context.time_remaining()
@@ -170,7 +130,7 @@ class GenerationService(gen_grpc.GenerationServicer):
             return
         try:
             await self.scheduler.Cancel(pb.InternalCancelRequest(request_id=rid, reason="client disconnected"),
-                                        timeout=5.0)
+                                        timeout=self.scheduler_timeout(None))
         except grpc.aio.AioRpcError as exc:
             log.warning("cancel of %s after disconnect failed: %s", rid, exc.details())
 
@@ -179,11 +139,13 @@ class GenerationService(gen_grpc.GenerationServicer):
         message per output stream entry, i.e. the tokens a worker wrote at once (one, unless
         the request has a stream_interval)."""
         end = None
+        sent = offset  # the first token index the client has not got
+        left: BaseException | None = None  # what ended the call before the request ended
         span = telemetry.start("pdq.stream", attributes={"pdq.request_id": rid, "pdq.offset": offset})
         first = span is not None
         try:
             yield gen_pb.GenerateStreamResponse(request_id=rid)
-            async for event in follow(self.store, rid, follower=self.follower):
+            async for event in follow(self.store, self.follower, rid):
                 if event.state is not None:
                     end = event
                     break
@@ -196,15 +158,22 @@ class GenerationService(gen_grpc.GenerationServicer):
                                                         token_id=event.token_ids[skip],
                                                         token_ids=event.token_ids[skip:],
                                                         text="".join(event.texts[skip:]))
+                    sent = event.index + len(event.token_ids)
+            raise_for_end(end)
+            usage, timings = await usage_and_timings(self.store, rid, end)
+        except BaseException as exc:
+            left = exc
+            own = resumable(exc, f"resume with StreamResult(request_id={rid!r}, offset={sent})")
+            if own is not None:
+                raise own from None
+            raise
         finally:
             if end is not None:
                 telemetry.end(span, "end", event_attributes={"pdq.state": end.state.value})
             else:
-                telemetry.end(span, "closed", "stream closed before the request ended")
-            if end is None and cancel_on_close:
+                telemetry.end(span, "closed", f"stream closed before the request ended ({type(left).__name__})")
+            if end is None and cancel_on_close and self.client_left(left):
                 await asyncio.shield(self.cancel_on_exit(rid, context))
-        raise_for_end(end)
-        usage, timings = await usage_and_timings(self.store, rid, end)
         note_usage(usage, end)
         yield gen_pb.GenerateStreamResponse(request_id=rid, finish_reason=FINISH_REASONS.get(end.reason, 0),
                                             usage=usage, timings=timings)
@@ -216,19 +185,26 @@ class GenerationService(gen_grpc.GenerationServicer):
         # nobody watches a unary call's tokens arrive: the worker may write them in groups
         rid, _ = await self.submit(request, context, self.keys.authenticate(context), interval=UNARY_STREAM_INTERVAL)
         got = Collected()
+        left: BaseException | None = None
         span = telemetry.start("pdq.stream", attributes={"pdq.request_id": rid})
         try:
-            async for event in follow(self.store, rid, follower=self.follower):
+            async for event in follow(self.store, self.follower, rid):
                 got.add(event)
+            raise_for_end(got.end)
+            out = await response(self.store, rid, got)
+        except BaseException as exc:
+            left = exc
+            own = resumable(exc, f"fetch its result with GetResult(request_id={rid!r}) or StreamResult")
+            if own is not None:
+                raise own from None
+            raise
         finally:
             if got.end is not None:
                 telemetry.end(span, "end", event_attributes={"pdq.state": got.end.state.value})
             else:
-                telemetry.end(span, "closed", "call ended before the request")
-            if got.end is None:
+                telemetry.end(span, "closed", f"call ended before the request ({type(left).__name__})")
+            if got.end is None and self.client_left(left):
                 await asyncio.shield(self.cancel_on_exit(rid, context))
-        raise_for_end(got.end)
-        out = await response(self.store, rid, got)
         note_usage(out.usage, got.end)
         if telemetry.TRACE_CONTENT:
             telemetry.event("completion", telemetry.content_attributes(output=out.text))
@@ -251,11 +227,15 @@ class GenerationService(gen_grpc.GenerationServicer):
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"wait_ms: at most {MAX_WAIT_MS}, got {request.wait_ms}")
         rid = await self.resolve(self.keys.authenticate(context), request.request_id)
         got = Collected()
-        async for event in follow(self.store, rid, wait_ms=request.wait_ms):
-            got.add(event)
-        state = (await self.store.record(rid)).get("state", "")
-        out = gen_pb.GetResultResponse(request_id=rid, state=state, done=got.end is not None,
-                                       result=await response(self.store, rid, got))
+        try:
+            async for event in follow(self.store, self.follower, rid, wait_ms=request.wait_ms):
+                got.add(event)
+        except FollowerUnavailable as exc:
+            raise resumable(exc, f"call GetResult(request_id={rid!r}) again") from None
+        rec = await self.store.record_fields(rid, ("state", "client_request_id"))
+        out = gen_pb.GetResultResponse(request_id=rid, state=rec.get("state", ""), done=got.end is not None,
+                                       result=await response(self.store, rid, got),
+                                       client_request_id=rec.get("client_request_id", ""))
         if got.end is not None:
             out.error = got.end.error
         return out
@@ -269,16 +249,16 @@ class GenerationService(gen_grpc.GenerationServicer):
     @rpc
     async def Cancel(self, request: gen_pb.CancelRequest, context: grpc.aio.ServicerContext) -> gen_pb.CancelResponse:
         rid = await self.resolve(self.keys.authenticate(context), request.request_id)
-        return gen_pb.CancelResponse(state=await self.cancel(rid, "client"))
+        return gen_pb.CancelResponse(state=await self.cancel(rid, "client", context))
 
-    async def cancel(self, rid: str, reason: str) -> str:
+    async def cancel(self, rid: str, reason: str, context: grpc.aio.ServicerContext | None = None) -> str:
         """Cancels a request through the scheduler (idempotent; workers drop it at their next
         step and free its KV). -> its state after the call."""
         try:
-            resp = await self.scheduler.Cancel(pb.InternalCancelRequest(request_id=rid, reason=reason), timeout=10.0)
+            resp = await self.scheduler.Cancel(pb.InternalCancelRequest(request_id=rid, reason=reason),
+                                               timeout=self.scheduler_timeout(context))
         except grpc.aio.AioRpcError as exc:
-            code = exc.code() if exc.code() == grpc.StatusCode.NOT_FOUND else grpc.StatusCode.UNAVAILABLE
-            raise StatusError(code, exc.details()) from None
+            raise scheduler_error(exc, "retry (a cancel is idempotent)") from None
         return resp.state
 
 
@@ -330,12 +310,12 @@ def build_server(config: GatewayConfig) -> Server:
 
     async def start() -> None:
         await client.ping()
-        reader = redisconn.connect_async(config.redis_url, max_connections=1, outage_s=config.redis_outage_s)
-        service.follower = OutputFollower(reader, client)
+        service.follower = OutputFollower(config.redis_url, client, config.redis_outage_s, parse=Event)
         for tenant, policy in keys.tenants.items():  # the key file's tenant policies, for the scheduler
             await store.set_tenant_policy(tenant, TenantPolicy(**policy))
 
     async def stop() -> None:
+        service.stopping = True  # calls ended from here on end UNAVAILABLE, their requests untouched
         if service.follower is not None:
             await service.follower.close()
         await channel.close()

@@ -1,6 +1,7 @@
 """Pure validation of public requests: a GenerateRequest in, a RequestSpec out, or an
 INVALID_ARGUMENT that names the field. Nothing reaches Redis before this passes."""
 
+import hashlib
 import math
 import random
 import re
@@ -93,6 +94,20 @@ def check_request(req: gen_pb.GenerateRequest, limits: Limits) -> None:
                                          f"got {req.stream_interval}")
 
 
+def content_hash(req: gen_pb.GenerateRequest) -> str:
+    """A digest of what the client asked for: its prompt (text or token ids), its sampling
+    fields as sent (before the gateway fills defaults: a seed it picks, max_tokens) and its
+    tier. Deadlines, timeouts, the stream interval and the request id are how it is asked, not
+    what: they do not enter it. Two requests with one client request_id and different digests
+    are different requests (the scheduler refuses the second with ALREADY_EXISTS)."""
+    asked = gen_pb.GenerateRequest(prompt=req.prompt, prompt_token_ids=req.prompt_token_ids, tier=req.tier)
+    asked.sampling.CopyFrom(req.sampling)
+    asked.sampling.DiscardUnknownFields()
+    if not asked.sampling.ListFields():  # sampling {} asks for what no sampling does
+        asked.ClearField("sampling")
+    return hashlib.sha256(asked.SerializeToString(deterministic=True)).hexdigest()
+
+
 def build_spec(req: gen_pb.GenerateRequest, prompt_ids: list[int], tenant: str, request_id: str,
                now_ms: int, deadline_ms: int, limits: Limits, default_interval: int = 1) -> pb.RequestSpec:
     """default_interval: the stream interval when the request has none (0)."""
@@ -101,4 +116,5 @@ def build_spec(req: gen_pb.GenerateRequest, prompt_ids: list[int], tenant: str, 
     sampling = resolve_sampling(req.sampling, len(prompt_ids), limits)
     return pb.RequestSpec(request_id=request_id, tenant=tenant, tier=req.tier or limits.tiers[0],
                           prompt_token_ids=prompt_ids, sampling=sampling, arrival_ms=now_ms,
-                          deadline_ms=deadline_ms, stream_interval=req.stream_interval or default_interval)
+                          deadline_ms=deadline_ms, stream_interval=req.stream_interval or default_interval,
+                          content_hash=content_hash(req), client_request_id=req.request_id)

@@ -1,41 +1,62 @@
-"""The gateway's output follower on a real Redis: one XREAD for every followed stream."""
+"""The gateway's output follower on a real Redis: a few blocking XREADs serve every followed
+stream and every subscriber of one stream, and ride out Redis outages."""
 
 import asyncio
+import tempfile
 
+import pytest
 import redis.asyncio as aioredis
 
 from gateway import follower as follower_mod
-from gateway.follower import OutputFollower
+from gateway.follower import FollowerUnavailable, OutputFollower
+from gateway.results import Event, follow
+from pdq import redisconn
 from pdq.redis_server import RedisServer
+from pdq.store import RequestStore
 
 
-def clients(redis_server):
-    """(reader on a connection of its own, another client): what the gateway gives its follower."""
-    return (aioredis.Redis.from_url(redis_server.url, single_connection_client=True),
-            aioredis.Redis.from_url(redis_server.url))
-
-
-async def next_entry(sub, timeout: float = 10.0):
+async def next_batch(sub, timeout: float = 10.0):
     got = await asyncio.wait_for(sub.queue.get(), timeout)
     assert not isinstance(got, Exception), got
-    return got[1]
+    return [fields for _, fields in got]
 
 
-async def blocked_on_one_stream(redis_server, prefix):
-    """A follower whose XREAD is (about to be) blocked on stream `a` alone. -> (follower, other)"""
-    reader, other = clients(redis_server)
-    follower = OutputFollower(reader, other)
-    first = follower.subscribe(f"{prefix}:a")
-    await other.xadd(f"{prefix}:a", {"n": 1})
-    assert await next_entry(first) == {b"n": b"1"}
-    while not follower._reading:
+async def entries(sub, n: int, timeout: float = 10.0) -> list[dict]:
+    got: list[dict] = []
+    while len(got) < n:
+        got += await next_batch(sub, timeout)
+    return got
+
+
+async def reading(follower: OutputFollower) -> None:
+    """Until every reader with streams is blocked (or about to block) in its XREAD."""
+    while not all(r.reading for r in follower.readers if r.streams):
         await asyncio.sleep(0)
-    return follower, other
+
+
+def never_returns(monkeypatch) -> None:
+    """XREADs block for an hour: an entry gets through in time only if its reader is woken."""
+    monkeypatch.setattr(follower_mod, "HOT_BLOCK_MS", 3_600_000)
+    monkeypatch.setattr(follower_mod, "COLD_BLOCK_MS", 3_600_000)
+
+
+def reader_of(follower: OutputFollower, key: str):
+    return next(r for r in follower.readers if key.encode() in r.streams)
+
+
+@pytest.fixture
+def restartable():
+    """A durable redis-server on a fixed port and directory: stopped and started again under
+    the follower, its streams kept (AOF), as a production Redis restarts."""
+    server = RedisServer(directory=tempfile.mkdtemp(prefix="pdq-follower-"), durable=True)
+    server.start()
+    yield server
+    server.stop()
 
 
 async def test_every_stream_gets_its_entries_in_order(redis_server, prefix):
-    reader, other = clients(redis_server)
-    follower = OutputFollower(reader, other)
+    other = aioredis.Redis.from_url(redis_server.url)
+    follower = OutputFollower(redis_server.url, other)
     keys = [f"{prefix}:out:{i}" for i in range(20)]
     subs = [follower.subscribe(k) for k in keys]
     for step in range(5):  # like a decode step: one entry per stream in one round trip
@@ -44,63 +65,194 @@ async def test_every_stream_gets_its_entries_in_order(redis_server, prefix):
             pipe.xadd(key, {"i": step, "k": i})
         await pipe.execute()
     for i, sub in enumerate(subs):
-        got = [await next_entry(sub) for _ in range(5)]
-        assert got == [{b"i": str(s).encode(), b"k": str(i).encode()} for s in range(5)]
+        assert await entries(sub, 5) == [{b"i": str(s).encode(), b"k": str(i).encode()} for s in range(5)]
     for sub in subs:
         follower.unsubscribe(sub)
-    assert not follower.subs
+    assert follower.streams == 0
     await follower.close()
     await other.aclose()
 
 
 async def test_a_stream_followed_while_the_read_blocks_is_read_at_once(redis_server, prefix, monkeypatch):
+    other = aioredis.Redis.from_url(redis_server.url)
     # A blocked XREAD that nothing wakes would hold a new stream's entries for the whole block
     # time: with an hour, only the CLIENT UNBLOCK wake-up gets the entry through in time.
-    monkeypatch.setattr(follower_mod, "MAX_BLOCK_MS", 3_600_000)
-    follower, other = await blocked_on_one_stream(redis_server, prefix)
+    never_returns(monkeypatch)
+    follower = OutputFollower(redis_server.url, other, cold=1, hot=1)
+    follower.subscribe(f"{prefix}:idle")
+    first = follower.subscribe(f"{prefix}:a")
+    await other.xadd(f"{prefix}:a", {"n": 1})
+    assert await entries(first, 1) == [{b"n": b"1"}]
+    await reading(follower)  # the hot reader on a, the cold one on idle
     await other.xadd(f"{prefix}:b", {"n": 2})  # written before b is followed: read from the start
     second = follower.subscribe(f"{prefix}:b")
-    assert await next_entry(second) == {b"n": b"2"}
+    assert await entries(second, 1) == [{b"n": b"2"}]
+    await other.xadd(f"{prefix}:a", {"n": 3})  # and a, on the hot reader, goes on
+    assert await entries(first, 1) == [{b"n": b"3"}]
     await follower.close()
     await other.aclose()
 
 
-async def test_a_stream_followed_twice_is_left_to_the_second_caller(redis_server, prefix):
-    reader, other = clients(redis_server)
-    follower = OutputFollower(reader, other)
-    sub = follower.subscribe(f"{prefix}:x")
-    assert follower.subscribe(f"{prefix}:x") is None
-    follower.unsubscribe(sub)
-    assert follower.subscribe(f"{prefix}:x") is not None
+async def test_every_follower_of_one_stream_gets_all_of_it_however_late_it_joins(redis_server, prefix, monkeypatch):
+    # subscribers get their entries a few per event-loop turn, while the stream moves from its
+    # cold reader to a hot one and more entries come: each still sees every entry once, in order
+    monkeypatch.setattr(follower_mod, "WAKES_PER_TURN", 8)
+    other = aioredis.Redis.from_url(redis_server.url)
+    store = RequestStore(other, prefix)
+    follower = OutputFollower(redis_server.url, other)
+    key = store.keys.output("r1")
+
+    async def read_all() -> list[int]:
+        return [event.index async for event in follow(store, follower, "r1") if event.state is None]
+
+    early = [asyncio.create_task(read_all()) for _ in range(50)]
+    for i in range(3):
+        await other.xadd(key, {"i": i, "t": 7, "x": "a"})
+    while follower.streams == 0 or not any(s.last != b"0-0" for r in follower.readers for s in r.streams.values()):
+        await asyncio.sleep(0.01)  # the follower has read some of the stream: later followers join mid-way
+    late = [asyncio.create_task(read_all()) for _ in range(50)]
+    for i in range(3, 6):
+        await other.xadd(key, {"i": i, "t": 7, "x": "a"})
+    await other.xadd(key, {"done": "COMPLETED", "r": "length"})
+    got = await asyncio.wait_for(asyncio.gather(*early, *late), 30)
+    assert got == [list(range(6))] * 100  # every one from the first entry, none twice
+    assert follower.streams == 0  # the last to leave stops following it
     await follower.close()
     await other.aclose()
 
 
-async def test_a_failed_read_reaches_every_follower(prefix):
-    with RedisServer() as server:  # a private server, to stop under the follower
-        reader, other = clients(server)
-        follower = OutputFollower(reader, other)
-        sub = follower.subscribe(f"{prefix}:y")
-        await other.xadd(f"{prefix}:y", {"n": 1})
-        assert await next_entry(sub) == {b"n": b"1"}
-    got = await asyncio.wait_for(sub.queue.get(), 60)  # Redis is gone: the read fails, after retries
-    assert isinstance(got, Exception)
-    assert not follower.subs
+async def test_entries_keep_their_order_while_a_stream_moves_to_a_hot_reader(redis_server, prefix, monkeypatch):
+    # one entry per read and one subscriber per event-loop turn: the cold reader hands out the
+    # first entry over 500 turns while the later ones already wait in Redis for the hot reader
+    monkeypatch.setattr(follower_mod, "COUNT", 1)
+    monkeypatch.setattr(follower_mod, "WAKES_PER_TURN", 1)
+    other = aioredis.Redis.from_url(redis_server.url)
+    follower = OutputFollower(redis_server.url, other)
+    key = f"{prefix}:order"
+    for n in range(4):
+        await other.xadd(key, {"n": n})
+    subs = [follower.subscribe(key) for _ in range(500)]
+    want = [{b"n": str(n).encode()} for n in range(4)]
+    assert [await entries(sub, 4) for sub in subs] == [want] * 500
     await follower.close()
     await other.aclose()
 
 
-async def test_a_stale_reader_id_is_read_again(redis_server, prefix, monkeypatch):
-    # after redis-py reconnects the reader, CLIENT UNBLOCK of the old id wakes nothing: the
-    # follower stops trying, the XREAD returns at its block time, and the id is read anew
-    monkeypatch.setattr(follower_mod, "MAX_BLOCK_MS", 300)
-    follower, other = await blocked_on_one_stream(redis_server, prefix)
-    real_id = follower._reader_id
-    follower._reader_id = real_id + 10_000  # as if the connection had been replaced
-    second = follower.subscribe(f"{prefix}:b")
-    await other.xadd(f"{prefix}:b", {"n": 2})
-    assert await next_entry(second) == {b"n": b"2"}
-    while follower._reader_id != real_id:  # read again from the live connection
-        await asyncio.sleep(0.01)
+async def test_a_stream_moves_to_a_hot_reader_with_its_first_entry(redis_server, prefix):
+    # a token of a running request waits for an XREAD over the running streams only, not
+    # over every stream of a queued request
+    other = aioredis.Redis.from_url(redis_server.url)
+    follower = OutputFollower(redis_server.url, other)
+    waiting = [follower.subscribe(f"{prefix}:queued:{i}") for i in range(500)]
+    running = follower.subscribe(f"{prefix}:running")
+    assert reader_of(follower, f"{prefix}:running") in follower.cold
+    for n in range(3):
+        await other.xadd(f"{prefix}:running", {"n": n})
+        assert await entries(running, 1) == [{b"n": str(n).encode()}]
+        assert reader_of(follower, f"{prefix}:running") in follower.hot
+    assert sum(len(r.streams) for r in follower.hot) == 1
+    assert sum(len(r.streams) for r in follower.cold) == len(waiting)
     await follower.close()
+    await other.aclose()
+
+
+async def test_an_entry_that_does_not_parse_fails_its_own_streams_followers_only(redis_server, prefix):
+    other = aioredis.Redis.from_url(redis_server.url)
+    follower = OutputFollower(redis_server.url, other, cold=1, hot=1, parse=Event)
+    broken, fine = follower.subscribe(f"{prefix}:broken"), follower.subscribe(f"{prefix}:fine")
+    await other.xadd(f"{prefix}:broken", {"i": "not a number", "t": "7"})
+    await other.xadd(f"{prefix}:fine", {"i": 0, "t": "7", "x": "a"})
+    got = await asyncio.wait_for(broken.queue.get(), 10)
+    assert isinstance(got, FollowerUnavailable) and got.reason == "SERVER_ERROR"
+    assert "does not parse" in str(got)
+    (_, event), = await asyncio.wait_for(fine.queue.get(), 10)
+    assert isinstance(event, Event) and event.token_ids == [7]  # parsed once, by the follower
+    await other.xadd(f"{prefix}:fine", {"i": 1, "t": "8", "x": "b"})
+    (_, event), = await asyncio.wait_for(fine.queue.get(), 10)
+    assert event.index == 1
+    await follower.close()
+    await other.aclose()
+
+
+async def test_a_long_poll_returns_what_came_within_its_wait(redis_server, prefix):
+    other = aioredis.Redis.from_url(redis_server.url)
+    store = RequestStore(other, prefix)
+    follower = OutputFollower(redis_server.url, other)
+    await other.xadd(store.keys.output("r2"), {"i": 0, "t": 5, "x": "a"})
+    got = [event.index async for event in follow(store, follower, "r2", wait_ms=200)]
+    assert got == [0]  # no end yet: it stops at its wait
+    assert [event.index async for event in follow(store, follower, "r2", wait_ms=0)] == [0]
+    assert follower.streams == 0
+    await follower.close()
+    await other.aclose()
+
+
+async def test_connections_stay_bounded_however_many_follow(redis_server, prefix):
+    other = aioredis.Redis.from_url(redis_server.url)
+    follower = OutputFollower(redis_server.url, other)
+    before = (await other.info("clients"))["connected_clients"]
+    subs = [follower.subscribe(f"{prefix}:s{i % 200}") for i in range(2000)]
+    await other.xadd(f"{prefix}:s7", {"n": 1})
+    for sub in subs[7::200]:
+        assert await entries(sub, 1) == [{b"n": b"1"}]
+    assert (await other.info("clients"))["connected_clients"] <= before + len(follower.readers)
+    await follower.close()
+    await other.aclose()
+
+
+async def test_an_outage_shorter_than_the_window_pauses_the_stream_and_loses_nothing(restartable, prefix, monkeypatch):
+    never_returns(monkeypatch)  # only a wake to the new connection's id helps
+    client = redisconn.connect_async(restartable.url, outage_s=30)
+    follower = OutputFollower(restartable.url, client, outage_s=30, cold=1, hot=1)
+    follower.subscribe(f"{prefix}:idle")  # keeps the cold reader blocked in its XREAD
+    sub = follower.subscribe(f"{prefix}:a")
+    await client.xadd(f"{prefix}:a", {"n": 1})
+    assert await entries(sub, 1) == [{b"n": b"1"}]
+    await reading(follower)
+    old_ids = [r.client_id for r in follower.readers]
+    restartable.stop()
+    restartable.start()  # its AOF back: the stream as it was
+    await client.xadd(f"{prefix}:a", {"n": 2})
+    await client.xadd(f"{prefix}:a", {"n": 3})
+    assert await entries(sub, 2, timeout=30) == [{b"n": b"2"}, {b"n": b"3"}]  # nothing lost, nothing again
+    while not all(r.client_id not in (None, old) for r, old in zip(follower.readers, old_ids)):
+        await asyncio.sleep(0.01)  # the cold reader reconnects too (its XREAD failed)
+    await reading(follower)
+    second = follower.subscribe(f"{prefix}:b")  # its wake names the cold reader's new connection
+    await client.xadd(f"{prefix}:b", {"n": 4})
+    assert await entries(second, 1) == [{b"n": b"4"}]
+    await follower.close()
+    await client.aclose()
+
+
+async def test_past_the_window_each_subscription_ends_unavailable_and_the_follower_recovers(restartable, prefix):
+    client = redisconn.connect_async(restartable.url, outage_s=30)
+    follower = OutputFollower(restartable.url, client, outage_s=1.0)
+    sub = follower.subscribe(f"{prefix}:a")
+    await client.xadd(f"{prefix}:a", {"n": 1})
+    assert await entries(sub, 1) == [{b"n": b"1"}]
+    restartable.stop()
+    got = await asyncio.wait_for(sub.queue.get(), 30)
+    assert isinstance(got, FollowerUnavailable) and got.reason == "REDIS_UNAVAILABLE"
+    assert "Redis unreachable" in str(got)
+    assert follower.streams == 0
+    restartable.start()
+    again = follower.subscribe(f"{prefix}:a")  # the same follower, nothing restarted
+    assert again.start == b"0-0"
+    await client.xadd(f"{prefix}:a", {"n": 2})
+    assert await entries(again, 2, timeout=30) == [{b"n": b"1"}, {b"n": b"2"}]
+    await follower.close()
+    await client.aclose()
+
+
+async def test_closing_ends_every_subscription_as_the_gateway_stopping(redis_server, prefix):
+    other = aioredis.Redis.from_url(redis_server.url)
+    follower = OutputFollower(redis_server.url, other)
+    subs = [follower.subscribe(f"{prefix}:{i}") for i in range(3)]
+    await follower.close()
+    for sub in subs:
+        got = sub.queue.get_nowait()
+        assert isinstance(got, FollowerUnavailable) and got.reason == "GATEWAY_STOPPING"
+    late = follower.subscribe(f"{prefix}:x")
+    assert isinstance(late.queue.get_nowait(), FollowerUnavailable)
     await other.aclose()

@@ -84,7 +84,11 @@ class GenerationServicer:
     def GenerateStream(self, request, context):
         """Generates a completion and streams it token by token. The first message
         carries the request id; the last carries finish_reason and usage.
-        Closing the stream (or cancelling the call) cancels the request.
+        Closing the stream (or cancelling the call) cancels the request. When the
+        gateway cannot go on following it (Redis unreachable past its outage
+        window, the gateway stopping), the call ends UNAVAILABLE with a retry hint
+        and the request goes on: resume with StreamResult from the offset the
+        message names.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

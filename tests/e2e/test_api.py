@@ -39,6 +39,24 @@ def test_submit_by_client_request_id_is_idempotent_and_fetchable_by_it(client):
     assert client.get_result("job-42", wait_ms=30_000).request_id == a
 
 
+def test_a_request_id_reused_for_different_content_is_already_exists_and_the_first_request_keeps_it(client, cluster):
+    from pdq.client import OperatorClient
+
+    rid = client.submit("first content", max_tokens=3, request_id="reuse-1")
+    again = client.submit("first content", max_tokens=3, request_id="reuse-1")  # a true retry
+    assert again == rid
+    for changed in (dict(prompt="other content", max_tokens=3), dict(prompt="first content", max_tokens=4),
+                    dict(prompt="first content", max_tokens=3, tier="batch")):
+        with pytest.raises(grpc.RpcError) as err:
+            client.submit(changed.pop("prompt"), request_id="reuse-1", **changed)
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "'reuse-1'" in err.value.details() and "new request_id" in err.value.details()
+    done = client.get_result("reuse-1", wait_ms=30_000)
+    assert done.request_id == rid and done.client_request_id == "reuse-1" and done.state == "COMPLETED"
+    with OperatorClient(cluster.target, api_key=KEYS["ops"]) as op:
+        assert op.get_request(rid).client_request_id == "reuse-1"
+
+
 def test_stream_result_resumes_from_an_offset_without_repeats(client):
     rid = client.submit("resume me", max_tokens=10, ignore_eos=True)
     msgs = list(client.stream_result(rid, offset=6))

@@ -116,8 +116,8 @@ def check_request(plan: RequestPlan, out: Outcome, snap: Snapshot, reference: li
             found.append(_v("ends_exactly_once", plan, out, f"its stream ended {out.stream_end}, record {state}",
                             **summary))
     elif ends:
-        found.append(_v("ends_exactly_once", plan, out, f"{len(ends)} end entries, but the record says {state or 'nothing'}",
-                        ends=ends))
+        found.append(_v("ends_exactly_once", plan, out,
+                        f"{len(ends)} end entries, but the record says {state or 'nothing'}", ends=ends))
 
     # duplicated
     if len(out.rids) > 1:
@@ -137,7 +137,8 @@ def check_request(plan: RequestPlan, out: Outcome, snap: Snapshot, reference: li
         if broken:
             found.append(_v("stream_indices", plan, out, f"in its output stream, {broken}", runs=runs))
         if tokens != ref[:len(tokens)] or len(tokens) > plan.max_tokens:
-            found.append(_v("garbled", plan, out, f"tokens in Redis differ from the reference at {_diverge(tokens, ref)}",
+            found.append(_v("garbled", plan, out,
+                            f"tokens in Redis differ from the reference at {_diverge(tokens, ref)}",
                             tokens=tokens, reference=ref, **summary))
         if rec and int(rec.get("n_out") or 0) != len(tokens):
             found.append(_v("garbled", plan, out, f"n_out {rec.get('n_out')} but {len(tokens)} tokens in its stream"))
@@ -145,7 +146,8 @@ def check_request(plan: RequestPlan, out: Outcome, snap: Snapshot, reference: li
             found.append(_v("garbled", plan, out, f"COMPLETED with {len(tokens)} of {plan.max_tokens} tokens "
                             f"({rec.get('finish_reason')})"))
         if out.tokens and out.tokens != tokens[:len(out.tokens)]:
-            found.append(_v("garbled", plan, out, f"streamed tokens differ from Redis's at {_diverge(out.tokens, tokens)}",
+            found.append(_v("garbled", plan, out,
+                            f"streamed tokens differ from Redis's at {_diverge(out.tokens, tokens)}",
                             streamed=out.tokens, stored=tokens))
         if out.end_state and out.end_tokens != tokens:
             found.append(_v("garbled", plan, out, "GetResult's tokens differ from Redis's",

@@ -44,6 +44,9 @@ DROPPED_ENV = ("PDQ_AUTH_FILE", "PDQ_FAULTS", "PDQ_THREADS", "PDQ_BURST_THREADS"
 # KV slots (running sequences) per decode worker: fewer than the load's concurrency, so requests
 # queue and a cancel right after Submit finds its request QUEUED.
 DECODE_SLOTS = 6
+# Prefill workers corrupt a hand-off when signalled (pdq.faults), and hold each hand-off 25 ms in
+# TRANSFERRING, so that a cancel polling for the prefill phase can land in it.
+PREFILL_FAULTS = "kv_corrupt_on_signal,kv_delay_ms=25"
 CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 1000)]
 
@@ -171,7 +174,7 @@ class ChaosCluster:
             port = free_port(HOST)
             roles.append(Role(f"prefill-{i}", port, py + ["prefill_worker", *common, "--port", str(port),
                                                           "--worker-id", f"chaos-prefill-{i}"],
-                              dict(env, PDQ_FAULTS="kv_corrupt_on_signal"), logs / f"prefill-{i}.log"))
+                              dict(env, PDQ_FAULTS=PREFILL_FAULTS), logs / f"prefill-{i}.log"))
         for i in range(decode):
             port, kv_port = free_port(HOST), free_port(HOST)
             roles.append(Role(f"decode-{i}", port, py + ["decode_worker", *common, "--port", str(port),

@@ -57,8 +57,8 @@ def chaos(opts: ChaosOptions) -> tuple[dict, list]:
     texts, plans, schedule = prompts(), plan_requests(opts), plan_faults(opts)
     say(f"pdq chaos: {opts.requests} requests, concurrency {opts.concurrency}, seed {opts.seed}; faults: "
         + (", ".join(f"{k} {n}" for k, n in Counter(f.kind for f in schedule).items()) or "none") + f"; out {out}")
-    longest = [max((p.max_tokens for p in plans if p.prompt == i), default=0) for i in range(len(texts))]
-    references = greedy_reference(model_dir, texts, longest)
+    longest = max(p.max_tokens for p in plans)  # every prompt as long: one reference (cached) for most runs
+    references = greedy_reference(model_dir, texts, [longest] * len(texts))
     say(f"pdq chaos: reference outputs of {len(texts)} prompts computed in {time.monotonic() - started:.1f}s")
     load, injector, cluster, snap, load_s = asyncio.run(_run(opts, out, model_dir, texts, plans, schedule))
     violations = check_run(plans, load.outcomes, snap, references, load.stall.stalls, cluster.exits,
@@ -85,7 +85,11 @@ async def _run(opts: ChaosOptions, out: Path, model_dir: str, texts, plans, sche
         load = Load(cluster.target, plans, texts, injector, clock, opts.concurrency, opts.request_bound_s,
                     opts.stall_s, opts.seed)
         t0 = clock()
-        await load.run()
+        ticker = asyncio.create_task(_progress(load, injector, clock))
+        try:
+            await load.run()
+        finally:
+            ticker.cancel()
         load_s = clock() - t0
         say(f"pdq chaos: load done in {load_s:.1f}s; {len(injector.struck)} of {len(schedule)} faults struck")
         await injector.finish()
@@ -101,6 +105,14 @@ async def _run(opts: ChaosOptions, out: Path, model_dir: str, texts, plans, sche
     finally:
         await cluster.stop()
     return load, injector, cluster, snap, load_s
+
+
+async def _progress(load: Load, injector: Injector, clock, every_s: float = 15.0) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        ended = sum(1 for o in load.outcomes if o.t_end)
+        say(f"pdq chaos: t={clock():.0f}s: {injector.started} requests started, {ended} ended; "
+            f"{len(injector.struck)} of {len(injector.schedule)} faults struck")
 
 
 async def _drain(client: redis.Redis, keys: Keys, rids: set[str], bound_s: float) -> None:

@@ -158,27 +158,29 @@ class Load:
         req = gen_pb.GenerateRequest(
             prompt=self.prompts[plan.prompt], request_id=plan.client_id, timeout_ms=plan.timeout_ms,
             sampling=gen_pb.SamplingParams(max_tokens=plan.max_tokens, temperature=0.0, ignore_eos=True))
-        side: list[asyncio.Task] = []
-        if plan.kind == "stream":
-            await self._stream(plan, out, gen, op, req, side)
-            if not out.rids:
-                out.not_accepted = out.calls[-1].details if out.calls else "no answer"
-                return
-        else:
-            resp = await self._unary(out, "Submit", lambda: gen.Submit(req, timeout=UNARY_TIMEOUT_S),
-                                     retry=(UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED))
-            if resp is None:
-                out.not_accepted = out.calls[-1].details if out.calls else "no answer"
-                return
-            self._accepted(out, resp.request_id, resp.created)
-            await self._after_accept(plan, out, gen, op, req)
-            if plan.cancel in ("queued", "prefill") or (plan.cancel == "decode" and plan.kind == "submit_get"):
-                await self._cancel_in_state(plan, out, gen)
-            if plan.kind == "submit_stream":
+        side: list[asyncio.Task] = []  # the duplicate submit, deadline move and cancel of a stream
+        try:
+            if plan.kind == "stream":
                 await self._stream(plan, out, gen, op, req, side)
-        for task in side:
-            await task
-        await self._final(out, gen)
+            else:
+                resp = await self._unary(out, "Submit", lambda: gen.Submit(req, timeout=UNARY_TIMEOUT_S),
+                                         retry=(UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED))
+                if resp is not None:
+                    self._accepted(out, resp.request_id, resp.created)
+                    await self._after_accept(plan, out, gen, op, req)
+                    if plan.cancel in ("queued", "prefill") or (plan.cancel == "decode" and plan.kind == "submit_get"):
+                        await self._cancel_in_state(plan, out, gen)
+                    if plan.kind == "submit_stream":
+                        await self._stream(plan, out, gen, op, req, side)
+            if not out.rids:
+                out.not_accepted = f"{out.calls[-1].code}: {out.calls[-1].details}" if out.calls else "no answer"
+                return
+            for task in side:
+                await task
+            await self._final(out, gen)
+        finally:
+            for task in side:
+                task.cancel()
 
     def _accepted(self, out: Outcome, rid: str, created: bool | None = None) -> None:
         if not out.rids:
@@ -198,7 +200,7 @@ class Load:
             out.moves.append(move)
             resp = await self._unary(out, "SetDeadline", lambda: op.SetDeadline(
                 op_pb.SetDeadlineRequest(request_id=out.rid, timeout_ms=MOVED_TO_MS), timeout=UNARY_TIMEOUT_S))
-            move.code = "OK" if resp is not None else out.calls[-1].code
+            move.code = "OK" if resp is not None else _last(out, "SetDeadline").code
             move.deadline_ms = resp.deadline_ms if resp is not None else 0
 
     async def _stream(self, plan: RequestPlan, out: Outcome, gen, op, req, side: list) -> None:
@@ -291,7 +293,8 @@ class Load:
             resp = await self._unary(out, "GetResult", lambda: gen.GetResult(
                 gen_pb.GetResultRequest(request_id=out.rid, wait_ms=GET_WAIT_MS), timeout=GET_WAIT_MS / 1000 + 20))
             if resp is None:
-                raise GaveUp(f"GetResult failed: {out.calls[-1].code} {out.calls[-1].details}")
+                failed = _last(out, "GetResult")
+                raise GaveUp(f"GetResult failed: {failed.code} {failed.details}")
             out.note_rid(resp.request_id)
             if resp.done:
                 out.end_state, out.end_error = resp.state, resp.error
@@ -322,6 +325,11 @@ class Load:
     def _note(self, out: Outcome, method: str, exc: grpc.aio.AioRpcError) -> None:
         self.counts[(method, exc.code().name)] += 1
         out.calls.append(Call(method, exc.code().name, (exc.details() or "")[:300], round(self.clock(), 3)))
+
+
+def _last(out: Outcome, method: str) -> Call:
+    """The last failed call of `method` (other calls of the request may have failed since)."""
+    return next(c for c in reversed(out.calls) if c.method == method)
 
 
 def monotonic_clock():

@@ -80,7 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     faults.add_argument("--no-faults", action="store_true",
                         help="no fault unless a flag below asks for it: the same load on a healthy cluster")
     faults.add_argument("--worker-kills", type=int,
-                        help=f"SIGKILL + restart of a worker, prefill and decode alike (default {FULL['worker_kills']})")
+                        help="SIGKILL + restart of a worker, prefill and decode alike "
+                             f"(default {FULL['worker_kills']})")
     faults.add_argument("--redis-restarts", type=int,
                         help=f"SIGKILL of Redis, restarted on its AOF (default {FULL['redis_restarts']})")
     faults.add_argument("--redis-down-s", type=float,

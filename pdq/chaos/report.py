@@ -24,10 +24,13 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
-def cancelled_in(rec: dict) -> str:
-    """The state a CANCELLED request was cancelled in, from its record's timestamps."""
+def cancelled_in(rec: dict, seen: str = "") -> str:
+    """The phase a CANCELLED request was cancelled in: the state the load saw just before it
+    cancelled, else what its record's timestamps say."""
     if rec.get("state") != "CANCELLED":
         return f"after its end ({rec.get('state') or 'unknown'})"
+    if seen in ("QUEUED", "PREFILLING", "TRANSFERRING", "DECODING"):
+        return {"QUEUED": "queued", "DECODING": "decode"}.get(seen, "prefill")
     if not rec.get("dispatched_ms"):
         return "queued"
     if not rec.get("first_token_ms"):
@@ -57,7 +60,8 @@ def build(opts: ChaosOptions, plans: list[RequestPlan], outcomes: list[Outcome],
             "duplicate_submits": sum(p.duplicate for p in plans),
             "stream_resumes": sum(o.resumes for o in outcomes),
             "cancels": {"asked": len(asked), "by_how": dict(Counter(o.cancelled for o in asked)),
-                        "in_state": dict(Counter(cancelled_in(records.get(o.index, {})) for o in asked))},
+                        "in_state": dict(Counter(cancelled_in(records.get(o.index, {}), o.cancel_state)
+                                                 for o in asked))},
             "given_up": sum(1 for o in outcomes if o.abandoned),
         },
         "latency_ms": {
@@ -94,13 +98,14 @@ def summary(result: dict, violations: list[Violation]) -> str:
              f"requests: {r['planned']} planned, {r['accepted']} accepted; "
              + ", ".join(f"{k} {v}" for k, v in r["by_state"].items()),
              f"  kinds: {_pairs(r['by_kind'])}; deadlines: {_pairs(r['deadlines'])}; "
-             f"duplicate submits {r['duplicate_submits']}; stream resumes {r['stream_resumes']}; given up {r['given_up']}",
+             f"duplicate submits {r['duplicate_submits']}; stream resumes {r['stream_resumes']}; "
+             f"given up {r['given_up']}",
              f"  cancels: {r['cancels']['asked']} ({_pairs(r['cancels']['by_how'])}), "
              f"cancelled in: {_pairs(r['cancels']['in_state'])}",
              f"faults: {_pairs(result['faults']['by_kind']) or 'none'}; requests in flight when they struck: "
              f"{_in_flight(result['faults']['struck'])}",
-             f"latency of COMPLETED requests (client side): e2e p50 {lat['e2e_p50']:.0f} ms, p99 {lat['e2e_p99']:.0f} ms; "
-             f"TTFT p50 {lat['ttft_p50']:.0f} ms, p99 {lat['ttft_p99']:.0f} ms",
+             f"latency of COMPLETED requests (client side): e2e p50 {lat['e2e_p50']:.0f} ms, "
+             f"p99 {lat['e2e_p99']:.0f} ms; TTFT p50 {lat['ttft_p50']:.0f} ms, p99 {lat['ttft_p99']:.0f} ms",
              "statuses: " + ", ".join(f"{k} {v}" for k, v in result["statuses"].items() if not k.endswith(" OK")),
              "checks:"]
     for check, c in result["checks"].items():

@@ -18,7 +18,8 @@ def plan(**kw) -> RequestPlan:
 
 
 def entries(tokens: list[int], per: int = 1, end: str | None = "COMPLETED") -> list[dict]:
-    out = [{"i": str(i), "t": ",".join(map(str, tokens[i:i + per])), "x": "", "l": ""} for i in range(0, len(tokens), per)]
+    out = [{"i": str(i), "t": ",".join(map(str, tokens[i:i + per])), "x": "", "l": ""}
+           for i in range(0, len(tokens), per)]
     if end:
         out.append({"done": end, "r": "length" if end == "COMPLETED" else "x", "e": "", "u": ""})
     return out

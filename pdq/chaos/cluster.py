@@ -157,14 +157,15 @@ class RedisRole(Role):
 class ChaosCluster:
     """Redis, the scheduler, 2 prefill and 2 decode workers and the gateway (P/D disaggregated)."""
 
-    def __init__(self, out: Path, model_dir: str, clock, prefill: int = 2, decode: int = 2):
+    def __init__(self, out: Path, model_dir: str, clock, prefill: int = 2, decode: int = 2,
+                 extra_env: dict | None = None):
         self.out = out
         self.clock = clock  # seconds since the run started
         logs = out / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         self.redis = RedisRole(out / "redis", logs / "redis.log")
         env = {k: v for k, v in os.environ.items() if k not in DROPPED_ENV}
-        env.update(ROLE_ENV, PDQ_REDIS_URL=self.redis.url, PDQ_MODEL=model_dir)
+        env.update(ROLE_ENV, PDQ_REDIS_URL=self.redis.url, PDQ_MODEL=model_dir, **(extra_env or {}))
         py = [sys.executable, "-m"]
         common = ["--host", HOST]
         sched_port, gw_port = free_port(HOST), free_port(HOST)

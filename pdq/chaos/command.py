@@ -23,7 +23,7 @@ from pdq.chaos.cluster import HOST, ChaosCluster
 from pdq.chaos.faults import Injector
 from pdq.chaos.load import Load, monotonic_clock
 from pdq.chaos.options import ChaosOptions
-from pdq.chaos.plan import plan_faults, plan_requests, prompts
+from pdq.chaos.plan import longest, plan_faults, plan_requests, prompts
 from pdq.chaos.snapshot import read_leftovers, read_snapshot
 from pdq.keys import Keys
 
@@ -57,8 +57,7 @@ def chaos(opts: ChaosOptions) -> tuple[dict, list]:
     texts, plans, schedule = prompts(), plan_requests(opts), plan_faults(opts)
     say(f"pdq chaos: {opts.requests} requests, concurrency {opts.concurrency}, seed {opts.seed}; faults: "
         + (", ".join(f"{k} {n}" for k, n in Counter(f.kind for f in schedule).items()) or "none") + f"; out {out}")
-    longest = max(p.max_tokens for p in plans)  # every prompt as long: one reference (cached) for most runs
-    references = greedy_reference(model_dir, texts, [longest] * len(texts))
+    references = greedy_reference(model_dir, texts, [longest(i) for i in range(len(texts))])
     say(f"pdq chaos: reference outputs of {len(texts)} prompts computed in {time.monotonic() - started:.1f}s")
     load, injector, cluster, snap, load_s = asyncio.run(_run(opts, out, model_dir, texts, plans, schedule))
     violations = check_run(plans, load.outcomes, snap, references, load.stall.stalls, cluster.exits,
@@ -74,7 +73,7 @@ def chaos(opts: ChaosOptions) -> tuple[dict, list]:
 
 async def _run(opts: ChaosOptions, out: Path, model_dir: str, texts, plans, schedule):
     clock = monotonic_clock()
-    cluster = ChaosCluster(out, model_dir, clock)
+    cluster = ChaosCluster(out, model_dir, clock, extra_env=dict(item.split("=", 1) for item in opts.env))
     keys = Keys()
     try:
         say("pdq chaos: starting the cluster ...")

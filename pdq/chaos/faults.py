@@ -22,6 +22,7 @@ So every fault lands among requests in flight, however fast or slow the machine 
 """
 
 import asyncio
+import logging
 import os
 import signal
 from collections.abc import Callable
@@ -31,6 +32,8 @@ import redis.asyncio as aioredis
 
 from pdq.chaos.cluster import HOST, ChaosCluster, Role
 from pdq.chaos.plan import FaultPlan
+
+log = logging.getLogger("pdq.chaos")
 
 HEAL_TIMEOUT_S = 180.0  # a role not SERVING this long after its restart is reported, and the run goes on
 
@@ -83,23 +86,30 @@ class Injector:
                 self.load_waits_for = -1
 
     async def run(self) -> None:
-        for k, fault in enumerate(self.schedule):
-            if fault.kind != "kv_corrupt":
-                await self._heal()
+        """Strikes every fault; a failure of the injector itself is noted (`unhealed`), and the
+        load is never left waiting for it."""
+        try:
+            for k, fault in enumerate(self.schedule):
+                if fault.kind != "kv_corrupt":
+                    await self._heal()
+                async with self._progress:
+                    self.ready = k
+                    self._progress.notify_all()
+                    await self._progress.wait_for(lambda: self.started >= fault.trigger + self.lead
+                                                  or self.load_waits_for > k)
+                in_flight = self.in_flight()
+                struck = await self._strike(fault)
+                struck.in_flight = in_flight
+                self.struck.append(struck)
+                if struck.restarted_t or fault.kind == "redis_restart":
+                    asyncio.create_task(self._note_healed(struck))
+        except Exception as exc:  # a harness failure: reported, and the run goes on without the rest
+            log.exception("the fault injector failed")
+            self.unhealed.append(f"the fault injector failed after {len(self.struck)} fault(s): {exc!r}")
+        finally:
             async with self._progress:
-                self.ready = k
+                self.ready = len(self.schedule)
                 self._progress.notify_all()
-                await self._progress.wait_for(lambda: self.started >= fault.trigger + self.lead
-                                              or self.load_waits_for > k)
-            in_flight = self.in_flight()
-            struck = await self._strike(fault)
-            struck.in_flight = in_flight
-            self.struck.append(struck)
-            if struck.restarted_t or fault.kind == "redis_restart":
-                asyncio.create_task(self._note_healed(struck))
-        async with self._progress:
-            self.ready = len(self.schedule)
-            self._progress.notify_all()
         await self._heal()
 
     async def finish(self) -> None:
@@ -155,10 +165,12 @@ class Injector:
         SERVING (a worker still starting has no handler yet: the signal would kill it)."""
         workers = self.cluster.of_role("prefill")
         order = workers[fault.target % len(workers):] + workers[:fault.target % len(workers)]
-        while True:
+        give_up = self.clock() + HEAL_TIMEOUT_S
+        while self.clock() < give_up:
             for role in order:
                 if not role.down and role.alive() and await role.serving():
                     os.kill(role.pid, signal.SIGUSR1)
                     return Struck(fault.kind, role.name, fault.trigger, round(self.clock(), 2),
                                   detail="its next KV hand-off is corrupted")
             await asyncio.sleep(0.1)
+        raise RuntimeError(f"no prefill worker SERVING for {HEAL_TIMEOUT_S:.0f}s: cannot corrupt a hand-off")

@@ -31,6 +31,7 @@ class ChaosOptions:
     drain_s: float = 60.0  # after the load, how long every accepted request has to reach its end
     settle_s: float = 30.0  # then how long counters, leases, held sets and KV slots have to come back to zero
     keep_redis: bool = False  # keep Redis's AOF in the output directory
+    env: tuple[str, ...] = ()  # KEY=VALUE for every role's environment, over the chaos cluster's own
 
     def __post_init__(self) -> None:
         if self.requests < 1:
@@ -44,6 +45,9 @@ class ChaosOptions:
             raise ValueError(f"--cancels ({self.cancels}) must be at most --requests ({self.requests})")
         if not 0 < self.redis_down_s <= 25:  # within the roles' --redis-outage-s (30 s): an outage they ride through
             raise ValueError(f"--redis-down-s must be in (0, 25], got {self.redis_down_s}")
+        for item in self.env:
+            if "=" not in item or not item.partition("=")[0]:
+                raise ValueError(f"--env must be KEY=VALUE, got {item!r}")
         for name in ("stall_s", "request_bound_s", "drain_s", "settle_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
@@ -62,7 +66,7 @@ class ChaosOptions:
         for f in fields(cls):
             given = getattr(args, f.name, None)
             if given is not None:
-                values[f.name] = given
+                values[f.name] = tuple(given) if f.name == "env" else given
             elif f.name in preset:
                 values[f.name] = preset[f.name]
         return cls(**values)
@@ -105,3 +109,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--settle-s", type=float,
                      help="then how long queues, counters, leases and KV slots have to come back to zero (default 30)")
     run.add_argument("--keep-redis", action="store_true", default=None, help="keep Redis's AOF in --out")
+    run.add_argument("--env", action="append", metavar="KEY=VALUE",
+                     help="extra environment of every role, over the chaos cluster's own (e.g. PDQ_MAX_ATTEMPTS=5); "
+                          "repeatable")

@@ -20,6 +20,7 @@ DECODE_CANCEL_MAX_TOKENS = 64  # long enough that a cancel after a few tokens la
 GENEROUS_TIMEOUT_MS = 600_000  # a deadline no fault pushes a request past
 MOVED_TO_MS = 600_000  # where the operator moves a tight deadline (SetDeadline timeout_ms)
 MOVED_MAX_TOKENS = 384  # a request whose deadline moves runs well past its first deadline
+MOVED_PROMPTS = 4  # ... with one of the first prompts (only their references are that long)
 CANCEL_STATES = ("queued", "prefill", "decode")
 FAULT_KINDS = ("kill_prefill", "kill_decode", "kill_scheduler", "kill_gateway", "redis_restart", "conn_drop",
                "kv_corrupt")
@@ -60,6 +61,11 @@ class FaultPlan:
     delay_s: float = 0.0  # kills: restart after this long; redis_restart: down this long
 
 
+def longest(prompt: int) -> int:
+    """The most tokens any request asks of a prompt (what its reference needs)."""
+    return MOVED_MAX_TOKENS if prompt < MOVED_PROMPTS else max(*MAX_TOKENS, DECODE_CANCEL_MAX_TOKENS)
+
+
 def plan_requests(opts: ChaosOptions) -> list[RequestPlan]:
     rng = random.Random(f"requests-{opts.seed}")
     n = opts.requests
@@ -70,6 +76,7 @@ def plan_requests(opts: ChaosOptions) -> list[RequestPlan]:
         kind = rng.choice(KINDS if cancel in ("", "decode") else KINDS[1:])  # queued/prefill cancels need a Submit
         max_tokens = DECODE_CANCEL_MAX_TOKENS if cancel == "decode" else rng.choice(MAX_TOKENS)
         roll = rng.random()
+        prompt = rng.randrange(len(prompts()))
         deadline, timeout_ms = "none", 0
         if not cancel:  # a cancel's end is the cancel's: keep deadlines off it
             if roll < 0.15:
@@ -78,9 +85,9 @@ def plan_requests(opts: ChaosOptions) -> list[RequestPlan]:
                 deadline, timeout_ms = "tight", rng.randrange(20, 400)
             elif roll < 0.33:
                 deadline, timeout_ms = "moved", rng.randrange(1000, 2000)
-                max_tokens = MOVED_MAX_TOKENS
+                max_tokens, prompt = MOVED_MAX_TOKENS, prompt % MOVED_PROMPTS
         out.append(RequestPlan(
-            index=i, client_id=f"chaos-{opts.seed}-{i}", kind=kind, prompt=rng.randrange(len(prompts())),
+            index=i, client_id=f"chaos-{opts.seed}-{i}", kind=kind, prompt=prompt,
             max_tokens=max_tokens, deadline=deadline, timeout_ms=timeout_ms, cancel=cancel,
             cancel_after=rng.randrange(1, 6) if cancel == "decode" else 0,
             disconnect=cancel == "decode" and kind == "stream" and rng.random() < 0.5,

@@ -29,9 +29,14 @@ def greedy_reference(model_dir: str, prompts: tuple[str, ...], longest: list[int
 
 
 def _compute(model_dir: str, prompts: tuple[str, ...], longest: list[int]) -> list[list[int]]:
+    import torch
+
     from pdq.engine import LLMEngine, SamplingParams
     from pdq.model.tokenizer import load_tokenizer
 
+    # one thread: a prompt alone is too small to share, and spinning threads on a busy machine
+    # made it several times slower
+    torch.set_num_threads(1)
     tokenizer = load_tokenizer(model_dir)
     engine = LLMEngine.from_pretrained(model_dir, kv_budget_tokens=4096, max_seq_len=512)
     out = []

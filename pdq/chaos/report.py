@@ -63,6 +63,7 @@ def build(opts: ChaosOptions, plans: list[RequestPlan], outcomes: list[Outcome],
                         "in_state": dict(Counter(cancelled_in(records.get(o.index, {}), o.cancel_state)
                                                  for o in asked))},
             "given_up": sum(1 for o in outcomes if o.abandoned),
+            "attempts": dict(sorted(Counter(int(r.get("attempts") or 0) for r in records.values()).items())),
         },
         "latency_ms": {
             "e2e_p50": round(1000 * percentile([o.t_end - o.t_start for o in done], 50), 1),
@@ -99,7 +100,7 @@ def summary(result: dict, violations: list[Violation]) -> str:
              + ", ".join(f"{k} {v}" for k, v in r["by_state"].items()),
              f"  kinds: {_pairs(r['by_kind'])}; deadlines: {_pairs(r['deadlines'])}; "
              f"duplicate submits {r['duplicate_submits']}; stream resumes {r['stream_resumes']}; "
-             f"given up {r['given_up']}",
+             f"given up {r['given_up']}; attempts: {_pairs(r['attempts'])}",
              f"  cancels: {r['cancels']['asked']} ({_pairs(r['cancels']['by_how'])}), "
              f"cancelled in: {_pairs(r['cancels']['in_state'])}",
              f"faults: {_pairs(result['faults']['by_kind']) or 'none'}; requests in flight when they struck: "

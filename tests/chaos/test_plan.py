@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 from pdq.chaos.options import FULL, SHORT, ChaosOptions
-from pdq.chaos.plan import FIRST, LAST, MOVED_MAX_TOKENS, plan_faults, plan_requests, prompts
+from pdq.chaos.plan import FIRST, LAST, MOVED_MAX_TOKENS, longest, plan_faults, plan_requests, prompts
 from pdq.cli import build_parser
 
 
@@ -32,6 +32,7 @@ def test_the_goal_runs_faults_and_cancels_are_all_planned():
     assert all(r.kind != "stream" for r in reqs if r.cancel in ("queued", "prefill"))
     assert all(r.deadline == "none" for r in reqs if r.cancel)
     assert all(r.max_tokens == MOVED_MAX_TOKENS and 1000 <= r.timeout_ms < 2000 for r in reqs if r.deadline == "moved")
+    assert all(r.max_tokens <= longest(r.prompt) for r in reqs)  # the reference covers every request
     assert {r.kind for r in reqs} == {"stream", "submit_get", "submit_stream"}
     assert {r.deadline for r in reqs} == {"none", "generous", "tight", "moved"}
     assert 300 < sum(r.duplicate for r in reqs) < 700
@@ -57,10 +58,12 @@ def test_flags_beat_the_preset_and_no_faults_turns_every_fault_off():
     quiet = ChaosOptions.from_args(parser.parse_args(["chaos", "--short", "--no-faults", "--conn-drops", "1"]))
     assert quiet.faults == 1 and quiet.conn_drops == 1 and quiet.cancels == SHORT["cancels"]
     assert parser.parse_args(["chaos"]).func.__name__ == "_chaos"
+    env = ChaosOptions.from_args(parser.parse_args(["chaos", "--env", "PDQ_MAX_ATTEMPTS=5", "--env", "A=b=c"])).env
+    assert env == ("PDQ_MAX_ATTEMPTS=5", "A=b=c")
 
 
 @pytest.mark.parametrize("bad", [dict(requests=0), dict(cancels=10, requests=5), dict(redis_down_s=40),
-                                 dict(worker_kills=-1), dict(stall_s=0)])
+                                 dict(worker_kills=-1), dict(stall_s=0), dict(env=("NOEQUALS",))])
 def test_bad_options_are_refused_with_the_flag_named(bad):
     with pytest.raises(ValueError, match="--"):
         ChaosOptions(**bad)

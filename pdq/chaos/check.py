@@ -21,11 +21,12 @@ violations it found, each naming its requests and the evidence.
 
 from dataclasses import dataclass, field
 
+from pdq import request
 from pdq.chaos.plan import RequestPlan
 from pdq.chaos.record import Outcome
 from pdq.chaos.snapshot import Leftovers, Snapshot
 
-TERMINAL = {"COMPLETED", "CANCELLED", "TIMED_OUT", "FAILED", "REJECTED"}
+TERMINAL = {state.value for state in request.TERMINAL}
 CHECKS = ("ends_exactly_once", "lost", "duplicated", "garbled", "stream_indices", "unrequested_cancel",
           "unrequested_timeout", "unknown_internal", "unexpected_status", "stall", "leaks", "failed",
           "process_exits", "heal")

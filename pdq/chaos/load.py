@@ -4,8 +4,8 @@ careful real client would make it, recording everything its calls saw (`record.O
 - Every request carries its client request id, so any call can be retried: a Submit or a
   GenerateStream that failed UNAVAILABLE before it returned an id is sent again with the same id
   (it must come back as the same request); a stream that breaks UNAVAILABLE after it did is
-  resumed with StreamResult from the next token index, unless GetResult says the request ended
-  (a FAILED request also ends its stream UNAVAILABLE).
+  resumed with StreamResult from the next token index (a FAILED request's stream also ends
+  UNAVAILABLE: a resumed stream that ends so is over once GetResult says the request ended).
 - Cancels: right after Submit (queued), once GetResult shows PREFILLING/TRANSFERRING (prefill),
   after a few streamed tokens or once GetResult shows DECODING (decode); a stream's decode
   cancel either calls Cancel or closes the stream (the gateway cancels for a client that left).
@@ -24,6 +24,7 @@ from collections import Counter
 
 import grpc
 
+from pdq import request
 from pdq.chaos.cluster import CHANNEL_OPTIONS
 from pdq.chaos.faults import Injector
 from pdq.chaos.plan import MOVED_TO_MS, RequestPlan
@@ -34,7 +35,7 @@ from pdq.v1 import operator_pb2 as op_pb
 from pdq.v1 import operator_pb2_grpc as op_grpc
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
-TERMINAL = {"COMPLETED", "CANCELLED", "TIMED_OUT", "FAILED", "REJECTED"}
+TERMINAL = {state.value for state in request.TERMINAL}
 GET_WAIT_MS = 10_000
 UNARY_TIMEOUT_S = 30.0
 CHANNELS = 4
@@ -190,11 +191,8 @@ class Load:
             out.created.append(created)
 
     async def _after_accept(self, plan: RequestPlan, out: Outcome, gen, op, req) -> None:
-        """The retry of the same client id and the deadline move, once the request has an id."""
-        if plan.duplicate:
-            resp = await self._unary(out, "Submit", lambda: gen.Submit(req, timeout=UNARY_TIMEOUT_S))
-            if resp is not None:
-                self._accepted(out, resp.request_id, resp.created)
+        """The deadline move (at once: the first deadline is near) and the retry of the same
+        client id, once the request has an id."""
         if plan.deadline == "moved":
             move = Move(self.clock(), MOVED_TO_MS, "")
             out.moves.append(move)
@@ -202,6 +200,10 @@ class Load:
                 op_pb.SetDeadlineRequest(request_id=out.rid, timeout_ms=MOVED_TO_MS), timeout=UNARY_TIMEOUT_S))
             move.code = "OK" if resp is not None else _last(out, "SetDeadline").code
             move.deadline_ms = resp.deadline_ms if resp is not None else 0
+        if plan.duplicate:
+            resp = await self._unary(out, "Submit", lambda: gen.Submit(req, timeout=UNARY_TIMEOUT_S))
+            if resp is not None:
+                self._accepted(out, resp.request_id, resp.created)
 
     async def _stream(self, plan: RequestPlan, out: Outcome, gen, op, req, side: list) -> None:
         """GenerateStream (or StreamResult from the start, for submit_stream), resumed with

@@ -126,6 +126,8 @@ def check_request(plan: RequestPlan, out: Outcome, snap: Snapshot, reference: li
     if sum(out.created) > (0 if plan.kind == "stream" else 1):  # a stream's GenerateStream created it
         found.append(_v("duplicated", plan, out, f"Submit created it {sum(out.created)} time(s)"
                         + (" after GenerateStream did" if plan.kind == "stream" else ""), created=out.created))
+    if out.echoed_id and out.echoed_id != plan.client_id:
+        found.append(_v("duplicated", plan, out, f"GetResult says it was submitted as {out.echoed_id!r}"))
     mapped = snap.idem.get(plan.client_id)
     if out.rid and mapped and mapped != out.rid:
         found.append(_v("duplicated", plan, out, f"client id maps to {mapped} in Redis", mapped=mapped))

@@ -298,6 +298,7 @@ class Load:
                 failed = _last(out, "GetResult")
                 raise GaveUp(f"GetResult failed: {failed.code} {failed.details}")
             out.note_rid(resp.request_id)
+            out.echoed_id = resp.client_request_id
             if resp.done:
                 out.end_state, out.end_error = resp.state, resp.error
                 out.end_tokens = list(resp.result.token_ids)

@@ -37,6 +37,7 @@ class Outcome:
     end_state: str = ""  # the terminal state GetResult reported ("" = the client never learned one)
     end_tokens: list[int] = field(default_factory=list)  # GetResult's token ids at the end
     end_error: str = ""
+    echoed_id: str = ""  # the client request id GetResult said the request was submitted with
     cancelled: str = ""  # how the load cancelled it: rpc | disconnect | abandon ("" = never)
     cancel_state: str = ""  # its state (GetResult) just before the cancel
     cancel_answer: str = ""  # Cancel's answer: the state after the call

@@ -97,6 +97,9 @@ def test_one_client_id_with_two_request_ids_or_two_creations_is_duplicated():
     found = check_request(plan(kind="stream", duplicate=True), seen(created=[True]), completed(), REF)
     assert checks(found) == ["duplicated"] and "after GenerateStream" in found[0].message
     assert check_request(plan(kind="submit_get", duplicate=True), seen(created=[True, False]), completed(), REF) == []
+    found = check_request(plan(), seen(echoed_id="c-9"), completed(), REF)
+    assert checks(found) == ["duplicated"] and "'c-9'" in found[0].message
+    assert check_request(plan(), seen(echoed_id="c-0"), completed(), REF) == []
 
 
 def test_requests_in_redis_no_client_id_maps_to_are_duplicates():

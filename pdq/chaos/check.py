@@ -17,7 +17,11 @@ violations it found, each naming its requests and the evidence.
 - leaks: queues, counters, leases, held sets and deadlines empty; every KV slot free
 - failed: no request FAILED (the fault schedule always leaves a healthy worker of each role)
 - process_exits / heal: no process exited unasked; the cluster came back after every fault
+- thread_deaths: no thread of any role died ("Exception in thread" in its log): every loop
+  survives its dependencies failing, or takes its process down
 """
+
+import re
 
 from dataclasses import dataclass, field
 
@@ -29,7 +33,7 @@ from pdq.chaos.snapshot import Leftovers, Snapshot
 TERMINAL = {state.value for state in request.TERMINAL}
 CHECKS = ("ends_exactly_once", "lost", "duplicated", "garbled", "stream_indices", "unrequested_cancel",
           "unrequested_timeout", "unknown_internal", "unexpected_status", "stall", "leaks", "failed",
-          "process_exits", "heal")
+          "process_exits", "heal", "thread_deaths")
 # A TIMED_OUT request must have ended at or after its deadline; this much earlier is clock noise.
 DEADLINE_SLACK_MS = 500
 # How a stream's end maps to the request's state (other ends, e.g. UNAVAILABLE, say nothing of it).
@@ -242,9 +246,25 @@ def check_leaks(left: Leftovers, decode_workers: int, heartbeat_s: float = 0.5) 
     return found
 
 
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b")  # a traceback's last line
+
+
+def check_logs(logs: dict[str, str]) -> list[Violation]:
+    """A thread that died of an exception, in any role's log (its traceback's last line as evidence)."""
+    found = []
+    for name, text in sorted(logs.items()):
+        lines = text.splitlines()
+        for i, line in enumerate(lines):
+            if line.startswith("Exception in thread"):
+                end = next((lines[j] for j in range(i + 1, len(lines)) if EXCEPTION_LINE.match(lines[j])), "")
+                found.append(Violation("thread_deaths", f"{name}: {line.rstrip(':')}: {end}", [], {"log_line": i + 1}))
+    return found
+
+
 def check_run(plans: list[RequestPlan], outcomes: list[Outcome], snap: Snapshot, references: list[list[int]],
-              stalls: list[dict], exits: list, unhealed: list[str], decode_workers: int) -> list[Violation]:
-    """Every check. references: per prompt index, its greedy tokens."""
+              stalls: list[dict], exits: list, unhealed: list[str], decode_workers: int,
+              logs: dict[str, str] | None = None) -> list[Violation]:
+    """Every check. references: per prompt index, its greedy tokens; logs: each role's log."""
     found = []
     for plan, out in zip(plans, outcomes):
         found += check_request(plan, out, snap, references[plan.prompt])
@@ -256,4 +276,5 @@ def check_run(plans: list[RequestPlan], outcomes: list[Outcome], snap: Snapshot,
     found += [Violation("process_exits", f"{e.name} exited with status {e.code} at t={e.t}s, unasked (restarted)",
                         [], {"log_tail": e.log_tail}) for e in exits]
     found += [Violation("heal", u) for u in unhealed]
+    found += check_logs(logs or {})
     return found

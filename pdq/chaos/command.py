@@ -60,10 +60,11 @@ def chaos(opts: ChaosOptions) -> tuple[dict, list]:
     references = greedy_reference(model_dir, texts, [longest(i) for i in range(len(texts))])
     say(f"pdq chaos: reference outputs of {len(texts)} prompts computed in {time.monotonic() - started:.1f}s")
     load, injector, cluster, snap, load_s = asyncio.run(_run(opts, out, model_dir, texts, plans, schedule))
+    logs = {role.name: role.log.read_text(errors="replace") for role in cluster.roles if role.log.exists()}
     violations = check_run(plans, load.outcomes, snap, references, load.stall.stalls, cluster.exits,
-                           injector.unhealed, DECODE_WORKERS)
+                           injector.unhealed, DECODE_WORKERS, logs)
     result = report.build(opts, plans, load.outcomes, snap, injector.struck, load.counts, violations, load_s,
-                          time.monotonic() - started, out, cluster.exits)
+                          time.monotonic() - started, out, cluster.exits, logs)
     report.write(result, out / "chaos.json")
     report.write_outcomes(plans, load.outcomes, snap, out / "requests.jsonl")
     if not opts.keep_redis:

@@ -4,6 +4,7 @@ and a human summary (counts, faults, latencies, each check with its first violat
 import dataclasses
 import json
 import math
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -40,7 +41,7 @@ def cancelled_in(rec: dict, seen: str = "") -> str:
 
 def build(opts: ChaosOptions, plans: list[RequestPlan], outcomes: list[Outcome], snap: Snapshot,
           struck: list, statuses: Counter, violations: list[Violation], load_s: float, wall_s: float,
-          out_dir: Path, exits: list) -> dict:
+          out_dir: Path, exits: list, logs: dict[str, str] | None = None) -> dict:
     records = {o.index: snap.records.get(o.rid, {}) for o in outcomes if o.rid}
     by_state = Counter(records[o.index].get("state", "MISSING") if o.rid else "NOT_ACCEPTED" for o in outcomes)
     asked = [o for o in outcomes if o.cancelled in ("rpc", "disconnect")]
@@ -73,11 +74,28 @@ def build(opts: ChaosOptions, plans: list[RequestPlan], outcomes: list[Outcome],
         },
         "faults": {"by_kind": dict(Counter(s.kind for s in struck)), "struck": [dataclasses.asdict(s) for s in struck]},
         "process_exits": [dataclasses.asdict(e) for e in exits],
+        "log_errors": log_errors(logs or {}),
         "statuses": {f"{m} {c}": n for (m, c), n in sorted(statuses.items())},
         "checks": {c: {"ok": not per_check[c], "violations": per_check[c]} for c in CHECKS},
         "violations": [dataclasses.asdict(v) for v in violations],
         "out": str(out_dir),
     }
+
+
+LOG_LEVEL = re.compile(r" (ERROR|CRITICAL) (\S+): (.*)")
+IDS = re.compile(r"[0-9a-f]{32}|\d+(\.\d+)?")
+
+
+def log_errors(logs: dict[str, str]) -> dict:
+    """Per role, its ERROR and CRITICAL log lines by message (ids and numbers blanked), most first:
+    not violations by themselves (a failure logged and handled), but where to look."""
+    out = {}
+    for name, text in sorted(logs.items()):
+        seen = Counter(f"{m.group(1)} {m.group(2)}: {IDS.sub('N', m.group(3))[:160]}"
+                       for m in map(LOG_LEVEL.search, text.splitlines()) if m)
+        if seen:
+            out[name] = dict(seen.most_common(10))
+    return out
 
 
 def write(result: dict, path: Path) -> None:
@@ -107,6 +125,8 @@ def summary(result: dict, violations: list[Violation]) -> str:
              f"{_in_flight(result['faults']['struck'])}",
              f"latency of COMPLETED requests (client side): e2e p50 {lat['e2e_p50']:.0f} ms, "
              f"p99 {lat['e2e_p99']:.0f} ms; TTFT p50 {lat['ttft_p50']:.0f} ms, p99 {lat['ttft_p99']:.0f} ms",
+             "logged errors: " + ("; ".join(f"{role}: {sum(c.values())}" for role, c in result["log_errors"].items())
+                                  or "none"),
              "statuses: " + ", ".join(f"{k} {v}" for k, v in result["statuses"].items() if not k.endswith(" OK")),
              "checks:"]
     for check, c in result["checks"].items():

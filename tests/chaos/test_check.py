@@ -2,7 +2,7 @@
 
 import pytest
 
-from pdq.chaos.check import check_leaks, check_request, check_run, check_unasked, index_break, record_tokens
+from pdq.chaos.check import check_leaks, check_logs, check_request, check_run, check_unasked, index_break, record_tokens
 from pdq.chaos.cluster import Exit
 from pdq.chaos.plan import RequestPlan
 from pdq.chaos.record import Call, Move, Outcome
@@ -220,3 +220,19 @@ def test_the_whole_run_adds_stalls_exits_and_unhealed_faults():
                       ["not SERVING"], decode_workers=2)
     assert checks(found) == ["stall", "process_exits", "heal"]
     assert "gave up" in found[0].message and "decode-0 exited with status 1" in found[1].message
+
+
+def test_a_thread_that_died_in_a_roles_log_is_a_violation_and_a_handled_error_is_not():
+    log = """2026 decode worker ERROR pdq.decode: decode step failed; requeueing its sequences
+Traceback (most recent call last):
+redis.exceptions.ConnectionError: Connection closed by server.
+Exception in thread Thread-2:
+Traceback (most recent call last):
+  File "redis/client.py", line 1776, in run
+redis.exceptions.ConnectionError: Connection closed by server.
+"""
+    found = check_logs({"decode-0": log, "gateway": "2026 gateway INFO pdq: serving"})
+    assert checks(found) == ["thread_deaths"]
+    assert found[0].message == ("decode-0: Exception in thread Thread-2: "
+                                "redis.exceptions.ConnectionError: Connection closed by server.")
+    assert found[0].evidence == {"log_line": 4}

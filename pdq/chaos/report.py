@@ -135,7 +135,8 @@ def summary(result: dict, violations: list[Violation]) -> str:
         for v in shown:
             who = ", ".join(v.requests[:3]) + (" ..." if len(v.requests) > 3 else "")
             rid = v.evidence.get("request_id", "")
-            lines.append(f"      {who}{' (' + rid + ')' if rid else ''}: {v.message}"[:400])
+            head = f"{who}{' (' + rid + ')' if rid else ''}: " if who or rid else ""
+            lines.append(f"      {head}{v.message}"[:400])
         if c["violations"] > len(shown):
             lines.append(f"      ... and {c['violations'] - len(shown)} more (see chaos.json)")
     lines.append(f"result: {result['out']}/chaos.json; logs: {result['out']}/logs")

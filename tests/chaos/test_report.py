@@ -23,7 +23,8 @@ def test_a_cancel_is_placed_by_what_the_load_saw_else_by_the_records_timestamps(
     assert cancelled_in({"state": "CANCELLED"}) == "queued"
     assert cancelled_in({"state": "CANCELLED", "dispatched_ms": "1"}) == "prefill"
     assert cancelled_in({"state": "CANCELLED", "dispatched_ms": "1", "first_token_ms": "2"}) == "decode"
-    assert cancelled_in({"state": "CANCELLED", "dispatched_ms": "1", "first_token_ms": "2"}, "TRANSFERRING") == "prefill"
+    decoding = {"state": "CANCELLED", "dispatched_ms": "1", "first_token_ms": "2"}
+    assert cancelled_in(decoding, "TRANSFERRING") == "prefill"
     assert cancelled_in({"state": "COMPLETED"}, "DECODING") == "after its end (COMPLETED)"
 
 
@@ -60,4 +61,4 @@ def test_the_result_counts_states_cancels_faults_and_statuses_and_the_summary_na
     text = summary(result, violations)
     assert text.startswith("pdq chaos: FAILED: 1 violation(s)")
     assert all(check in text for check in CHECKS)
-    assert "c-2: never accepted" in text and "decode-0: 1" in text and str(Path(tmp_path)) in text
+    assert "      c-2: never accepted" in text and "decode-0: 1" in text and str(Path(tmp_path)) in text

@@ -9,6 +9,13 @@ schedule of faults kills and restarts every role and Redis, drops every Redis co
 corrupts KV hand-offs. Then a checker reads what the clients saw and what Redis holds and says
 whether anything was lost, duplicated, garbled, cancelled or timed out unasked, stalled or leaked.
 
+    pdq chaos                        # the goal run: 5,000 requests, 84 faults (10-20 min on 2 busy cores)
+    pdq chaos --short                # the short run `make test` makes (tests/chaos), about a minute
+    pdq chaos --short --no-faults    # the same load on a cluster left alone: the harness's own check
+    pdq chaos --seed 7 --out DIR     # another seed; DIR/chaos.json, DIR/requests.jsonl, DIR/logs/
+
+Exit status 1 when any check fails; chaos.json has every violation with its evidence.
+
 Modules, one idea each:
   options    the flags and their validated form (the goal run's scale by default, --short)
   plan       the seeded plan: prompts, what each request does, the fault schedule (pure)

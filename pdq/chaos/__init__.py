@@ -9,7 +9,7 @@ schedule of faults kills and restarts every role and Redis, drops every Redis co
 corrupts KV hand-offs. Then a checker reads what the clients saw and what Redis holds and says
 whether anything was lost, duplicated, garbled, cancelled or timed out unasked, stalled or leaked.
 
-    pdq chaos                        # the goal run: 5,000 requests, 84 faults (10-20 min on 2 busy cores)
+    pdq chaos                        # the goal run: 5,000 requests, 84 faults (7-20 min on 2 shared cores)
     pdq chaos --short                # the short run `make test` makes (tests/chaos), about a minute
     pdq chaos --short --no-faults    # the same load on a cluster left alone: the harness's own check
     pdq chaos --seed 7 --out DIR     # another seed; DIR/chaos.json, DIR/requests.jsonl, DIR/logs/

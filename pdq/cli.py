@@ -73,6 +73,12 @@ def _bench(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _chaos(args: argparse.Namespace) -> int:
+    from pdq.chaos.command import run
+
+    return run(args)
+
+
 ROLES = {"gateway": "gateway", "scheduler": "scheduler", "prefill": "prefill_worker", "decode": "decode_worker"}
 
 
@@ -143,6 +149,18 @@ def build_parser() -> argparse.ArgumentParser:
                                        "and to baselines; report tokens/s, TTFT/ITL/e2e percentiles and goodput.")
     add_bench_arguments(bench)
     bench.set_defaults(func=_bench)
+
+    from pdq.chaos.options import add_arguments as add_chaos_arguments
+
+    chaos = sub.add_parser("chaos", help="pdq's chaos suite: kill every role and Redis under a seeded load, then "
+                                         "check that every request ended exactly once",
+                           description="Start a cluster of separate processes on a durable private Redis, run a "
+                                       "seeded load through the public API while killing and restarting every role "
+                                       "and Redis, dropping Redis connections and corrupting KV hand-offs, then "
+                                       "check: nothing lost, duplicated, garbled, cancelled or timed out unasked, "
+                                       "stalled or leaked; no UNKNOWN/INTERNAL. Exit status 1 when a check fails.")
+    add_chaos_arguments(chaos)
+    chaos.set_defaults(func=_chaos)
 
     from pdq.cli_operator import add_parsers as add_operator_parsers
 

@@ -78,40 +78,57 @@ class _Outages:
 OUTAGES = _Outages()
 
 
-def _delay(backoff: ExponentialWithJitterBackoff, failures: int, left: float) -> float:
-    return max(0.0, min(left, backoff.compute(failures - 1) if failures > 1 else 0.0))
+class _Window:
+    """One command's retries: after each failure, how long to wait before the next try, or the
+    error again once `outage_s` have passed since the first failure (the first retry is at once:
+    a broken pooled socket)."""
+
+    def __init__(self, outage_s: float, backoff: ExponentialWithJitterBackoff):
+        self.outage_s, self.backoff = outage_s, backoff
+        self.failures, self.first = 0, 0.0
+
+    def succeeded(self) -> None:
+        if self.failures:
+            OUTAGES.recovered()
+
+    def failed(self, error: BaseException) -> float:
+        """-> seconds to wait before the next try; raises `error` when the window is spent."""
+        self.failures += 1
+        now = time.monotonic()
+        self.first = self.first or now
+        left = self.outage_s - (now - self.first)
+        if left <= 0:
+            raise error
+        if self.failures == 1:
+            return 0.0
+        OUTAGES.failed(error)
+        return max(0.0, min(left, self.backoff.compute(self.failures - 1)))
+
+
+def _supported() -> tuple[type[BaseException], ...]:
+    return (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
 class RideRetry(Retry):
-    """redis-py's Retry bounded by time instead of a count: retries a failed command for up to
-    `outage_s` from its first failure (the first retry at once: a broken pooled socket)."""
+    """redis-py's Retry bounded by time instead of a count (`_Window`)."""
 
     def __init__(self, outage_s: float):
         super().__init__(ExponentialWithJitterBackoff(base=RETRY_BASE_S, cap=RETRY_CAP_S), -1,
-                         supported_errors=(redis.ConnectionError, redis.TimeoutError, OSError))
+                         supported_errors=_supported())
         self.outage_s = outage_s
 
     def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
-        failures, first = 0, None
+        window = _Window(self.outage_s, self._backoff)
         while True:
             try:
                 result = do()
-                if failures:
-                    OUTAGES.recovered()
+                window.succeeded()
                 return result
             except self._supported_errors as error:
                 if is_retryable and not is_retryable(error):
                     raise
-                failures += 1
-                fail(error, failures) if with_failure_count else fail(error)
-                now = time.monotonic()
-                first = first or now
-                left = self.outage_s - (now - first)
-                if left <= 0:
-                    raise
-                if failures > 1:
-                    OUTAGES.failed(error)
-                time.sleep(_delay(self._backoff, failures, left))
+                fail(error, window.failures + 1) if with_failure_count else fail(error)
+                time.sleep(window.failed(error))
 
 
 class AsyncRideRetry(AsyncRetry):
@@ -119,30 +136,21 @@ class AsyncRideRetry(AsyncRetry):
 
     def __init__(self, outage_s: float):
         super().__init__(ExponentialWithJitterBackoff(base=RETRY_BASE_S, cap=RETRY_CAP_S), -1,
-                         supported_errors=(redis.ConnectionError, redis.TimeoutError, OSError))
+                         supported_errors=_supported())
         self.outage_s = outage_s
 
     async def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
-        failures, first = 0, None
+        window = _Window(self.outage_s, self._backoff)
         while True:
             try:
                 result = await do()
-                if failures:
-                    OUTAGES.recovered()
+                window.succeeded()
                 return result
             except self._supported_errors as error:
                 if is_retryable and not is_retryable(error):
                     raise
-                failures += 1
-                await (fail(error, failures) if with_failure_count else fail(error))
-                now = time.monotonic()
-                first = first or now
-                left = self.outage_s - (now - first)
-                if left <= 0:
-                    raise
-                if failures > 1:
-                    OUTAGES.failed(error)
-                await asyncio.sleep(_delay(self._backoff, failures, left))
+                await (fail(error, window.failures + 1) if with_failure_count else fail(error))
+                await asyncio.sleep(window.failed(error))
 
 
 def _pool_kwargs(max_connections: int, outage_s: float, socket_timeout: float | None) -> dict[str, Any]:

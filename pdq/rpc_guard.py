@@ -167,53 +167,32 @@ def _guard(handler: grpc.RpcMethodHandler, method: str, ready: Callable[[], bool
         if isinstance(request, BadRequest):
             await refuse(context, request.error)
 
-    deserialize = _safe_deserializer(handler.request_deserializer)
-    if handler.unary_unary:
-        inner = handler.unary_unary
+    async def failed(exc: BaseException, context: grpc.aio.ServicerContext) -> None:
+        """Ends the call with the status `exc` stands for (an abort or a cancel passes as it is)."""
+        if _passes(exc):
+            raise exc
+        await refuse(context, status_of(exc, method))
 
-        async def unary_unary(request, context):
-            await check(request, context)
+    deserialize = _safe_deserializer(handler.request_deserializer)
+    if handler.unary_unary or handler.stream_unary:
+        inner = handler.unary_unary or handler.stream_unary
+
+        async def unary_response(request, context):
+            await check(request if handler.unary_unary else None, context)
             try:
                 return await inner(request, context)
             except BaseException as exc:
-                if _passes(exc):
-                    raise
-                await refuse(context, status_of(exc, method))
-        return grpc.unary_unary_rpc_method_handler(unary_unary, deserialize, handler.response_serializer)
-    if handler.unary_stream:
-        inner_us = handler.unary_stream
+                await failed(exc, context)
+        make = grpc.unary_unary_rpc_method_handler if handler.unary_unary else grpc.stream_unary_rpc_method_handler
+        return make(unary_response, deserialize, handler.response_serializer)
+    inner_stream = handler.unary_stream or handler.stream_stream
 
-        async def unary_stream(request, context):
-            await check(request, context)
-            try:
-                async for item in inner_us(request, context):
-                    yield item
-            except BaseException as exc:
-                if _passes(exc):
-                    raise
-                await refuse(context, status_of(exc, method))
-        return grpc.unary_stream_rpc_method_handler(unary_stream, deserialize, handler.response_serializer)
-    if handler.stream_unary:
-        inner_su = handler.stream_unary
-
-        async def stream_unary(request_iterator, context):
-            await check(None, context)
-            try:
-                return await inner_su(request_iterator, context)
-            except BaseException as exc:
-                if _passes(exc):
-                    raise
-                await refuse(context, status_of(exc, method))
-        return grpc.stream_unary_rpc_method_handler(stream_unary, deserialize, handler.response_serializer)
-    inner_ss = handler.stream_stream
-
-    async def stream_stream(request_iterator, context):
-        await check(None, context)
+    async def stream_response(request, context):
+        await check(request if handler.unary_stream else None, context)
         try:
-            async for item in inner_ss(request_iterator, context):
+            async for item in inner_stream(request, context):
                 yield item
         except BaseException as exc:
-            if _passes(exc):
-                raise
-            await refuse(context, status_of(exc, method))
-    return grpc.stream_stream_rpc_method_handler(stream_stream, deserialize, handler.response_serializer)
+            await failed(exc, context)
+    make = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
+    return make(stream_response, deserialize, handler.response_serializer)

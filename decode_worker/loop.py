@@ -32,7 +32,7 @@ from pdq.engine.sampling import SamplingParams, sample_each
 from pdq.faults import Faults
 from pdq.output_text import TextOutput
 from pdq.request import State
-from pdq.store import FAILURE, LOST, RequestStore, SentStep, StepItem, now_ms
+from pdq.store import FAILURE, LOST, Moved, RequestStore, SentStep, StepItem, now_ms
 from pdq.worker import IDLE_BEAT_S, ModelLoop
 
 log = logging.getLogger("pdq.decode")
@@ -120,7 +120,7 @@ class DecodeLoop(ModelLoop):
         """A received hand-off to decode, or the slot of a failed one to free (see kv_receive)."""
         self.inbox.put(item)
 
-    def arrive(self, item: Arrived, moved: bool | None = None) -> None:
+    def arrive(self, item: Arrived, moved: "Moved | bool | None" = None) -> None:
         """`add`, from the thread that runs this loop (a colocated worker's own hand-off): the
         sequence waits to join at the next step, without a trip through the inbox. `moved`:
         whether the request was moved to DECODING already (None: it is moved here)."""
@@ -162,7 +162,7 @@ class DecodeLoop(ModelLoop):
         oldest = (time.monotonic() - self.waiting[0].arrived) * 1000
         return max(0.001, self.strategy.wait_hint_ms(oldest) / 1000)
 
-    def _arrive(self, kv: Arrived | Discard, moved: bool | None = None) -> None:
+    def _arrive(self, kv: Arrived | Discard, moved: "Moved | bool | None" = None) -> None:
         if isinstance(kv, Discard):
             self.runner.free(kv.key)
             if kv.done.set_running_or_notify_cancel():  # False: the waiter gave up (cancelled)
@@ -200,6 +200,8 @@ class DecodeLoop(ModelLoop):
             self._end_span(seq, "dropped", reason="request ended during the KV hand-off")
             self._leave(seq)  # ended while in transit
             return
+        if isinstance(moved, Moved):  # the record's deadline: an operator may have moved it meanwhile
+            seq.deadline_ms = moved.deadline_ms
         self.waiting.append(seq)
 
     def _admit(self) -> None:

@@ -468,7 +468,9 @@ return requeue(ARGV[2], ARGV[6], ARGV[4], ARGV[8], {ARGV[5], ARGV[9], ARGV[10], 
 
 # ARGV: prefix, id, epoch, state, field1, value1, ...
 # Moving to DECODING ends the prefill lease (the decode worker's heartbeat covers it from then).
-# -> 1 when moved, 0 when the epoch is stale or the request ended
+# -> {1, deadline_ms} when moved (the record's deadline: an operator may have moved it since the
+# spec the worker holds was written, and a worker can miss that notice), 0 when the epoch is stale
+# or the request ended
 # Replay: writes the same state and fields again under the same epoch and answers 1 (the worker
 # that sent it waits for the reply, so nothing of this attempt moved it on meanwhile); if the
 # request ended or was requeued in between, it answers 0 as any late call would.
@@ -479,7 +481,7 @@ if not h[1] or TERMINAL[h[1]] or h[2] ~= ARGV[3] then return 0 end
 redis.call('HSET', rk, 'state', ARGV[4])
 for i = 5, #ARGV, 2 do redis.call('HSET', rk, ARGV[i], ARGV[i + 1]) end
 if ARGV[4] == 'DECODING' then redis.call('ZREM', key('leases'), ARGV[2]) end
-return 1
+return {1, redis.call('HGET', rk, 'deadline_ms') or '0'}
 """
 
 # ARGV: prefix, now, ttl, then per run 9 values (`pdq.store.StepArgs`):

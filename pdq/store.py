@@ -58,6 +58,19 @@ class StepItem:
 
 
 @dataclass(frozen=True)
+class Moved:
+    """A state transition that happened (truthy), with the request's deadline as its record has it
+    now (Unix ms, 0 = none): an operator may have moved it after the spec a worker holds was
+    written, and a worker can miss that notice (its listener was reconnecting)."""
+
+    deadline_ms: int
+
+
+def _moved(reply: Any) -> "Moved | bool":
+    return Moved(int(reply[1])) if isinstance(reply, list) and reply and int(reply[0]) else False
+
+
+@dataclass(frozen=True)
 class QueueLimits:
     """Admission bounds on queued work; tokens of a request = prompt + max_tokens."""
 
@@ -511,11 +524,12 @@ class RequestStore:
         return _then(self._run("requeue", args), lambda r: _str(r) if r else None)
 
     def transition(self, rid: str, epoch: int, state: State, **fields: Any) -> Any:
-        """Moves a live request of this epoch to `state`, setting fields. -> True when moved."""
+        """Moves a live request of this epoch to `state`, setting fields. -> Moved, or False
+        when the epoch is stale or the request ended."""
         args: list[Any] = [rid, epoch, state.value]
         for name, value in fields.items():
             args += [name, value]
-        return _then(self._run("transition", args), lambda r: bool(r))
+        return _then(self._run("transition", args), _moved)
 
     def step(self, items: list[StepItem]) -> Any:
         """Appends tokens / ends requests in one round trip. -> per item True (kept) / False (drop)."""
@@ -523,7 +537,7 @@ class RequestStore:
         return _then(self._run("step", step.args), step.kept)
 
     def step_and_transition(self, items: list[StepItem], moves: list[tuple[str, int, State, dict]]
-                            ) -> tuple[list[bool], list[bool]]:
+                            ) -> tuple[list[bool], list["Moved | bool"]]:
         """`step(items)`, then `transition(rid, epoch, state, **fields)` of each move, applied in
         that order in one round trip (sync client only): a colocated prefill's first tokens and
         the DECODING moves of the prompts its decode side takes. -> (step's kept, per move
@@ -545,7 +559,7 @@ class RequestStore:
                 replies[i] = self._run(*calls[i])
             elif isinstance(reply, Exception):
                 raise reply
-        return step.kept(replies[0]), [bool(r) for r in replies[1:]]
+        return step.kept(replies[0]), [_moved(r) for r in replies[1:]]
 
     def send_step(self, items: list[StepItem]) -> "SentStep":
         """`step` in two halves, sync client only: the command goes out now, on a connection of

@@ -4,7 +4,7 @@
 import pytest
 
 from pdq.request import State
-from pdq.store import QueueLimits, RequestStore, StepItem
+from pdq.store import Moved, QueueLimits, RequestStore, StepItem
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import internal_pb2 as pb
 
@@ -225,7 +225,7 @@ def test_transition_checks_epoch(store):
     store.submit(make_spec("r"))
     claim(store, "r")
     assert store.transition("r", 2, State.DECODING) is False
-    assert store.transition("r", 1, State.DECODING, decode_worker="d1") is True
+    assert store.transition("r", 1, State.DECODING, decode_worker="d1") == Moved(deadline_ms=0)
     rec = store.record("r")
     assert rec["state"] == "DECODING" and rec["decode_worker"] == "d1"
 
@@ -240,7 +240,7 @@ def test_first_tokens_and_decoding_moves_go_in_one_round_trip_in_order(store):
     kept, moved = store.step_and_transition(
         [StepItem("a", 1, 0, 7, "x"), StepItem("b", 1, 0, 8, "y"), StepItem("c", 1, 0, 9, "z")],
         [("a", 1, State.DECODING, {"decode_worker": "d:1"}), ("c", 1, State.DECODING, {"decode_worker": "d:1"})])
-    assert kept == [True, True, False] and moved == [True, False]
+    assert kept == [True, True, False] and moved == [Moved(deadline_ms=0), False]
     assert store.record("a")["state"] == "DECODING" and store.record("a")["decode_worker"] == "d:1"
     assert store.record("b")["state"] == "PREFILLING"  # not asked to move
     assert tokens(store, "a") == [(0, 7, "x")] and tokens(store, "c") == []
@@ -252,5 +252,5 @@ def test_step_and_transition_on_a_redis_without_the_scripts_runs_each_once(store
     store.client.script_flush()
     kept, moved = store.step_and_transition([StepItem("r", 1, 0, 7, "x")],
                                             [("r", 1, State.DECODING, {"decode_worker": "d:1"})])
-    assert (kept, moved) == ([True], [True])
+    assert (kept, moved) == ([True], [Moved(deadline_ms=0)])
     assert tokens(store, "r") == [(0, 7, "x")] and store.record("r")["state"] == "DECODING"

@@ -290,3 +290,24 @@ def test_the_decode_loop_takes_a_deadline_moved_while_its_listener_was_away(redi
     finally:
         rig.loop.stop()
         redis_client.acl_deluser(user)
+
+
+def test_a_deadline_moved_while_the_request_was_on_its_way_to_the_decode_worker_is_the_one_it_keeps(rig):
+    """The hand-off carries the spec as it was submitted; an operator's move meanwhile may have
+    been published before this worker held the request (or while its listener reconnected). The
+    move to DECODING answers the record's deadline, and that one is enforced."""
+    old = now_ms() + 60_000
+    arrived = rig.dispatch("moved", PROMPTS[1], 8, deadline_ms=old)
+    new = now_ms() + 900_000
+    assert rig.store.set_deadline("moved", new) == State.TRANSFERRING  # before the hand-off arrives
+    rig.cancels.deadlines.clear()  # as if the notice was lost: only the record knows
+    rig.loop.step_delay_s = 0.05
+    rig.loop.add(arrived)
+    rig.loop.start(ModelThread("test-decode"))
+    try:
+        wait_for("the sequence to take the record's deadline",
+                 lambda: getattr(rig.loop.running.get("moved") or next(iter(rig.loop.waiting), None),
+                                 "deadline_ms", None) == new)
+        wait_for("the request to complete", lambda: rig.record("moved")["state"] == "COMPLETED")
+    finally:
+        rig.loop.stop()

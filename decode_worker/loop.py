@@ -255,6 +255,7 @@ class DecodeLoop(ModelLoop):
             self.cancels.catch_up(self.store, [(s.rid, s.epoch) for s in self._held()])
         now = now_ms()
         ended: list[StepItem] = []
+        due: list[Sequence] = []
         for seq in self.waiting + list(self.running.values()):
             if seq.done:
                 continue
@@ -263,6 +264,12 @@ class DecodeLoop(ModelLoop):
                 self._end_span(seq, "dropped", reason="request ended elsewhere (cancelled, timed out or failed)")
                 self._leave(seq)
             elif seq.deadline_ms and now >= seq.deadline_ms:
+                due.append(seq)
+        for seq, deadline in zip(due, self.store.deadlines([s.rid for s in due]) if due else []):
+            if not deadline or deadline > now:  # moved by an operator; the notice did not reach us
+                self.cancels.note_deadline(seq.rid, deadline)
+                seq.deadline_ms = deadline
+            else:
                 ended += seq.held  # its tokens so far, then its end
                 ended.append(StepItem(seq.rid, seq.epoch, final_state=State.TIMED_OUT, finish_reason="timeout"))
                 self._end_span(seq, "timeout", "deadline exceeded during decode")

@@ -108,7 +108,7 @@ class CancelListener:
                 self._on_ended(data)
         elif channel == self.deadline_channel:
             rid, _, deadline = data.partition(" ")
-            self._on_deadline(rid, int(deadline))
+            self.note_deadline(rid, int(deadline))
 
     def _on_ended(self, rid: str) -> None:
         with self._lock:
@@ -117,7 +117,9 @@ class CancelListener:
             if len(self.ended) > 100_000:  # ids of requests we never held; bound the memory
                 self.ended.clear()
 
-    def _on_deadline(self, rid: str, deadline: int) -> None:
+    def note_deadline(self, rid: str, deadline: int) -> None:
+        """A deadline heard on the channel or read from the request's record: `deadline(rid)`
+        answers it from now on."""
         with self._lock:
             if len(self.deadlines) > 100_000:
                 self.deadlines.clear()
@@ -139,7 +141,7 @@ class CancelListener:
             if state is None or state.decode() in terminal or int(record_epoch or 0) != epoch:
                 self._on_ended(rid)
             elif deadline is not None:
-                self._on_deadline(rid, int(deadline))
+                self.note_deadline(rid, int(deadline))
 
     def deadline(self, rid: str, given_ms: int) -> int:
         """The request's deadline (Unix ms, 0 = none): the latest an operator set, else `given_ms`."""

@@ -591,6 +591,15 @@ class RequestStore:
         """The request record as {field: str}, with `spec` left as bytes; {} when unknown."""
         return _then(self.client.hgetall(self.keys.request(rid)), _record)
 
+    def deadlines(self, rids: list[str]) -> Any:
+        """The deadlines (Unix ms, 0 = none or unknown) the records of `rids` hold now, in one
+        round trip. A worker checks them before it times a request out: an operator may have
+        moved one and the worker missed the notice."""
+        pipe = self.client.pipeline(transaction=False)
+        for rid in rids:
+            pipe.hget(self.keys.request(rid), "deadline_ms")
+        return _then(pipe.execute(), lambda raw: [int(v or 0) for v in raw])
+
     def record_fields(self, rid: str, names: tuple[str, ...]) -> Any:
         """Some fields of the request record as {field: str}, those it has (no `spec` bytes)."""
         return _then(self.client.hmget(self.keys.request(rid), names),

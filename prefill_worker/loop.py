@@ -217,6 +217,10 @@ class PrefillLoop(ModelLoop):
             self._gaps_seen = self.cancels.gaps
             self.cancels.catch_up(self.store, [(j.rid, j.item.epoch) for j in pending])
         now = now_ms()
+        due = [job for job in pending if 0 < self.cancels.deadline(job.rid, job.item.spec.deadline_ms) <= now]
+        for job, deadline in zip(due, self.store.deadlines([j.rid for j in due]) if due else []):
+            if not deadline or deadline > now:  # moved by an operator; the notice did not reach us
+                self.cancels.note_deadline(job.rid, deadline)
         for job in pending:
             deadline = self.cancels.deadline(job.rid, job.item.spec.deadline_ms)
             if not job.started and not self._start(job):

@@ -311,3 +311,37 @@ def test_a_deadline_moved_while_the_request_was_on_its_way_to_the_decode_worker_
         wait_for("the request to complete", lambda: rig.record("moved")["state"] == "COMPLETED")
     finally:
         rig.loop.stop()
+
+
+def test_workers_reread_a_passed_deadline_from_the_record_before_they_time_a_request_out(rig, redis_client):
+    """A notice of a moved deadline can be lost (a listener reconnecting, a request not yet held).
+    Before a worker times a request out at the deadline it knows, it reads the record's: one
+    that an operator moved later keeps the request running, in prefill and in decode."""
+    soon = now_ms() + 300
+    later = now_ms() + 900_000
+    # prefill: a job whose spec says `soon`, the record `later`
+    prefill = PrefillLoop(rig.runner, rig.store, rig.cancels, rig.tokenizer, rig.eos, 256, 64)
+    spec = pb.RequestSpec(request_id="p", tenant="acme", tier="interactive", prompt_token_ids=PROMPTS[0],
+                          sampling=gen_pb.SamplingParams(max_tokens=4), deadline_ms=soon)
+    rig.store.submit(spec)
+    (claimed,) = rig.store.claim([("p", "decode-there")], "prefill-here")
+    redis_client.hset(rig.store.keys.request("p"), "deadline_ms", later)  # moved, and no notice sent
+    outcomes = {}
+    job = Job(pb.PrefillItem(spec=spec, epoch=claimed.epoch, decode_address="elsewhere:1"),
+              lambda outcome: outcomes.__setitem__("p", outcome))
+    wait_for("the spec's deadline to pass", lambda: now_ms() > soon)
+    live, chunks, _ = prefill.plan([job], 256)
+    assert live == [job] and len(chunks) == 1 and rig.record("p")["state"] == "PREFILLING"
+    rig.runner.free(job.key)
+    # decode: a running sequence whose known deadline passes while the record says `later`
+    arrived = rig.dispatch("d", PROMPTS[1], 40, deadline_ms=now_ms() + 300)
+    rig.loop.step_delay_s = 0.02
+    rig.loop.add(arrived)
+    rig.loop.start(ModelThread("test-decode"))
+    try:
+        wait_for("the sequence to run", lambda: "d" in rig.loop.running)
+        redis_client.hset(rig.store.keys.request("d"), "deadline_ms", later)
+        rig.loop.running["d"].deadline_ms = now_ms() - 1  # the deadline it knows has passed
+        wait_for("the request to complete", lambda: rig.record("d")["state"] == "COMPLETED")
+    finally:
+        rig.loop.stop()

@@ -26,6 +26,13 @@ log = logging.getLogger("pdq.prefill")
 PUSH_KV = "/pdq.v1.DecodeWorker/PushKV"
 
 
+def _resolve(fut: asyncio.Future, outcome: Outcome) -> None:
+    """A job's outcome for its call, unless the call went away (the scheduler cancelled it or
+    died): the attempt then waits for its prefill lease to expire, and runs again elsewhere."""
+    if not fut.done():
+        fut.set_result(outcome)
+
+
 class PrefillService(pb_grpc.PrefillWorkerServicer):
     def __init__(self, config: PrefillConfig):
         self.config = config
@@ -61,7 +68,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         for item in request.items:
             fut: asyncio.Future[Outcome] = aio_loop.create_future()
             futures.append(fut)
-            done = (lambda f: lambda outcome: aio_loop.call_soon_threadsafe(f.set_result, outcome))(fut)
+            done = (lambda f: lambda outcome: aio_loop.call_soon_threadsafe(_resolve, f, outcome))(fut)
             span = None
             if batch is not None:  # per request, in the request's trace, linked to the batch
                 span = telemetry.start("pdq.prefill", item.spec.traceparent, links=[batch.get_span_context()],

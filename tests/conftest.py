@@ -1,6 +1,7 @@
 """Shared fixtures: a private real Redis server per test session, a fresh key prefix per test."""
 
 import os
+import signal
 import uuid
 from pathlib import Path
 
@@ -13,6 +14,12 @@ from pdq.redis_server import RedisServer
 
 # One model cache for the whole run (built once, reused by every process the tests start).
 os.environ.setdefault("PDQ_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".venv" / "pdq-cache"))
+
+# A run started in the background by a non-interactive shell (`nohup make test &`, some CI
+# runners) ignores SIGINT, and every process it starts inherits that: the tests that press
+# Ctrl-C on a `pdq` command need it delivered, as at a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Property tests draw the same examples on every `make test` run, so a failure reproduces;
 # PDQ_HYPOTHESIS=explore draws new ones each run (use it to hunt, then pin what it finds).

@@ -50,7 +50,9 @@ def test_a_role_started_by_hand_serves_and_stops_on_sigterm(redis_server):
 
 def test_an_unreachable_redis_is_one_clear_line_without_the_password():
     url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"  # nothing listens there
-    out = subprocess.run(PDQ + ["scheduler", "--port", "0", "--redis-url", url, "--metrics-port", "-1"],
+    # a start rides a Redis outage of up to --redis-outage-s too, then gives up
+    out = subprocess.run(PDQ + ["scheduler", "--port", "0", "--redis-url", url, "--metrics-port", "-1",
+                                "--redis-outage-s", "2"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert "scheduler cannot reach Redis at redis://:***@127.0.0.1" in out.stderr

@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdq import liveness
+from pdq.model.arch import UnsupportedModelError
 from pdq.mtls import InternalTLS
 from pdq.rpc_guard import GuardInterceptor
 
@@ -168,6 +169,9 @@ def run_service(role: str, config_cls: type, build_server: Callable[[Any], Serve
     except redis.exceptions.ConnectionError as exc:  # at start: say what to fix, not a traceback
         log.error("%s cannot reach Redis at %s: %s (set --redis-url or PDQ_REDIS_URL)",
                   role, redact(config.redis_url), exc)
+        raise SystemExit(1) from None
+    except UnsupportedModelError as exc:  # a checkpoint this runtime cannot run: one line, what is unsupported
+        log.error("%s cannot run the model %s: %s", role, getattr(config, "model", "?"), exc)
         raise SystemExit(1) from None
     finally:
         telemetry.shutdown()  # export the spans still buffered

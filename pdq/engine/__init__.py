@@ -1,12 +1,13 @@
-"""The model runtime: our Llama forward, a slot KV pool, the runner, sampling and an in-process engine."""
+"""The model runtime: our Llama-family forward, a slot KV pool, the runner, sampling and an in-process engine."""
 
 from pdq.engine.batch_policy import BatchPolicy, Chunk, SeqView, StepPlan
 from pdq.engine.engine import Completion, LLMEngine
 from pdq.engine.kv_pool import KVPool, KVPoolFull, KVUsage
-from pdq.engine.llama import LlamaModel, LlamaSpec, UnsupportedModelError
+from pdq.engine.llama import LlamaModel
 from pdq.engine.runner import DecodeItem, ModelRunner, PrefillItem
 from pdq.engine.sampling import SamplingParams, sample
 from pdq.engine.sequence import Sequence
+from pdq.model.arch import ModelSpec, UnsupportedModelError
 
 __all__ = [
     "BatchPolicy",
@@ -18,8 +19,8 @@ __all__ = [
     "KVUsage",
     "LLMEngine",
     "LlamaModel",
-    "LlamaSpec",
     "ModelRunner",
+    "ModelSpec",
     "PrefillItem",
     "SamplingParams",
     "SeqView",

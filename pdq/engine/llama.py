@@ -1,11 +1,10 @@
-"""Our own Llama forward, with weights taken from a Hugging Face `LlamaForCausalLM` state dict.
+"""Our own Llama-family forward (Llama, Mistral, Qwen2, Qwen3: `pdq.model.arch`), with weights
+taken from a Hugging Face `*ForCausalLM` state dict.
 
 Padding-free: a forward takes the T token rows of one step (prefill chunks and decode tokens
 of many sequences, flattened) and reads/writes K/V in the pool through `AttnMetadata`.
 Projections are fused at load time (q|k|v, gate|up), as in nano-vllm.
 """
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -13,83 +12,11 @@ from torch import nn
 
 from pdq.engine.attention import AttnMetadata, attend
 from pdq.engine.layers import Linear, RotaryEmbedding, rms_norm, silu_and_mul
+from pdq.model.arch import ModelSpec, rope_params
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint's architecture or config uses a feature this runtime does not implement."""
-
-
-@dataclass(frozen=True)
-class LlamaSpec:
-    """The architecture facts the runtime needs, read and checked from an HF config."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    mlp_bias: bool
-    eos_token_ids: tuple[int, ...]
-
-    @classmethod
-    def from_hf_config(cls, config) -> "LlamaSpec":
-        """Raises UnsupportedModelError naming every unsupported feature of `config`."""
-        problems = []
-        model_type = getattr(config, "model_type", None)
-        if model_type != "llama":
-            problems.append(f"model_type={model_type!r} (only 'llama' is supported)")
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            problems.append(f"hidden_act={act!r} (only 'silu')")
-        rope_type = _rope_params(config).get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            problems.append(f"rope type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        if heads % kv_heads:
-            problems.append(f"num_attention_heads={heads} not a multiple of num_key_value_heads={kv_heads}")
-        if problems:
-            raise UnsupportedModelError("unsupported model config: " + "; ".join(problems))
-        eos = getattr(config, "eos_token_id", None)
-        eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-        return cls(
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            rms_norm_eps=config.rms_norm_eps,
-            max_position_embeddings=config.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(config, "attention_bias", False)),
-            mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            eos_token_ids=eos,
-        )
-
-
-def _rope_params(config) -> dict:
-    """RoPE settings from a transformers 5 (`rope_parameters`) or 4.x (`rope_scaling`) config."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    params = dict(params)
-    if "rope_type" not in params and "type" in params:
-        params["rope_type"] = params["type"]
-    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    return params
-
-
-def rope_inv_freq(config, spec: LlamaSpec) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(config, spec: ModelSpec) -> tuple[torch.Tensor, float]:
     """(inv_freq float32 [head_dim // 2], cos/sin scaling) exactly as HF computes them."""
-    params = _rope_params(config)
+    params = rope_params(config)
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         dim = spec.head_dim
@@ -108,7 +35,7 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 class LlamaLayer(nn.Module):
     """One decoder layer: pre-norm attention and pre-norm SwiGLU MLP, both residual."""
 
-    def __init__(self, spec: LlamaSpec, sd: dict[str, torch.Tensor], prefix: str):
+    def __init__(self, spec: ModelSpec, sd: dict[str, torch.Tensor], prefix: str):
         super().__init__()
         a, m = prefix + "self_attn.", prefix + "mlp."
 
@@ -117,8 +44,11 @@ class LlamaLayer(nn.Module):
             return Linear(w, torch.cat([sd[f"{n}.bias"] for n in names]) if bias else None)
 
         self.spec = spec
-        self.qkv = fused([a + "q_proj", a + "k_proj", a + "v_proj"], spec.attention_bias)
-        self.o = fused([a + "o_proj"], spec.attention_bias)
+        self.qkv = fused([a + "q_proj", a + "k_proj", a + "v_proj"], spec.qkv_bias)
+        self.o = fused([a + "o_proj"], spec.o_bias)
+        if spec.qk_norm:  # one RMSNorm over q and k heads together: [q_norm x num_heads | k_norm x kv_heads]
+            self.qk_norm = _param(torch.cat([sd[a + "q_norm.weight"].expand(spec.num_heads, -1),
+                                             sd[a + "k_norm.weight"].expand(spec.num_kv_heads, -1)]))
         self.gate_up = fused([m + "gate_proj", m + "up_proj"], spec.mlp_bias)
         self.down = fused([m + "down_proj"], spec.mlp_bias)
         self.in_norm = _param(sd[prefix + "input_layernorm.weight"])
@@ -131,13 +61,22 @@ class LlamaLayer(nn.Module):
         t = x.shape[0]
         qkv = self.qkv(rms_norm(x, self.in_norm, s.rms_norm_eps))
         # rotate q and k heads together: [T, q_heads + kv_heads, head_dim]
-        qk = RotaryEmbedding.apply(qkv[:, : self.q_size + self.kv_size].view(t, -1, s.head_dim), cos, sin)
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, s.head_dim)
+        if s.qk_norm:
+            qk = self._norm_heads(qk)
+        qk = RotaryEmbedding.apply(qk, cos, sin)
         q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, s.num_kv_heads, s.head_dim)
         o = attend(q, k, v, k_cache, v_cache, meta)
         x = x + self.o(o.reshape(t, self.q_size))
         h = silu_and_mul(self.gate_up(rms_norm(x, self.post_norm, s.rms_norm_eps)))
         return x + self.down(h)
+
+    def _norm_heads(self, qk: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of every head over head_dim, each q head with q_norm's weight, each k head with k_norm's."""
+        h = qk.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
+        return self.qk_norm * h.to(qk.dtype)
 
 
 class LlamaModel(nn.Module):
@@ -147,7 +86,7 @@ class LlamaModel(nn.Module):
     are copied (fused); embeddings and norms may alias the given tensors.
     """
 
-    def __init__(self, spec: LlamaSpec, sd: dict[str, torch.Tensor], inv_freq, rope_scaling, max_positions):
+    def __init__(self, spec: ModelSpec, sd: dict[str, torch.Tensor], inv_freq, rope_scaling, max_positions):
         super().__init__()
         self.spec = spec
         embed = sd["model.embed_tokens.weight"]
@@ -161,7 +100,7 @@ class LlamaModel(nn.Module):
     @classmethod
     def from_hf(cls, source, config, max_positions: int) -> "LlamaModel":
         """`source`: an HF LlamaForCausalLM or its state_dict; `config`: its HF config."""
-        spec = LlamaSpec.from_hf_config(config)
+        spec = ModelSpec.from_hf_config(config)
         sd = source if isinstance(source, dict) else source.state_dict()
         inv_freq, scaling = rope_inv_freq(config, spec)
         with torch.no_grad():

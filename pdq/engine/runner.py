@@ -14,7 +14,8 @@ import torch
 from pdq.engine import kv_order
 from pdq.engine.attention import AttnMetadata, PrefillChunk, additive_mask
 from pdq.engine.kv_pool import KVPool, KVUsage
-from pdq.engine.llama import LlamaModel, LlamaSpec
+from pdq.engine.llama import LlamaModel
+from pdq.model.arch import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -65,12 +66,8 @@ class ModelRunner:
         dtype: torch.dtype | None = None,
     ):
         config = model.config
-        spec = LlamaSpec.from_hf_config(config)
-        if max_seq_len > spec.max_position_embeddings:
-            raise ValueError(
-                f"max_seq_len={max_seq_len} exceeds the model's "
-                f"max_position_embeddings={spec.max_position_embeddings}"
-            )
+        spec = ModelSpec.from_hf_config(config)
+        spec.check_max_seq_len(max_seq_len)
         self.device = torch.device(device) if device is not None else default_device()
         self.dtype = dtype or default_dtype(self.device, getattr(config, "dtype", None))
         state = {
@@ -99,10 +96,11 @@ class ModelRunner:
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> "ModelRunner":
-        """Load a local HF Llama checkpoint directory. The config is checked before weights load."""
+        """Load a local HF checkpoint directory (`pdq.model.arch` lists the families). The config is
+        checked before the weights load."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        LlamaSpec.from_hf_config(AutoConfig.from_pretrained(path))  # fail fast, before the weights
+        ModelSpec.from_hf_config(AutoConfig.from_pretrained(path)).check_max_seq_len(max_seq_len)  # before the weights
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
         return cls(hf, kv_budget_tokens=kv_budget_tokens, max_seq_len=max_seq_len, device=device, dtype=dtype)
 

@@ -2,9 +2,7 @@
 
 import pytest
 import torch
-from transformers import GPT2Config, LlamaConfig
-
-from pdq.engine import LlamaSpec, ModelRunner, PrefillItem, UnsupportedModelError
+from pdq.engine import ModelRunner, PrefillItem
 
 from .conftest import TINY
 
@@ -66,14 +64,6 @@ def test_from_pretrained_checkpoint_dir(tmp_path, make_llama):
     ids = list(range(1, 30))
     runner.allocate(0)
     torch.testing.assert_close(runner.prefill([PrefillItem(0, ids)])[0], hf_logits(model, ids)[-1], atol=ATOL, rtol=0)
-
-
-def test_unsupported_configs_are_named():
-    with pytest.raises(UnsupportedModelError, match="model_type='gpt2'"):
-        LlamaSpec.from_hf_config(GPT2Config())
-    dynamic_rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
-    with pytest.raises(UnsupportedModelError, match="hidden_act='gelu'.*rope type 'dynamic'"):
-        LlamaSpec.from_hf_config(LlamaConfig(**{**TINY, "hidden_act": "gelu", "rope_parameters": dynamic_rope}))
 
 
 def test_max_seq_len_beyond_model_positions(make_runner, tiny_llama):

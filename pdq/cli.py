@@ -13,7 +13,7 @@ import sys
 import grpc
 
 from pdq import cpu
-from pdq.config import UP_COLOCATE_HELP, UP_CONTROL_POLICY_HELP
+from pdq.config import UP_COLOCATE_HELP, UP_SEPARATE_HELP, UP_CONTROL_POLICY_HELP
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 INTERRUPTED = 130  # the exit status after Ctrl-C, as a shell reports a command killed by SIGINT
@@ -22,8 +22,12 @@ INTERRUPTED = 130  # the exit status after Ctrl-C, as a shell reports a command 
 def _up(args: argparse.Namespace) -> int:
     from pdq.up import Cluster, run
 
+    if args.colocate and args.prefill is not None:
+        print("pdq up: --prefill starts prefill-only workers, which only --separate has (colocated workers "
+              "prefill themselves); add --separate, or leave --prefill out", file=sys.stderr)
+        return 2
     env = {"PDQ_KV_TRANSPORT": args.kv_transport} if args.kv_transport else {}
-    return run(Cluster(prefill=args.prefill, decode=args.decode, model=args.model, redis_url=args.redis_url,
+    return run(Cluster(prefill=1 if args.prefill is None else args.prefill, decode=args.decode, model=args.model, redis_url=args.redis_url,
                        port=args.port, durable=args.durable, mtls=args.mtls, colocate=args.colocate,
                        control_policy=args.control_policy, extra_env=env))
 
@@ -94,9 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start a whole local cluster (private Redis, all roles) and restart what exits")
-    up.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
-    up.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
-    up.add_argument("--colocate", action="store_true", help=UP_COLOCATE_HELP)
+    mode = up.add_mutually_exclusive_group()
+    mode.add_argument("--colocate", dest="colocate", action="store_true", default=True,
+                      help=UP_COLOCATE_HELP + " (the default)")
+    mode.add_argument("--separate", dest="colocate", action="store_false", help=UP_SEPARATE_HELP)
+    up.add_argument("--prefill", type=int, default=None, help="prefill workers, with --separate (default 1)")
+    up.add_argument("--decode", type=int, default=1,
+                    help="decode workers (default 1); colocated, each also prefills")
     up.add_argument("--control-policy", choices=cpu.POLICIES, default=os.environ.get("PDQ_UP_CONTROL_POLICY") or "batch",
                     help=UP_CONTROL_POLICY_HELP)
     up.add_argument("--model", default=os.environ.get("PDQ_MODEL", "builtin"),

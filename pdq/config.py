@@ -26,8 +26,11 @@ UP_CONTROL_POLICY_HELP = ("CPU policy of Redis, the scheduler and the gateway (p
                           "when a core frees up instead of preempting the model's threads when they wake; normal: as "
                           "any process")
 UP_COLOCATE_HELP = ("each decode worker also prefills, in the same process (decode_worker --colocate): one model and "
-                    "KV pool, prompt chunks and decode rows in one forward pass, no KV transfer; no prefill-only "
-                    "workers start (--prefill is ignored). For one machine, where the roles would share its cores")
+                    "KV pool, prompt chunks and decode rows in one forward pass, no KV transfer, no prefill-only "
+                    "workers. The most tokens/s where the roles share one machine's cores")
+UP_SEPARATE_HELP = ("prefill workers (--prefill) and decode workers as separate processes, the KV cache handed from "
+                    "one to the other (P/D disaggregation, as across machines): lower TTFT under load, fewer "
+                    "tokens/s on one machine")
 
 
 def _parse_bool(text: str) -> bool:

@@ -354,8 +354,8 @@ def run(cluster: Cluster) -> int:
         say(f"pdq up: {exc}")
         return 1
     say(f"pdq: cluster healthy in {time.monotonic() - started:.1f}s "
-        + (f"({cluster.decode} colocated prefill+decode worker(s))" if cluster.colocate
-           else f"({cluster.prefill} prefill, {cluster.decode} decode worker(s))"))
+        + (f"({cluster.decode} colocated prefill+decode worker(s); --separate for P/D disaggregation)"
+           if cluster.colocate else f"({cluster.prefill} prefill, {cluster.decode} decode worker(s))"))
     print(f"gateway: {cluster.target}", flush=True)
     if cluster.auth:
         say(f"API keys (the CLI finds them by itself for this port):\n"

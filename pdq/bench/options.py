@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pdq.bench.arrivals import Arrivals, parse_concurrency, parse_rates
 from pdq.bench.workload import WORKLOADS
 from pdq import cpu
-from pdq.config import UP_COLOCATE_HELP, UP_CONTROL_POLICY_HELP
+from pdq.config import UP_COLOCATE_HELP, UP_SEPARATE_HELP, UP_CONTROL_POLICY_HELP
 from pdq.request import MAX_STREAM_INTERVAL
 
 STRATEGIES = ("static", "dynamic", "continuous")
@@ -37,9 +37,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                        help="extra environment of every spawned process, e.g. PDQ_STRATEGY_BATCH_SIZE=8 (repeatable)")
     up = p.add_argument_group("the spawned cluster (as `pdq up`)")
-    up.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    up.add_argument("--prefill", type=int, default=1, help="prefill workers, with --separate (default 1)")
     up.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
-    up.add_argument("--colocate", action="store_true", help=UP_COLOCATE_HELP)
+    mode = up.add_mutually_exclusive_group()
+    mode.add_argument("--colocate", dest="colocate", action="store_true", default=True,
+                      help=UP_COLOCATE_HELP + " (the default)")
+    mode.add_argument("--separate", dest="colocate", action="store_false", help=UP_SEPARATE_HELP)
     up.add_argument("--control-policy", choices=cpu.POLICIES, default=os.environ.get("PDQ_UP_CONTROL_POLICY") or "batch",
                     help=UP_CONTROL_POLICY_HELP)
     up.add_argument("--model", default=os.environ.get("PDQ_MODEL", "builtin"),
@@ -108,7 +111,7 @@ class BenchOptions:
     model: str = "builtin"
     prefill: int = 1
     decode: int = 1
-    colocate: bool = False
+    colocate: bool = True  # as `pdq up`: one colocated worker per --decode
     control_policy: str = "batch"
     client_policy: str = "batch"
     stream_interval: int = 1

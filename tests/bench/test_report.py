@@ -109,6 +109,9 @@ def test_options():
     keyed = options("--target", "h:1", "--api-key", "k", "--tenant-key", "flood=f")
     assert keyed.api_key("flood") == "f" and keyed.api_key("steady") == "k"
     assert options("--baseline", "engine").loads == (Arrivals(),) and options("--spawn", "--repeat", "3").repeat == 3
+    # as `pdq up`: colocated workers unless --separate
+    assert options("--spawn").colocate and options("--spawn", "--colocate").colocate
+    assert not options("--spawn", "--separate").colocate
     for bad, match in ((["--spawn", "--target", "h:1"], "not both"), ([], "nothing to measure"),
                        (["--spawn", "--strategies", "fast"], "unknown fast"),
                        (["--target", "h:1", "--strategies", "a,b"], "one label"),

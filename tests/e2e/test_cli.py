@@ -39,12 +39,14 @@ def port_is_free(port: int) -> bool:
 
 
 @pytest.fixture
-def up(tmp_path):
-    """`pdq up` on a free port, its stderr (and its children's logs) in a file: -> (process, port, that file)."""
+def up(tmp_path, request):
+    """`pdq up` on a free port (plus the flags of an indirect parameter), its stderr (and its
+    children's logs) in a file: -> (process, port, that file)."""
     port = free_port()
     log = tmp_path / "up.log"
     with open(log, "w") as err:
-        proc = subprocess.Popen([*PDQ, "up", "--port", str(port)], stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen([*PDQ, "up", "--port", str(port), *getattr(request, "param", [])],
+                                stdout=subprocess.PIPE, stderr=err, text=True)
     line = proc.stdout.readline()  # printed once every role is healthy
     assert line.strip() == f"gateway: 127.0.0.1:{port}", log.read_text()[-3000:]
     yield proc, port, log
@@ -80,8 +82,11 @@ def wait_for(what: str, check, timeout_s: float = 120.0):
     return value
 
 
+@pytest.mark.parametrize("up", [[], ["--separate"]], indirect=True, ids=["default-colocated", "separate"])
 def test_up_generate_and_ctrl_c_leaves_nothing_behind(up):
     proc, port, log = up
+    separate = " prefill, " in log.read_text().split("cluster healthy", 1)[1].split("\n", 1)[0]
+    assert separate == (proc.args[-1] == "--separate")  # colocated unless told
     target = f"127.0.0.1:{port}"
     streamed = subprocess.run([*PDQ, "generate", "Hello", "--target", target, "--max-tokens", "8", "--ignore-eos"],
                               capture_output=True, text=True, timeout=60)
@@ -98,12 +103,20 @@ def test_up_generate_and_ctrl_c_leaves_nothing_behind(up):
     assert bad.returncode == 1 and bad.stdout == "" and "INVALID_ARGUMENT: sampling.temperature" in bad.stderr
 
     family = children_of(proc.pid)
-    assert len(family) >= 5  # redis, scheduler, prefill, decode, gateway
+    roles = {m for pid in family for m in ("scheduler", "prefill_worker", "decode_worker", "gateway")
+             if m in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")}
+    assert roles == {"scheduler", "decode_worker", "gateway"} | ({"prefill_worker"} if separate else set())
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 0
     assert gone(family)
     assert port_is_free(port)
     assert "Traceback" not in log.read_text()
+
+
+def test_up_refuses_prefill_workers_without_separate():
+    out = subprocess.run([*PDQ, "up", "--prefill", "2", "--port", str(free_port())],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "add --separate" in out.stderr and out.stdout == ""
 
 
 def test_gateway_never_imports_torch():

@@ -224,9 +224,19 @@ def run(args: argparse.Namespace) -> int:
         print()
         print("ratios at the same offered load (same run, same requests):")
         print(report.ratio_lines(rs))
+    roof = None
+    if opts.roofline:
+        from pdq.bench import roofline
+
+        say("pdq bench: timing the workload's matrix multiplies alone (the roofline) ...")
+        roof = roofline.measure(model_dir, workload)
+        print()
+        print(report.roofline_lines(runs, roof))
     sys.stdout.flush()
     if opts.json:
         doc = report.document(runs, config_json(opts, model_dir, workload), _command_line())
+        if roof is not None:
+            doc["roofline"] = {**roof.to_json(), "efficiency": report.efficiencies(runs, roof)}
         if opts.repeat > 1:
             doc["all_runs"] = bench.runs
         report.write_json(opts.json, doc)

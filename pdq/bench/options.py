@@ -85,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--json", default=None, metavar="FILE", help="write every run's numbers as JSON")
     out.add_argument("--plot", default=None, metavar="FILE.png", help="throughput-latency curves per strategy")
     out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    out.add_argument("--no-roofline", action="store_true",
+                     help="skip the matrix-multiply roofline (the workload's GEMMs alone, timed here after the runs; "
+                          "each run's efficiency is its tokens/s over the roofline's)")
 
 
 def _pairs(items: list[str], flag: str) -> dict[str, str]:
@@ -126,6 +129,7 @@ class BenchOptions:
     json: str | None = None
     plot: str | None = None
     progress: bool = True
+    roofline: bool = True
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> "BenchOptions":
@@ -172,7 +176,7 @@ class BenchOptions:
                    colocate=a.colocate, control_policy=a.control_policy, client_policy=a.client_policy,
                    stream_interval=a.stream_interval, redis_url=a.redis_url, env=env, api_keys=keys, warmup=a.warmup, repeat=a.repeat,
                    request_timeout=a.request_timeout, slo_ttft=a.slo_ttft, slo_itl=a.slo_itl, json=a.json,
-                   plot=a.plot, progress=not a.no_progress)
+                   plot=a.plot, progress=not a.no_progress, roofline=not getattr(a, "no_roofline", False))
 
     def api_key(self, tenant: str) -> str | None:
         """The key of `tenant`'s requests: its --tenant-key, else --api-key, else none."""

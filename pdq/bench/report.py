@@ -180,6 +180,20 @@ def ratio_lines(rs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def efficiencies(runs: list[dict], roof) -> dict[str, float]:
+    """"name @ offered" -> the run's tokens/s over the roofline's (`pdq.bench.roofline`)."""
+    rate = roof.output_tokens_per_s
+    return {f"{r['name']} @ {r['arrivals']}": round(r["output_tokens_per_s"] / rate, 3) if rate else 0.0
+            for r in runs}
+
+
+def roofline_lines(runs: list[dict], roof) -> str:
+    lines = [f"matrix-multiply roofline (the workload's GEMMs alone, timed here after the runs): "
+             f"{roof.output_tokens_per_s:.1f} output tok/s ({roof.seconds:.2f} s, {roof.passes} passes)"]
+    lines += [f"  {name}: {eff:.0%} of the roofline" for name, eff in efficiencies(runs, roof).items()]
+    return "\n".join(lines)
+
+
 def machine() -> dict:
     info = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
     if "torch" in sys.modules:

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-WORKLOADS = ("mixed", "uniform", "long-prompt", "multi-tenant")
+WORKLOADS = ("mixed", "uniform", "long-prompt", "multi-tenant", "shared-prefix")
+SHARED_PREFIX_TOKENS = 1000  # the shared-prefix workload's system prompt (less where max_model_len is short)
 RESERVED_IDS = frozenset({0, 1, 2})  # never in a prompt: bos/eos/pad of the built-in model (and many others)
 DEFAULT_TENANT = "default"
 
@@ -116,6 +117,14 @@ def build(name: str, vocab: Sequence[int], *, n: int | None = None, seed: int = 
         reqs = [request(i, rng.randint(max_model_len - 248, max_model_len - 96), rng.randint(16, 64), kind="long")
                 if i in long_at else request(i, rng.randint(16, 128), rng.randint(16, 128), kind="short")
                 for i in range(n)]
+    elif name == "shared-prefix":
+        # chat-like: every request opens with the same long system prompt, then a short unique part
+        system = tuple(rng.choice(vocab) for _ in range(min(SHARED_PREFIX_TOKENS, max_model_len - 256)))
+        reqs = []
+        for i in range(n or 32):
+            own = request(i, rng.randint(16, 96), rng.randint(16, 64), kind="shared-prefix")
+            reqs.append(BenchRequest(i, system + own.prompt_token_ids,
+                                     min(own.max_tokens, max_model_len - len(system) - own.prompt_len), kind=own.kind))
     else:  # multi-tenant: one tenant floods at 4x the rate of the others; "premium" has twice the weight
         tenants = (Tenant("flood", weight=1.0, rate_share=4.0), Tenant("steady", weight=1.0, rate_share=1.0),
                    Tenant("premium", weight=2.0, rate_share=1.0))

@@ -18,6 +18,7 @@ def test_pdq_bench_spawn_with_baselines(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "continuous" in proc.stdout and "ratios at the same offered load" in proc.stdout
+    assert "matrix-multiply roofline" in proc.stdout and "engine @ all: " in proc.stdout
 
     doc = json.loads(out_json.read_text())
     check_schema(doc)
@@ -36,6 +37,10 @@ def test_pdq_bench_spawn_with_baselines(tmp_path):
         assert r["ttft_ms"]["p99"] <= r["e2e_ms"]["p99"]
         assert r["output_tokens_per_s"] * r["duration_s"] == pytest.approx(expected_tokens, rel=1e-2)
     assert doc["runs"][0]["client_cpu_pct"] is not None
+    roof = doc["roofline"]
+    assert roof["output_tokens_per_s"] > 0 and roof["passes"] > 1
+    assert set(roof["efficiency"]) == {"continuous @ all", "engine @ all", "hf @ all"}
+    assert all(0 < e for e in roof["efficiency"].values())
     ratios = {(x["a"], x["b"]): x for x in doc["ratios"] if x["metric"] == "output_tokens_per_s"}
     assert ratios["continuous", "hf"]["goal"] == 2.4 and ratios["continuous", "engine"]["goal"] == 0.9
     assert all(x["value"] > 0 for x in ratios.values())

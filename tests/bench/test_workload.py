@@ -6,7 +6,8 @@ import statistics
 import pytest
 
 from pdq.bench.arrivals import Arrivals, parse_concurrency, parse_rates
-from pdq.bench.workload import RESERVED_IDS, WORKLOADS, build, vocabulary
+from pdq.bench.roofline import decode_steps, passes
+from pdq.bench.workload import RESERVED_IDS, SHARED_PREFIX_TOKENS, WORKLOADS, build, vocabulary
 from pdq.model.loader import resolve_model
 
 VOCAB = range(3, 4096)
@@ -41,6 +42,30 @@ def test_long_prompt_has_a_few_long_prompts_that_fit(max_model_len):
     assert len(long) == 4 and {r.kind for r in w.requests} == {"long", "short"}
     assert all(r.prompt_len > max_model_len - 256 for r in long)
     assert all(r.prompt_len + r.max_tokens <= max_model_len and r.max_tokens >= 1 for r in w.requests)
+
+
+@pytest.mark.parametrize("max_model_len", [2048, 512])
+def test_shared_prefix_requests_open_with_one_long_system_prompt_then_their_own_part(max_model_len):
+    w = build("shared-prefix", VOCAB, n=32, max_model_len=max_model_len)
+    shared = min(SHARED_PREFIX_TOKENS, max_model_len - 256)
+    system = w.requests[0].prompt_token_ids[:shared]
+    assert all(r.prompt_token_ids[:shared] == system for r in w.requests)
+    own = {r.prompt_token_ids[shared:] for r in w.requests}
+    assert len(own) == 32 and all(16 <= len(o) <= 96 for o in own)  # every request's own part differs
+    assert all(r.prompt_len + r.max_tokens <= max_model_len and r.max_tokens >= 1 for r in w.requests)
+
+
+def test_the_roofline_runs_every_prompt_row_and_every_decode_row_once():
+    w = build("mixed", VOCAB)
+    shapes = passes(w, step_tokens=1024)
+    rows = sum(r * n for (r, _), n in shapes.items())
+    assert rows == w.prompt_tokens + sum(r.max_tokens - 1 for r in w.requests)
+    sampled = sum(s * n for (_, s), n in shapes.items())
+    assert sampled == w.output_tokens  # a row samples once per output token
+    steps = decode_steps(w)
+    assert len(steps) == max(r.max_tokens for r in w.requests) - 1
+    assert steps[0] == (sum(r.max_tokens > 1 for r in w.requests), max(r.prompt_len + 1 for r in w.requests))
+    assert all(a[0] >= b[0] for a, b in zip(steps, steps[1:]))  # sequences only leave
 
 
 def test_multi_tenant_tenants_have_rates_and_weights():

@@ -29,8 +29,8 @@ UP_COLOCATE_HELP = ("each decode worker also prefills, in the same process (deco
                     "KV pool, prompt chunks and decode rows in one forward pass, no KV transfer, no prefill-only "
                     "workers. The most tokens/s where the roles share one machine's cores")
 UP_SEPARATE_HELP = ("prefill workers (--prefill) and decode workers as separate processes, the KV cache handed from "
-                    "one to the other (P/D disaggregation, as across machines): lower TTFT under load, fewer "
-                    "tokens/s on one machine")
+                    "one to the other (P/D disaggregation, as when each role has machines of its own); on one "
+                    "machine, fewer tokens/s than colocated")
 
 
 def _parse_bool(text: str) -> bool:

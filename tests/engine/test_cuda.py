@@ -1,0 +1,47 @@
+"""The same runtime on a CUDA GPU: every family's logits agree with the CPU's in float32, and the
+default 16-bit dtype serves a batch to the end. These run wherever a GPU is present; CI and this
+project's development machines are CPU-only, so there they are skipped, saying so."""
+
+import pytest
+import torch
+
+from pdq.engine import LLMEngine, ModelRunner, PrefillItem, SamplingParams
+
+from .test_families import FAMILIES, MAX_TOKENS, PROMPTS, save_checkpoint
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU: CI is CPU-only; runs wherever one is present")
+
+
+def last_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    runner.allocate("s")
+    try:
+        return runner.prefill([PrefillItem("s", ids)])[0].float().cpu()
+    finally:
+        runner.free("s")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float32_logits_on_cuda_match_the_cpus(tmp_path, family):
+    save_checkpoint(tmp_path, family)
+    kw = dict(kv_budget_tokens=4 * 128, max_seq_len=128, dtype=torch.float32)
+    cpu = ModelRunner.from_pretrained(str(tmp_path), device="cpu", **kw)
+    gpu = ModelRunner.from_pretrained(str(tmp_path), device="cuda", **kw)
+    assert gpu.device.type == "cuda"
+    for ids in PROMPTS:
+        torch.testing.assert_close(last_logits(gpu, ids), last_logits(cpu, ids), atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_default_16_bit_dtype_serves_a_batch_to_the_end(tmp_path, family):
+    save_checkpoint(tmp_path, family)
+    runner = ModelRunner.from_pretrained(str(tmp_path), kv_budget_tokens=4 * 128, max_seq_len=128)
+    assert runner.device.type == "cuda" and runner.dtype in (torch.bfloat16, torch.float16)
+    engine = LLMEngine(runner, max_batched_tokens=48, prefill_chunk=16)
+    outs = engine.generate(PROMPTS, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS])
+    assert [len(o) for o in outs] == MAX_TOKENS
+    assert runner.num_free == runner.capacity  # every sequence's KV freed
+    fp32 = ModelRunner.from_pretrained(str(tmp_path), kv_budget_tokens=4 * 128, max_seq_len=128, dtype=torch.float32)
+    for ids in PROMPTS:  # 16-bit logits point the same way as float32's
+        a, b = last_logits(runner, ids), last_logits(fp32, ids)
+        assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.99

@@ -32,7 +32,8 @@ from pdq.engine.sampling import SamplingParams, sample_each
 from pdq.faults import Faults
 from pdq.output_text import TextOutput
 from pdq.request import State
-from pdq.store import FAILURE, LOST, Moved, RequestStore, SentStep, StepItem, now_ms
+from pdq.ending import FAILURE, LOST, Ending
+from pdq.store import Moved, RequestStore, SentStep, StepItem, now_ms
 from pdq.worker import IDLE_BEAT_S, ModelLoop
 
 log = logging.getLogger("pdq.decode")
@@ -250,9 +251,8 @@ class DecodeLoop(ModelLoop):
     def _drop_ended(self) -> None:
         """Drops sequences that ended elsewhere (cancel) and ends those past their deadline. After
         a gap in the cancel listener's subscription, it first catches up on what it missed."""
-        if self.cancels.gaps != self._gaps_seen:
-            self._gaps_seen = self.cancels.gaps
-            self.cancels.catch_up(self.store, [(s.rid, s.epoch) for s in self._held()])
+        self._gaps_seen = self.cancels.caught_up(self._gaps_seen, self.store,
+                                                 lambda: [(s.rid, s.epoch) for s in self._held()])
         now = now_ms()
         ended: list[StepItem] = []
         due: list[Sequence] = []
@@ -265,9 +265,8 @@ class DecodeLoop(ModelLoop):
                 self._leave(seq)
             elif seq.deadline_ms and now >= seq.deadline_ms:
                 due.append(seq)
-        for seq, deadline in zip(due, self.store.deadlines([s.rid for s in due]) if due else []):
+        for seq, deadline in zip(due, self.cancels.reread_deadlines(self.store, [s.rid for s in due])):
             if not deadline or deadline > now:  # moved by an operator; the notice did not reach us
-                self.cancels.note_deadline(seq.rid, deadline)
                 seq.deadline_ms = deadline
             else:
                 ended += seq.held  # its tokens so far, then its end
@@ -409,7 +408,7 @@ class DecodeLoop(ModelLoop):
     def _fail(self, seq: Sequence, error: str) -> None:
         """Ends one sequence FAILED (its own fault, e.g. its sampling raised); the rest go on."""
         log.error("request %s failed: %s", seq.rid, error)
-        self.store.finish(seq.rid, State.FAILED, "error", error, epoch=seq.epoch)
+        self.store.end(seq.rid, Ending.failed(error), epoch=seq.epoch)
         self._end_span(seq, "failed", error)
         self._leave(seq)
 

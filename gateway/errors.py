@@ -86,6 +86,14 @@ def scheduler_error(exc: grpc.aio.AioRpcError, retry: str) -> StatusError:
                        reason="SCHEDULER_UNAVAILABLE", retry_ms=RETRY_MS)
 
 
+def raise_resumable(exc: BaseException, how: str) -> None:
+    """Raises `resumable(exc, how)` in place of `exc` when it is the gateway's own failure;
+    returns otherwise (the caller re-raises `exc`)."""
+    own = resumable(exc, how)
+    if own is not None:
+        raise own from None
+
+
 def resumable(exc: BaseException, how: str) -> StatusError | None:
     """UNAVAILABLE with a retry hint when `exc` is the gateway's own failure to follow a request
     (Redis unreachable past the outage window, the gateway stopping), else None: the request is

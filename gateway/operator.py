@@ -16,6 +16,7 @@ from gateway.server import GenerationService, rpc
 from gateway.validation import MAX_TIMEOUT_MS, invalid, shown
 from pdq import metrics
 from pdq.config import GatewayConfig
+from pdq.ending import Ending
 from pdq.registry import ROLES, WorkerInfo, live_workers, set_drained
 from pdq.request import State
 from pdq.status import StatusError
@@ -115,7 +116,7 @@ class OperatorService(op_grpc.OperatorServicer):
     async def CancelTenant(self, request: op_pb.CancelTenantRequest, context) -> op_pb.CancelTenantResponse:
         self.admin(context)
         tenant = check_name("tenant", request.tenant)
-        n = await self.store.cancel_tenant(tenant, "cancelled by operator")
+        n = await self.store.end_tenant(tenant, Ending.cancelled("operator"))
         metrics.CANCELLATIONS.labels("operator").inc(n)
         return op_pb.CancelTenantResponse(cancelled=n)
 

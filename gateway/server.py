@@ -13,12 +13,13 @@ from pathlib import Path
 import grpc
 
 from gateway.auth import KeyRing, Principal
-from gateway.errors import resumable, rpc, scheduler_error
+from gateway.errors import raise_resumable, resumable, rpc, scheduler_error
 from gateway.follower import FollowerUnavailable, OutputFollower
 from gateway.results import Collected, Event, follow, response, usage_and_timings
 from gateway.validation import REQUEST_ID, Limits, build_spec, check_request, shown
 from pdq import metrics, mtls, telemetry
 from pdq.config import GatewayConfig
+from pdq.ending import Ending
 from pdq.model.tokenizer import load_tokenizer
 from pdq.request import FINISH_REASONS, STATUS_OF_STATE, State
 from pdq.serving import GRPC_OPTIONS, Server
@@ -125,7 +126,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         """The client went away (or its deadline passed) before the end: end the request too."""
         remaining = context.time_remaining()
         if remaining is not None and remaining <= DEADLINE_SLACK_S:
-            if await self.store.finish(rid, State.TIMED_OUT, "timeout", "deadline exceeded") == State.TIMED_OUT:
+            if await self.store.end(rid, Ending.timed_out()) == State.TIMED_OUT:
                 metrics.TIMEOUTS.labels("gateway").inc()
             return
         try:
@@ -163,9 +164,7 @@ class GenerationService(gen_grpc.GenerationServicer):
             usage, timings = await usage_and_timings(self.store, rid, end)
         except BaseException as exc:
             left = exc
-            own = resumable(exc, f"resume with StreamResult(request_id={rid!r}, offset={sent})")
-            if own is not None:
-                raise own from None
+            raise_resumable(exc, f"resume with StreamResult(request_id={rid!r}, offset={sent})")
             raise
         finally:
             if end is not None:
@@ -194,9 +193,7 @@ class GenerationService(gen_grpc.GenerationServicer):
             out = await response(self.store, rid, got)
         except BaseException as exc:
             left = exc
-            own = resumable(exc, f"fetch its result with GetResult(request_id={rid!r}) or StreamResult")
-            if own is not None:
-                raise own from None
+            raise_resumable(exc, f"fetch its result with GetResult(request_id={rid!r}) or StreamResult")
             raise
         finally:
             if got.end is not None:

@@ -7,6 +7,7 @@ that sees a new one reads back the records of what it holds (`CancelListener.cat
 import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -142,6 +143,25 @@ class CancelListener:
                 self._on_ended(rid)
             elif deadline is not None:
                 self.note_deadline(rid, int(deadline))
+
+    def caught_up(self, seen: int, store: RequestStore, held: Callable[[], list[tuple[str, int]]]) -> int:
+        """`catch_up` on `held()` if the listener had a gap since `seen` (the count of gaps the
+        calling model loop caught up on). -> that count now."""
+        gaps = self.gaps
+        if gaps != seen:
+            self.catch_up(store, held())
+        return gaps
+
+    def reread_deadlines(self, store: RequestStore, rids: list[str]) -> list[int]:
+        """The deadlines (Unix ms, 0 = none) the records of `rids` hold now, in one round trip
+        (none for no rids), noted as if heard. A model loop calls it before it times requests
+        out: an operator may have moved a deadline and the notice missed this listener."""
+        if not rids:
+            return []
+        deadlines = store.deadlines(rids)
+        for rid, deadline in zip(rids, deadlines):
+            self.note_deadline(rid, deadline)
+        return deadlines
 
     def deadline(self, rid: str, given_ms: int) -> int:
         """The request's deadline (Unix ms, 0 = none): the latest an operator set, else `given_ms`."""

@@ -27,7 +27,8 @@ def _up(args: argparse.Namespace) -> int:
               "prefill themselves); add --separate, or leave --prefill out", file=sys.stderr)
         return 2
     env = {"PDQ_KV_TRANSPORT": args.kv_transport} if args.kv_transport else {}
-    return run(Cluster(prefill=1 if args.prefill is None else args.prefill, decode=args.decode, model=args.model, redis_url=args.redis_url,
+    prefill = 1 if args.prefill is None else args.prefill
+    return run(Cluster(prefill=prefill, decode=args.decode, model=args.model, redis_url=args.redis_url,
                        port=args.port, durable=args.durable, mtls=args.mtls, colocate=args.colocate,
                        control_policy=args.control_policy, extra_env=env))
 

@@ -28,6 +28,14 @@ from dataclasses import dataclass
 
 from pdq.request import State
 
+# Kinds of a given-back attempt (`RequestStore.requeue`): the request's own failure (a failed
+# hand-off, an error running it on a worker) or an attempt lost to infrastructure (its worker
+# died, shut down or lost Redis; its prefill lease expired). Only failures count towards
+# max_attempts; losses are bounded by `pdq.store.RetryLimits.max_lost`.
+FAILURE = "failure"
+LOST = "lost"
+KINDS = (FAILURE, LOST)
+
 
 @dataclass(frozen=True)
 class Ending:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from redis.exceptions import NoScriptError
 
-from pdq.ending import Ending
+from pdq.ending import FAILURE, KINDS, LOST, Ending
 from pdq.keys import SCRIPTS, Keys
 from pdq.request import State
 from pdq.v1 import internal_pb2 as pb
@@ -78,15 +78,6 @@ class QueueLimits:
     max_queued_tokens: int = UNBOUNDED
     tenant_max_queued: int = UNBOUNDED
     tenant_max_queued_tokens: int = UNBOUNDED
-
-
-# Kinds of a given-back attempt (`RequestStore.requeue`): the request's own failure (a failed
-# hand-off, an error running it on a worker) or an attempt lost to infrastructure (its worker
-# died, shut down or lost Redis; its prefill lease expired). Only failures count towards
-# max_attempts; losses are bounded by RetryLimits.max_lost.
-FAILURE = "failure"
-LOST = "lost"
-KINDS = (FAILURE, LOST)
 
 
 @dataclass(frozen=True)
@@ -484,10 +475,6 @@ class RequestStore:
             raise ValueError("a tenant's requests end only CANCELLED")
         return _then(self._run("cancel_tenant", [tenant, ending.error, now_ms(), self.result_ttl_s]), int)
 
-    def cancel_tenant(self, tenant: str, reason: str = "cancelled by operator") -> Any:
-        """Cancels every live request of a tenant, in any state (`end_tenant`). -> how many"""
-        return self.end_tenant(tenant, Ending(State.CANCELLED, "cancelled", reason))
-
     def set_deadline(self, rid: str, deadline_ms: int) -> Any:
         """Moves a live request's absolute deadline: the scheduler's janitor enforces it, workers
         running the request hear of it on the deadline channel. -> state, None if unknown"""
@@ -582,10 +569,6 @@ class RequestStore:
         args = [rid, ending.state.value, ending.reason, ending.error, now_ms(), self.result_ttl_s,
                 "" if epoch is None else epoch]
         return _then(self._run("finish", args), lambda r: State(_str(r)) if r else None)
-
-    def finish(self, rid: str, state: State, reason: str, error: str = "", epoch: int | None = None) -> Any:
-        """`end(rid, Ending(state, reason, error), epoch)`."""
-        return self.end(rid, Ending(state, reason, error), epoch)
 
     def record(self, rid: str) -> Any:
         """The request record as {field: str}, with `spec` left as bytes; {} when unknown."""

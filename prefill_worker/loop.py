@@ -23,6 +23,7 @@ from pdq.engine.kv_pool import KVPoolFull
 from pdq.engine.runner import PrefillItem as ChunkItem
 from pdq.engine.sampling import SamplingParams, sample_each
 from pdq.output_text import TextOutput
+from pdq.ending import Ending
 from pdq.request import State
 from pdq.store import RequestStore, StepItem, now_ms
 from pdq.v1 import internal_pb2 as pb
@@ -167,7 +168,7 @@ class PrefillLoop(ModelLoop):
     def _fail(self, job: Job, error: str) -> None:
         """Ends one request FAILED (its own fault); its call answers it as ended ("dropped")."""
         log.error("request %s failed: %s", job.rid, error)
-        self.store.finish(job.rid, State.FAILED, "error", error, epoch=job.item.epoch)
+        self.store.end(job.rid, Ending.failed(error), epoch=job.item.epoch)
         self._end(job, Outcome("dropped", error=error))
 
     def _end(self, job: Job, outcome: Outcome) -> None:
@@ -213,14 +214,12 @@ class PrefillLoop(ModelLoop):
         """Drops jobs that ended, admits what fits and plans the next chunks under `budget`
         tokens. -> (jobs still live, chunks to run, the job of each chunk)."""
         live = []
-        if self.cancels.gaps != self._gaps_seen:  # the cancel listener missed messages: catch up
-            self._gaps_seen = self.cancels.gaps
-            self.cancels.catch_up(self.store, [(j.rid, j.item.epoch) for j in pending])
+        self._gaps_seen = self.cancels.caught_up(self._gaps_seen, self.store,
+                                                 lambda: [(j.rid, j.item.epoch) for j in pending])
         now = now_ms()
-        due = [job for job in pending if 0 < self.cancels.deadline(job.rid, job.item.spec.deadline_ms) <= now]
-        for job, deadline in zip(due, self.store.deadlines([j.rid for j in due]) if due else []):
-            if not deadline or deadline > now:  # moved by an operator; the notice did not reach us
-                self.cancels.note_deadline(job.rid, deadline)
+        # before timing a job out, its record's deadline: an operator may have moved it unheard
+        self.cancels.reread_deadlines(self.store, [j.rid for j in pending
+                                                   if 0 < self.cancels.deadline(j.rid, j.item.spec.deadline_ms) <= now])
         for job in pending:
             deadline = self.cancels.deadline(job.rid, job.item.spec.deadline_ms)
             if not job.started and not self._start(job):
@@ -228,8 +227,7 @@ class PrefillLoop(ModelLoop):
             if self.cancels.pop(job.rid):
                 self._end(job, Outcome("dropped", error="request ended"))
             elif deadline and now >= deadline:
-                if self.store.finish(job.rid, State.TIMED_OUT, "timeout", "deadline exceeded during prefill",
-                                     epoch=job.item.epoch) == State.TIMED_OUT:
+                if self.store.end(job.rid, Ending.timed_out("during prefill"), epoch=job.item.epoch) == State.TIMED_OUT:
                     metrics.TIMEOUTS.labels("prefill").inc()
                 telemetry.add_event(job.span, "timeout", error="deadline exceeded during prefill")
                 self._end(job, Outcome("dropped", error="deadline exceeded"))

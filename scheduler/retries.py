@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pdq import metrics, telemetry
 from pdq.config import SchedulerConfig
 from pdq.registry import WorkerInfo
-from pdq.store import LOST, RequestStore, now_ms
+from pdq.ending import LOST
+from pdq.store import RequestStore, now_ms
 from pdq.v1 import internal_pb2 as pb
 from scheduler.policies import DecodeSlots, Quarantine, classify
 

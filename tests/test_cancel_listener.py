@@ -7,6 +7,7 @@ import time
 import pytest
 import redis
 
+from pdq.ending import Ending
 from pdq.keys import Keys
 from pdq.redis_server import RedisServer
 from pdq.request import State
@@ -45,7 +46,7 @@ def test_the_cancel_listener_hears_cancels_and_deadline_moves_after_its_connecti
             claimed(store, rid)
             assert store.set_deadline(rid, 123_456) == State.PREFILLING
             wait_for("the deadline move", lambda: listener.deadline(rid, 0) == 123_456)
-            store.finish(rid, State.CANCELLED, "cancelled")
+            store.end(rid, Ending(State.CANCELLED, "cancelled"))
             wait_for("the cancel", lambda: listener.pop(rid))
         assert listener._thread.is_alive()
     finally:
@@ -65,7 +66,7 @@ def test_after_a_gap_the_listener_catches_up_on_what_it_missed(redis_server, red
         redis_client.acl_setuser(user, enabled=True, commands=["-subscribe"])
         assert redis_client.client_kill_filter(_type="pubsub", user=user) == 1
         wait_for("a failed resubscribe", lambda: listener.liveness.failing >= 1)
-        store.finish("cancelled", State.CANCELLED, "cancelled")  # published to nobody
+        store.end("cancelled", Ending(State.CANCELLED, "cancelled"))  # published to nobody
         store.set_deadline("moved", 999_000)
         store.requeue("requeued", held["requeued"], "worker lost", 3)
         redis_client.acl_setuser(user, enabled=True, commands=["+subscribe"])

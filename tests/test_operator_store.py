@@ -6,6 +6,7 @@ import time
 
 import redis.asyncio as aioredis
 
+from pdq.ending import Ending
 from pdq.keys import Keys
 from pdq.registry import WorkerInfo, forget, heartbeat, live_workers, set_drained
 from pdq.request import State
@@ -31,7 +32,7 @@ def test_list_requests_newest_first_filtered_and_paginated(redis_client, prefix)
     store = store_of(redis_client, prefix)
     for i in range(7):
         store.submit(make_spec(f"a{i}", tenant="acme" if i % 2 == 0 else "globex"))
-    store.finish("a2", State.CANCELLED, "cancelled")
+    store.end("a2", Ending(State.CANCELLED, "cancelled"))
     assert list_all(store, limit=3) == [["a6", "a5", "a4"], ["a3", "a2", "a1"], ["a0"]]
     assert list_all(store, limit=2, tenant="acme") == [["a6", "a4"], ["a2", "a0"]]
     assert list_all(store, limit=10, state="CANCELLED") == [["a2"]]
@@ -46,14 +47,14 @@ def test_list_requests_newest_first_filtered_and_paginated(redis_client, prefix)
 def test_ended_requests_leave_the_index_with_their_records(redis_client, prefix):
     store = store_of(redis_client, prefix, ttl=1)
     store.submit(make_spec("old"))
-    store.finish("old", State.COMPLETED, "length")
+    store.end("old", Ending(State.COMPLETED, "length"))
     assert store.list_requests()[0] == ["old"]
     deadline = time.monotonic() + 10
     while store.client.exists(store.keys.request("old")) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not store.client.exists(store.keys.request("old"))
     store.submit(make_spec("new"))
-    store.finish("new", State.COMPLETED, "length")  # an end prunes the index of expired ones
+    store.end("new", Ending(State.COMPLETED, "length"))  # an end prunes the index of expired ones
     assert store.client.zrange(store.keys.index(), 0, -1) == [b"new"]
     assert store.client.zrange(store.keys.index("acme"), 0, -1) == [b"new"]
     assert store.client.zcard(store.keys.ended) == 1
@@ -73,7 +74,7 @@ def test_set_deadline_tells_the_workers(redis_server, redis_client, prefix):
             time.sleep(0.02)
         assert listener.deadline("r", 111) == 999_999
         assert store.record("r")["deadline_ms"] == "999999"
-        store.finish("r", State.CANCELLED, "cancelled")
+        store.end("r", Ending(State.CANCELLED, "cancelled"))
         while listener.deadlines and time.monotonic() < deadline:
             time.sleep(0.02)
         assert listener.deadlines == {}  # forgotten once the request ended

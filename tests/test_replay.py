@@ -14,7 +14,8 @@ import pytest
 from pdq.keys import SCRIPTS
 from pdq.registry import WorkerInfo, heartbeat
 from pdq.request import State
-from pdq.store import LOST, RequestStore, StepItem, now_ms
+from pdq.ending import LOST, Ending
+from pdq.store import RequestStore, StepItem, now_ms
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import internal_pb2 as pb
 
@@ -93,13 +94,13 @@ CASES: list[tuple[str, Callable[[RequestStore], Any], Callable[[RequestStore], A
     ("transition", claimed, lambda s: s.transition("r", 1, State.DECODING, decode_worker="host:2"), "same"),
     ("step", claimed, lambda s: s.step([StepItem("r", 1, 0, 7, "a"), StepItem("r", 1, 1, 8, "b"),
                                         StepItem("r", 1, 2, 9, "c", State.COMPLETED, "length")]), "same"),
-    ("finish", decoding, lambda s: s.finish("r", State.CANCELLED, "cancelled", "cancelled by client"), "same"),
+    ("finish", decoding, lambda s: s.end("r", Ending(State.CANCELLED, "cancelled", "cancelled by client")), "same"),
     ("expire_deadlines", lambda s: s.submit(spec("r", deadline_ms=1)), lambda s: s.expire_deadlines(), 0),
     ("reap_worker", decoding, lambda s: s.reap_worker("d1", 3), [0, 0]),
     ("expire_leases", lambda s: (s.submit(spec("r")), s.claim([("r", "d1")], "p1", lease_ms=-1)),
      lambda s: s.expire_leases(3), [0, 0]),
     ("snapshot", lambda s: s.submit(spec("r")), lambda s: s.snapshot(["interactive"], 4, 4), "same"),
-    ("cancel_tenant", decoding, lambda s: s.cancel_tenant("acme"), 0),
+    ("cancel_tenant", decoding, lambda s: s.end_tenant("acme", Ending.cancelled("operator")), 0),
     ("set_deadline", decoding, lambda s: s.set_deadline("r", now_ms() + 60_000), "same"),
     ("list_requests", decoding, lambda s: s.list_requests(), "same"),
     ("heartbeat", lambda s: s.submit(spec("r")), beating, "same"),

@@ -3,6 +3,7 @@
 
 import pytest
 
+from pdq.ending import Ending
 from pdq.request import State
 from pdq.store import Moved, QueueLimits, RequestStore, StepItem
 from pdq.v1 import generation_pb2 as gen_pb
@@ -77,7 +78,7 @@ def test_claim_step_finish_and_stale_epochs(store):
     rec = store.record("r")
     assert rec["state"] == "COMPLETED" and rec["finish_reason"] == "length" and rec["n_out"] == "2"
     # exactly one terminal state: later ends change nothing
-    assert store.finish("r", State.CANCELLED, "cancelled") == State.COMPLETED
+    assert store.end("r", Ending(State.CANCELLED, "cancelled")) == State.COMPLETED
     assert store.step([StepItem("r", 1, 2, 9, "c")]) == [False]
     assert 0 < store.client.ttl(store.keys.request("r")) <= 60
 
@@ -112,7 +113,7 @@ def test_a_sent_step_applies_and_its_reply_reads_later(store):
     assert store.record("r")["state"]  # other commands go on meanwhile, on other connections
     assert sent.result() == [True, False]  # the same answer as step(): kept, stale epoch dropped
     assert tokens(store, "r") == [(0, 7, "a")]
-    assert store.finish("r", State.CANCELLED, "cancelled") == State.CANCELLED
+    assert store.end("r", Ending(State.CANCELLED, "cancelled")) == State.CANCELLED
     with pytest.raises(RuntimeError, match="once"):
         sent.result()
     assert store.send_step([StepItem("r", 1, 1, 9, "c")]).result() == [False]  # ended: dropped
@@ -183,11 +184,11 @@ def test_cancel_a_queued_request_frees_its_queue_entry(store):
     store.submit(make_spec("r", deadline_ms=10**13))
     pubsub = store.client.pubsub()
     pubsub.subscribe(store.keys.cancel_channel)
-    assert store.finish("r", State.CANCELLED, "cancelled", "by client") == State.CANCELLED
+    assert store.end("r", Ending(State.CANCELLED, "cancelled", "by client")) == State.CANCELLED
     assert queued(store) == []
     assert store.client.zcard(store.keys.deadlines) == 0
     assert claim(store, "r") == 0
-    assert store.finish("nope", State.CANCELLED, "cancelled") is None
+    assert store.end("nope", Ending(State.CANCELLED, "cancelled")) is None
     msgs = [m for m in iter(lambda: pubsub.get_message(timeout=1), None) if m["type"] == "message"]
     assert [m["data"] for m in msgs] == [b"r"]
 
@@ -202,7 +203,7 @@ def test_a_request_its_worker_ends_in_a_step_is_not_announced_on_the_cancel_chan
     pubsub = store.client.pubsub()
     pubsub.subscribe(store.keys.cancel_channel)
     assert store.step([StepItem("done", 1, 0, 7, "a", State.COMPLETED, "length")]) == [True]
-    assert store.finish("gone", State.CANCELLED, "cancelled") == State.CANCELLED
+    assert store.end("gone", Ending(State.CANCELLED, "cancelled")) == State.CANCELLED
     msgs = [m for m in iter(lambda: pubsub.get_message(timeout=1), None) if m["type"] == "message"]
     assert [m["data"] for m in msgs] == [b"gone"]
     assert store.record("done")["state"] == "COMPLETED"
@@ -236,7 +237,7 @@ def test_first_tokens_and_decoding_moves_go_in_one_round_trip_in_order(store):
         claim(store, rid)
     store.transition("a", 1, State.PREFILLING)
     store.transition("b", 1, State.PREFILLING)
-    store.finish("c", State.CANCELLED, "cancelled")  # ended elsewhere: its token is dropped, it does not move
+    store.end("c", Ending(State.CANCELLED, "cancelled"))  # ended elsewhere: its token is dropped, it does not move
     kept, moved = store.step_and_transition(
         [StepItem("a", 1, 0, 7, "x"), StepItem("b", 1, 0, 8, "y"), StepItem("c", 1, 0, 9, "z")],
         [("a", 1, State.DECODING, {"decode_worker": "d:1"}), ("c", 1, State.DECODING, {"decode_worker": "d:1"})])

@@ -66,8 +66,10 @@ class Linear(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, computed in float32 and cast back (as HF's LlamaRMSNorm)."""
-    if x.dtype == torch.float32:
+    """RMSNorm over the last dim, computed in float32 and cast back (as HF's LlamaRMSNorm).
+    `weight` is [dim], or any shape that broadcasts over x's trailing dims (e.g. one weight row
+    per head of [T, heads, head_dim])."""
+    if x.dtype == torch.float32 and weight.dim() == 1:
         return F.rms_norm(x, weight.shape, weight, eps)
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

@@ -63,7 +63,7 @@ class LlamaLayer(nn.Module):
         # rotate q and k heads together: [T, q_heads + kv_heads, head_dim]
         qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, s.head_dim)
         if s.qk_norm:
-            qk = self._norm_heads(qk)
+            qk = rms_norm(qk, self.qk_norm, s.rms_norm_eps)
         qk = RotaryEmbedding.apply(qk, cos, sin)
         q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, s.num_kv_heads, s.head_dim)
@@ -71,12 +71,6 @@ class LlamaLayer(nn.Module):
         x = x + self.o(o.reshape(t, self.q_size))
         h = silu_and_mul(self.gate_up(rms_norm(x, self.post_norm, s.rms_norm_eps)))
         return x + self.down(h)
-
-    def _norm_heads(self, qk: torch.Tensor) -> torch.Tensor:
-        """RMSNorm of every head over head_dim, each q head with q_norm's weight, each k head with k_norm's."""
-        h = qk.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
-        return self.qk_norm * h.to(qk.dtype)
 
 
 class LlamaModel(nn.Module):

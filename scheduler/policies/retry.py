@@ -21,10 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-T = TypeVar("T")
+from pdq.ending import FAILURE, LOST
 
-FAILURE = "failure"  # the request's own (pdq.store.FAILURE)
-LOST = "lost"  # infrastructure (pdq.store.LOST)
+T = TypeVar("T")
 
 # PrefillItemResult.failure (pdq.v1.AttemptFailure) values
 UNSPECIFIED, REQUEST, HANDOFF, LOST_ATTEMPT = 0, 1, 2, 3

@@ -3,8 +3,9 @@ counters, admission bounds, cancellation and deadlines in every state, leases an
 
 import pytest
 
+from pdq.ending import LOST, Ending
 from pdq.request import State
-from pdq.store import LOST, QueueLimits, RequestStore, RetryLimits, StepItem, TenantPolicy, now_ms
+from pdq.store import QueueLimits, RequestStore, RetryLimits, StepItem, TenantPolicy, now_ms
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import internal_pb2 as pb
 
@@ -115,7 +116,7 @@ def test_a_request_is_charged_once_by_its_weight_and_settled_by_its_output(store
 
 def test_a_cancelled_queued_request_costs_nothing(store):
     store.submit(spec("r"))
-    store.finish("r", State.CANCELLED, "cancelled")
+    store.end("r", Ending(State.CANCELLED, "cancelled"))
     assert counter(store, "acme") == 0.0
 
 
@@ -178,7 +179,7 @@ def test_queued_work_is_counted_out_as_requests_leave_the_queue(store):
     for k in range(3):
         store.submit(spec(f"r{k}"))
     claim(store, "r0")
-    store.finish("r1", State.CANCELLED, "cancelled")
+    store.end("r1", Ending(State.CANCELLED, "cancelled"))
     assert store.load() == {"n": 1, "tokens": 7, "n:acme": 1, "tokens:acme": 7, "running": 1, "running:acme": 1}
     assert store.depth([T, "batch"]) == [(T, "acme", 1, 7)]
     store.requeue("r0", 1, "worker died", 3)
@@ -194,8 +195,8 @@ LIVE = [State.QUEUED, State.PREFILLING, State.TRANSFERRING, State.DECODING]
 def test_cancel_in_any_state_ends_once_and_frees_everything(store, state):
     to_state(store, "r", state)
     assert store.record("r")["state"] == state.value
-    assert store.finish("r", State.CANCELLED, "cancelled", "by client") == State.CANCELLED
-    assert store.finish("r", State.CANCELLED, "cancelled") == State.CANCELLED  # idempotent
+    assert store.end("r", Ending(State.CANCELLED, "cancelled", "by client")) == State.CANCELLED
+    assert store.end("r", Ending(State.CANCELLED, "cancelled")) == State.CANCELLED  # idempotent
     clean(store, "r")
     assert store.step([StepItem("r", 1, 1, 8, "b")]) == [False]  # its worker drops it at the next step
     assert store.transition("r", 1, State.DECODING) is False
@@ -219,7 +220,7 @@ def test_deadline_expiry_times_out_live_requests_in_any_state(store, state):
 def test_claim_skips_requests_cancelled_after_the_snapshot(store):
     store.submit(spec("keep"))
     store.submit(spec("gone"))
-    store.finish("gone", State.CANCELLED, "cancelled")
+    store.end("gone", Ending(State.CANCELLED, "cancelled"))
     got = store.claim([("keep", "d1"), ("gone", "d1")], "p1")
     assert [(c.epoch, bool(c.spec)) for c in got] == [(1, True), (0, False)]
     assert pb.RequestSpec.FromString(got[0].spec).request_id == "keep"
@@ -339,10 +340,10 @@ def test_cancel_tenant_ends_its_live_requests_in_every_state(store):
     for state in LIVE:
         to_state(store, f"r-{state.value}", state)
     store.submit(spec("other", "globex"))
-    assert store.cancel_tenant("acme", "cancelled by operator") == 4
+    assert store.end_tenant("acme", Ending.cancelled("operator")) == 4
     assert {store.record(f"r-{s.value}")["state"] for s in LIVE} == {"CANCELLED"}
     assert store.record("other")["state"] == "QUEUED"
-    assert store.cancel_tenant("acme") == 0
+    assert store.end_tenant("acme", Ending.cancelled("operator")) == 0
     assert store.load()["running"] == 0
 
 

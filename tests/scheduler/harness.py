@@ -14,7 +14,7 @@ from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 from scheduler.server import build_server
-from tests.scheduler.fakes import FakeWorkers
+from tests.scheduler.fakes import FakeWorkers, wait_for
 
 FAST = dict(dispatch_interval_ms=5, worker_timeout_s=1.0, prefill_lease_s=3.0, grace_s=1.0)
 
@@ -24,6 +24,20 @@ def spec(rid: str, tenant: str = "acme", tier: str = "", prompt: int = 4, max_to
     return pb.RequestSpec(request_id=rid, tenant=tenant, tier=tier, prompt_token_ids=[5] * prompt,
                           sampling=gen_pb.SamplingParams(max_tokens=max_tokens, seed=1), arrival_ms=arrival_ms,
                           deadline_ms=deadline_ms)
+
+
+async def ended(h: "Harness", rids: list[str], states: tuple[str, ...] = ("COMPLETED",)) -> list[str]:
+    """Waits until every one of `rids` is in one of `states`. -> their states."""
+    async def all_ended():
+        got = [await h.state(r) for r in rids]
+        return got if all(s in states for s in got) else None
+    return await wait_for(all_ended, timeout_s=30)
+
+
+async def token_indices(h: "Harness", rid: str) -> list[int]:
+    """The token indices of the request's output stream, in stream order."""
+    entries = await h.store.client.xrange(h.store.keys.output(rid))
+    return [int(f[b"i"]) for _, f in entries if b"i" in f]
 
 
 @dataclass

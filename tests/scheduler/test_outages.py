@@ -16,7 +16,7 @@ from pdq.redis_server import RedisServer
 from pdq.store import RequestStore, now_ms
 from pdq.v1 import internal_pb2 as pb
 from tests.scheduler.fakes import wait_for
-from tests.scheduler.harness import harness, spec
+from tests.scheduler.harness import ended, harness, spec, token_indices
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -31,18 +31,6 @@ def durable(tmp_path):
 def kill(server: RedisServer) -> None:
     server.process.kill()  # no shutdown: what reached the AOF (appendfsync always) survives
     server.process.wait()
-
-
-async def ended(h, rids, states=("COMPLETED",)):
-    async def all_ended():
-        got = [await h.state(r) for r in rids]
-        return got if all(s in states for s in got) else None
-    return await wait_for(all_ended, timeout_s=30)
-
-
-async def token_indices(h, rid):
-    entries = await h.store.client.xrange(h.store.keys.output(rid))
-    return [int(f[b"i"]) for _, f in entries if b"i" in f]
 
 
 async def test_the_janitor_does_not_reap_workers_after_a_redis_outage_but_reaps_a_dead_one(durable, prefix):

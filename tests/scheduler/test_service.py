@@ -9,7 +9,7 @@ from pdq.store import TenantPolicy, now_ms
 from scheduler import janitor
 from pdq.v1 import internal_pb2 as pb
 from tests.scheduler.fakes import wait_for
-from tests.scheduler.harness import harness, spec
+from tests.scheduler.harness import ended, harness, spec, token_indices
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -17,18 +17,6 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 @pytest.fixture
 def url(redis_server):
     return redis_server.url
-
-
-async def ended(h, rids, states=("COMPLETED",)):
-    async def all_ended():
-        got = [await h.state(r) for r in rids]
-        return got if all(s in states for s in got) else None
-    return await wait_for(all_ended, timeout_s=20)
-
-
-async def token_indices(h, rid):
-    entries = await h.store.client.xrange(h.store.keys.output(rid))
-    return [int(f[b"i"]) for _, f in entries if b"i" in f]
 
 
 # -- admission ------------------------------------------------------------------------------------

@@ -1,12 +1,13 @@
-"""Receiving a KV hand-off straight into the decode worker's KV pool.
+"""Receiving a KV hand-off into the decode worker's KV pool.
 
-The event loop thread (PushKV) allocates a slot when the header arrives, under a key of its own
-(never the request id: a failed attempt's slot may still be waiting to be freed when the retry
-of the same request arrives), and writes each chunk's bytes into it while the model thread
-decodes other sequences (`KVPool.pinned`). Only the model thread frees slots (a free moves
-another slot's K/V), so both outcomes go to the decode loop's inbox: `Arrived` (all checks
-passed: the slot is renamed to the request id and the sequence waits for admission) or
-`Discard` (anything failed: the slot is freed and nothing is decoded).
+The event loop thread (PushKV) takes the sequence's KV blocks when the header arrives, under a
+key of its own (never the request id: a failed attempt's blocks may still be waiting to be freed
+when the retry of the same request arrives): room for its prompt and every token it may still
+generate, so a running sequence never waits for a block. The chunks' bytes land in a staging
+buffer, copied into the blocks once the stream checked out, while the model thread decodes
+other sequences. Both outcomes go to the decode loop's inbox, so the blocks change hands only on
+the model thread: `Arrived` (all checks passed: the blocks are renamed to the request id and the
+sequence waits for admission) or `Discard` (anything failed: the blocks are freed).
 """
 
 import concurrent.futures
@@ -15,16 +16,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdq.engine.kv_pool import KVPoolFull
+import torch
+
+from pdq.engine.blocks import KVPoolFull
 from pdq.kv_transfer import KVTransferError, scatter, tensor_of
 from pdq.v1 import internal_pb2 as pb
+from pdq.worker import kv_reserve_tokens
 
 _receipts = itertools.count()
 
 
 @dataclass
 class Arrived:
-    """A checked hand-off whose K/V fills positions [0, header.num_tokens) of slot `key`."""
+    """A checked hand-off whose K/V fills positions [0, header.num_tokens) of the blocks held under `key`."""
 
     header: pb.KVHeader
     key: Any
@@ -32,20 +36,20 @@ class Arrived:
 
 @dataclass
 class Discard:
-    """Free slot `key` (on the model thread); `done` is resolved after."""
+    """Free the blocks held under `key` (on the model thread); `done` is resolved after."""
 
     key: Any
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
-class SlotSink:
-    """A `kv_transfer.KVSink` writing into a fresh pool slot. `admit(header)` runs first and
+class BlockSink:
+    """A `kv_transfer.KVSink` receiving into fresh KV blocks. `admit(header)` runs first and
     may refuse the hand-off (no reservation) by raising."""
 
     def __init__(self, runner: Any, admit: Callable[[pb.KVHeader], None]):
         self.runner = runner
         self.admit = admit
-        self.key: Any = None  # set once a slot is held: it must then be discarded or arrive
+        self.key: Any = None  # set once blocks are held: they must then be discarded or arrive
 
     def open(self, header: pb.KVHeader) -> None:
         self.admit(header)
@@ -53,19 +57,23 @@ class SlotSink:
             raise KVTransferError(f"{header.num_tokens} tokens exceed max_seq_len={self.runner.max_seq_len}")
         key = ("kv-in", header.spec.request_id, next(_receipts))
         try:
-            self.runner.allocate(key)
+            self.runner.allocate(key, reserve_tokens=max(header.num_tokens + 1,
+                                                         kv_reserve_tokens(header.spec, self.runner.max_seq_len)))
         except KVPoolFull as exc:
             raise KVTransferError(str(exc)) from None
         self.key = key
-        self.runner.set_kv_length(key, header.num_tokens)  # before any write: a slot move keeps them
         self.header = header
         self.dtype = self.runner.dtype
         self.itemsize = self.dtype.itemsize
+        self.buf = torch.empty(header.num_layers, 2, header.num_kv_heads, header.num_tokens, header.head_dim,
+                               dtype=self.dtype)
 
     def write(self, offset: int, data: memoryview) -> None:
-        src = tensor_of(data, self.dtype)
-        with self.runner.kv_slot(self.key) as kv:
-            scatter(self.header, offset // self.itemsize, src, kv)
+        scatter(self.header, offset // self.itemsize, tensor_of(data, self.dtype), self.buf)
 
     def close(self) -> Arrived:
-        return Arrived(self.header, self.key)
+        h = self.header
+        tokens = list(h.spec.prompt_token_ids) + list(h.generated_token_ids[:-1])
+        self.runner.write_kv(self.key, self.buf, tokens if len(tokens) == h.num_tokens else None)
+        self.buf = None
+        return Arrived(h, self.key)

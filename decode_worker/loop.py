@@ -384,7 +384,7 @@ class DecodeLoop(ModelLoop):
                 self._sent = (sent, owners, items)
             self.step_metrics.step(self.stats.seq_steps, self.stats.wasted_seq_steps, len(seqs),
                                    time.perf_counter() - started, itl)
-            metrics.kv_pool("decode", self.runner.capacity - self.runner.num_free, self.runner.capacity)
+            metrics.kv_pool("decode", self.runner, prefix=False)
             if self.running and all(s.done for s in self.running.values()):
                 for seq in list(self.running.values()):
                     self._leave(seq)

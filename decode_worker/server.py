@@ -4,6 +4,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 
 import grpc
@@ -21,9 +22,9 @@ from pdq.registry import WorkerInfo
 from pdq.serving import Server
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
-from pdq.worker import Heartbeat, ModelThread, load_runner, reclaim_previous_life, sync_store
+from pdq.worker import Heartbeat, ModelThread, kv_info, load_runner, reclaim_previous_life, sync_store
 from decode_worker.colocated import ColocatedLoop
-from decode_worker.kv_receive import Arrived, Discard, SlotSink
+from decode_worker.kv_receive import Arrived, Discard, BlockSink
 from decode_worker.loop import DecodeLoop
 from decode_worker.strategy import Strategy
 from prefill_worker.loop import PrefillLoop
@@ -41,14 +42,20 @@ class NotServing(NoReservation):
 
 
 class DecodeService(pb_grpc.DecodeWorkerServicer):
-    """Owns the slot accounting: a request holds a slot from Reserve until its sequence leaves
-    (or its reservation expires unused)."""
+    """Owns the admission accounting. A request holds a seat (one of `capacity` sequences) from
+    Reserve until its sequence leaves, or its reservation expires unused; and the KV blocks for
+    its prompt plus max_tokens, counted here (`pending`) until the pool hands them out, when its
+    K/V starts to arrive (or its prompt starts on this process's own prefill side)."""
 
     def __init__(self, config: DecodeConfig):
         self.config = config
         self.loop: DecodeLoop | None = None
-        self.capacity = 0
+        self.runner = None  # the model's runner, once loaded: its free KV blocks bound the grants
+        self.capacity = 0  # seats: sequences held at once
+        self.spare_blocks = 0  # blocks kept for prompts this process prefills for other decode workers
         self.holds: dict[str, float | None] = {}  # rid -> reservation expiry (monotonic), None once running
+        self.pending: dict[str, int] = {}  # rid -> KV blocks granted, not yet taken from the pool
+        self._sizes: deque[int] = deque(maxlen=64)  # blocks of the latest grants: what a request takes
         self.receiving: set[str] = set()  # rids whose hand-off is arriving: their reservation does not expire
         self.expect: dict = {}
         self.on_change = lambda: None
@@ -72,8 +79,28 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         return self.loop is not None and self.loop.alive
 
     @property
+    def free_blocks(self) -> int:
+        """KV blocks free for new grants: the pool's free blocks less those granted, not yet taken."""
+        if self.runner is None:
+            return 0
+        return max(0, self.runner.free_blocks - sum(self.pending.values()) - self.spare_blocks)
+
+    @property
     def free_slots(self) -> int:
-        return max(0, self.capacity - len(self.holds))
+        """Requests that fit now: free seats, and free blocks for as many requests of the size
+        of the latest grants (a quarter of max_seq_len before any)."""
+        seats = max(0, self.capacity - len(self.holds))
+        if self.runner is None:
+            return 0
+        typical = (sum(self._sizes) / len(self._sizes) if self._sizes
+                   else self.runner.blocks_for(max(1, self.config.max_seq_len // 4)))
+        return min(seats, int(self.free_blocks // max(1.0, typical)))
+
+    def taken(self, rid: str) -> None:
+        """The pool handed out `rid`'s blocks (its K/V is arriving, or its prompt is being
+        prefilled here): they no longer count as pending."""
+        with self._lock:
+            self.pending.pop(rid, None)
 
     def expire(self) -> None:
         """Drops reservations that got no hand-off within reservation_timeout_s."""
@@ -83,6 +110,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
                 if expiry is not None and expiry < now and rid not in self.receiving:
                     log.warning("reservation of %s expired unused", rid)
                     del self.holds[rid]
+                    self.pending.pop(rid, None)
 
     async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
         return self._reserve([request])[0]
@@ -92,7 +120,8 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         return pb.ReserveManyResponse(items=self._reserve(request.items))
 
     def _reserve(self, requests) -> list[pb.ReserveResponse]:
-        """Answers reservations in order; one heartbeat for all the slots they took."""
+        """Answers reservations in order: a seat while more than `keep_free` are free, and the
+        KV blocks of `tokens` (prompt + max_tokens); one heartbeat for all they took."""
         self.expire()
         out, took = [], False
         expiry = time.monotonic() + self.config.reservation_timeout_s
@@ -100,9 +129,13 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         with self._lock:
             for request in requests:
                 rid = request.request_id
-                fresh = serving and rid not in self.holds and self.free_slots > request.keep_free
+                blocks = self.runner.blocks_for(max(1, min(request.tokens, self.config.max_seq_len))) if serving else 0
+                fresh = (serving and rid not in self.holds and self.capacity - len(self.holds) > request.keep_free
+                         and blocks <= self.free_blocks)
                 if fresh:
                     self.holds[rid] = expiry
+                    self.pending[rid] = blocks
+                    self._sizes.append(blocks)
                 took |= fresh
                 out.append(pb.ReserveResponse(granted=serving and rid in self.holds,
                                               free_slots=self.free_slots if serving else 0,
@@ -116,6 +149,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             dropped = self.holds.get(request.request_id, 0) is not None  # reserved, not running
             if dropped:
                 self.holds.pop(request.request_id, None)
+                self.pending.pop(request.request_id, None)
         if dropped:
             self.on_change()
         return pb.ReleaseResponse()
@@ -163,15 +197,16 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             self._admit(header)
             receiving.append(header.spec.request_id)
             self.receiving.add(header.spec.request_id)
+            self.taken(header.spec.request_id)  # the sink takes its blocks next
 
-        sink = SlotSink(self.loop.runner if self.loop else None, start)
+        sink = BlockSink(self.loop.runner if self.loop else None, start)
         asm = Assembler(self.expect, sink)
         try:
             await self._receive(frames, sink, asm)
         finally:
             self.receiving.difference_update(receiving)
 
-    async def _receive(self, frames: AsyncIterator[bytes], sink: SlotSink, asm: Assembler) -> None:
+    async def _receive(self, frames: AsyncIterator[bytes], sink: BlockSink, asm: Assembler) -> None:
         try:
             async for frame in frames:
                 asm.add_frame(frame)
@@ -200,8 +235,8 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             self.holds[h.spec.request_id] = None
         self.loop.add(arrived)
 
-    async def _discard(self, sink: SlotSink) -> None:
-        """Frees the slot a failed hand-off was written into (on the model thread) and waits for it."""
+    async def _discard(self, sink: BlockSink) -> None:
+        """Frees the blocks a failed hand-off was written into (on the model thread) and waits for it."""
         if sink.key is None or self.loop is None:
             return
         item = Discard(sink.key)
@@ -209,16 +244,16 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         try:
             await asyncio.wait_for(asyncio.wrap_future(item.done), timeout=10.0)
         except asyncio.TimeoutError:
-            log.warning("KV slot of a failed hand-off not freed within 10 s (decode loop stopped?)")
+            log.warning("KV blocks of a failed hand-off not freed within 10 s (decode loop stopped?)")
 
     def adopt(self, header: pb.KVHeader, key: object, moved: bool | None = None) -> str | None:
         """A hand-off from the prefill role of this process (colocated): the K/V is already in
-        the shared pool under slot `key`. Runs on the model thread, right after the pass that
+        the shared pool under `key`. Runs on the model thread, right after the pass that
         completed the prompt: the sequence is added to the decode loop's waiting list at once,
         so the next pass decodes it, as one engine would (through the event loop it missed
         that pass). `moved`: whether the prefill side already moved the request to DECODING
-        (None: this does). -> None once it waits to join the batch, else why not (the slot is
-        freed)."""
+        (None: this does). -> None once it waits to join the batch, else why not (the blocks
+        are freed)."""
         with self._lock:
             try:
                 self._admit(header)
@@ -239,6 +274,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         with self._lock:
             for rid in rids:
                 self.holds.pop(rid, None)
+                self.pending.pop(rid, None)
         self.on_change()
 
 
@@ -264,8 +300,8 @@ def add_service(server: grpc.aio.Server, service: DecodeService) -> None:
     server.add_registered_method_handlers(name, handlers)
 
 
-# A colocated worker's pool holds this many sequences more than its decode slots: room for
-# prompts whose decode worker is another process (a local one prefills into its reserved slot).
+# A colocated worker's pool holds this many max_seq_len sequences more than its decode budget: room
+# for prompts whose decode worker is another process (a local one prefills into its reserved blocks).
 COLOCATED_EXTRA_SLOTS = 4
 
 
@@ -289,15 +325,15 @@ def build_server(config: DecodeConfig) -> Server:
     state: dict = {}
 
     def info() -> WorkerInfo:
-        service.expire()  # every heartbeat: an orphaned hold frees its slot even if no Reserve comes
+        service.expire()  # every heartbeat: an orphaned hold frees its seat even if no Reserve comes
         running = len(service.loop.running) + len(service.loop.waiting) if service.loop else 0
         return WorkerInfo(worker_id, "decode", address, free_slots=service.free_slots,
-                          capacity=service.capacity, running=running)
+                          capacity=service.capacity, running=running, reserved=len(service.holds),
+                          **kv_info(state.get("runner")))
 
     def prefill_info() -> WorkerInfo:
         runner = state.get("runner")
-        return WorkerInfo(prefill_config.name("prefill"), "prefill", address,
-                          free_slots=runner.num_free if runner else 0, capacity=runner.capacity if runner else 0)
+        return WorkerInfo(prefill_config.name("prefill"), "prefill", address, **kv_info(runner))
 
     async def start() -> None:
         path = await asyncio.to_thread(resolve_model, config.model)
@@ -311,9 +347,10 @@ def build_server(config: DecodeConfig) -> Server:
         # A request-level batch holds every seat until its last sequence ends, and the next batch
         # is only taken (reserved, then prefilled) after that, as naive servers run: the wait
         # shows up in TTFT, where their users see it.
-        slots = runner.capacity - (COLOCATED_EXTRA_SLOTS if config.colocate else 0)
-        service.capacity = min(slots, config.max_batch_size,
-                               strategy.batch_size if strategy.run_to_completion else slots)
+        service.capacity = min(config.max_batch_size,
+                               strategy.batch_size if strategy.run_to_completion else config.max_batch_size)
+        service.spare_blocks = runner.blocks_for(extra)
+        service.runner = runner
         service.expect = {"num_layers": runner.num_layers, "num_kv_heads": runner.num_kv_heads,
                           "head_dim": runner.head_dim, "dtype": str(runner.dtype).removeprefix("torch.")}
         if config.kv_transport == "tcp":
@@ -330,7 +367,8 @@ def build_server(config: DecodeConfig) -> Server:
         model_loop = state["model"] = service.loop
         if prefill is not None:
             prefill.loop = PrefillLoop(runner, store, cancels, tokenizer, eos, config.step_tokens, config.prefill_chunk,
-                                       local=lambda item: item.decode_address == address, adopt=service.adopt)
+                                       local=lambda item: item.decode_address == address, adopt=service.adopt,
+                                       taken=service.taken)
             model_loop = state["model"] = ColocatedLoop(prefill.loop, service.loop, config.step_tokens, config.gather_ms)
         model_loop.start(model)
         await reclaim_previous_life(store, worker_id, config.max_attempts)
@@ -346,8 +384,9 @@ def build_server(config: DecodeConfig) -> Server:
         if prefill is not None:
             state["prefill_heartbeat"] = Heartbeat(prefill_config, keys, prefill_info, alive)
             await state["prefill_heartbeat"].start()
-        log.info("%s worker %s at %s (KV slots %d%s)", "colocated prefill+decode" if prefill else "decode",
-                 worker_id, address, service.capacity,
+        log.info("%s worker %s at %s (%d sequences, KV %d tokens in blocks of %d%s)",
+                 "colocated prefill+decode" if prefill else "decode", worker_id, address, service.capacity,
+                 runner.capacity_tokens - extra, runner.block_size,
                  f", KV data plane at {service.kv_address}" if service.kv_address else "")
 
     async def stop() -> None:

@@ -52,7 +52,9 @@ def worker_info(w: WorkerInfo) -> op_pb.WorkerInfo:
     return op_pb.WorkerInfo(worker_id=w.worker_id, role=w.role, address=w.address, free_slots=w.free_slots,
                             capacity=w.capacity, running=w.running, draining=w.draining, heartbeat_ms=w.heartbeat_ms,
                             quarantined_until_ms=w.quarantined_until_ms if quarantined else 0,
-                            quarantine_reason=w.quarantine_reason if quarantined else "")
+                            quarantine_reason=w.quarantine_reason if quarantined else "",
+                            kv_free_tokens=w.kv_free_tokens, kv_total_tokens=w.kv_total_tokens,
+                            kv_block_size=w.kv_block_size, reserved=w.reserved)
 
 
 def policy_pb(tenant: str, p: TenantPolicy) -> op_pb.TenantPolicy:
@@ -227,5 +229,7 @@ class OperatorService(op_grpc.OperatorServicer):
             queues=[op_pb.QueueDepth(tier=tier, tenant=tenant, requests=n, tokens=tokens)
                     for tier, tenant, n, tokens in depth],
             running=max(0, load.get("running", 0)),
-            kv_slots_used=sum(max(0, w.capacity - w.free_slots) for w in decode),
-            kv_slots_total=sum(w.capacity for w in decode), paused_tiers=tiers, paused_tenants=tenants)
+            kv_slots_used=sum(w.reserved for w in decode),
+            kv_slots_total=sum(w.capacity for w in decode), paused_tiers=tiers, paused_tenants=tenants,
+            kv_tokens_used=sum(max(0, w.kv_total_tokens - w.kv_free_tokens) for w in decode),
+            kv_tokens_total=sum(w.kv_total_tokens for w in decode))

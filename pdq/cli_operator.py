@@ -102,9 +102,11 @@ def _print_workers(workers: list, args: argparse.Namespace) -> None:
         print(json.dumps([as_dict(w) for w in workers]))
         return
     rows = [[w.worker_id, w.role, w.address, str(w.running), f"{w.free_slots}/{w.capacity}",
+             f"{w.kv_free_tokens}/{w.kv_total_tokens} ({w.kv_block_size})",
              "yes" if w.draining else "no", left(w.quarantined_until_ms) if w.quarantined_until_ms else "no",
              ago(w.heartbeat_ms)] for w in workers]
-    print(table(rows, ["ID", "ROLE", "ADDRESS", "RUNNING", "FREE/CAP", "DRAINING", "QUARANTINED", "HEARTBEAT"]))
+    print(table(rows, ["ID", "ROLE", "ADDRESS", "RUNNING", "FREE/CAP", "KV FREE/TOTAL (BLOCK)", "DRAINING",
+                       "QUARANTINED", "HEARTBEAT"]))
     for w in workers:
         if w.quarantined_until_ms:
             print(f"{w.worker_id}: quarantined ({left(w.quarantined_until_ms)}): {w.quarantine_reason}")
@@ -152,7 +154,8 @@ def _stats(op, args):
     if args.json:
         print(json.dumps(as_dict(s)))
         return
-    print(f"running: {s.running}   KV slots: {s.kv_slots_used}/{s.kv_slots_total} used")
+    print(f"running: {s.running}   decode seats: {s.kv_slots_used}/{s.kv_slots_total} used   "
+          f"KV: {s.kv_tokens_used}/{s.kv_tokens_total} tokens used")
     print(f"paused tiers: {', '.join(s.paused_tiers) or '-'}   paused tenants: {', '.join(s.paused_tenants) or '-'}")
     rows = [[q.tier, q.tenant, str(q.requests), str(q.tokens)] for q in s.queues]
     print(table(rows, ["TIER", "TENANT", "QUEUED", "TOKENS"]) if rows else "queue: empty")

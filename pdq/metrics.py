@@ -14,6 +14,7 @@ import bisect
 import logging
 import threading
 from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import HistogramMetricFamily
@@ -108,9 +109,14 @@ STEP_SECONDS = Histogram("pdq_step_duration_seconds", "Wall time of one model st
 SEQ_STEPS = Counter("pdq_decode_seq_steps", "Sequence-steps computed by the decode loop; kind=wasted counts seats "
                     "kept for finished sequences (request-level strategies' padding).", ("strategy", "kind"))
 PADDING = Gauge("pdq_decode_padding_ratio", "Wasted over computed sequence-steps since start.", ("strategy",))
-KV_USED = Gauge("pdq_kv_pool_used_slots", "KV pool sequence slots in use.", ("stage",))
-KV_CAPACITY = Gauge("pdq_kv_pool_capacity_slots", "KV pool sequence slots.", ("stage",))
-KV_USAGE = Gauge("pdq_kv_pool_usage_ratio", "Share of KV pool slots in use.", ("stage",))
+KV_USED = Gauge("pdq_kv_pool_used_tokens", "KV positions in blocks held by sequences.", ("stage",))
+KV_CAPACITY = Gauge("pdq_kv_pool_capacity_tokens", "KV positions of the pool.", ("stage",))
+KV_USED_BLOCKS = Gauge("pdq_kv_pool_used_blocks", "KV blocks held by sequences.", ("stage",))
+KV_CACHED_BLOCKS = Gauge("pdq_kv_pool_cached_blocks", "Free KV blocks still holding a reusable prefix.", ("stage",))
+KV_USAGE = Gauge("pdq_kv_pool_usage_ratio", "Share of KV blocks held by sequences.", ("stage",))
+PREFIX_QUERIED = Counter("pdq_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.", ("stage",))
+PREFIX_HITS = Counter("pdq_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache (their prefill skipped).",
+                      ("stage",))
 KV_TRANSFER = Histogram("pdq_kv_transfer_seconds", "Duration of a KV hand-off, prefill to decode worker.",
                         ("outcome", "transport"), buckets=LATENCY_BUCKETS)
 KV_TRANSFER_BYTES = Counter("pdq_kv_transfer_bytes", "KV cache bytes handed off.", ("outcome", "transport"))
@@ -138,10 +144,25 @@ RPC_SECONDS = Histogram("pdq_grpc_server_handling_seconds", "RPC duration (strea
 
 # -- updates from the model loops (once per step) -------------------------------------------------
 
-def kv_pool(stage: str, used: int, capacity: int) -> None:
-    KV_USED.labels(stage).set(used)
-    KV_CAPACITY.labels(stage).set(capacity)
-    KV_USAGE.labels(stage).set(used / capacity if capacity else 0.0)
+_prefix_seen: dict[str, tuple[int, int]] = {}  # stage -> the block manager's counters last published
+
+
+def kv_pool(stage: str, runner: Any, prefix: bool = True) -> None:
+    """Publishes a runner's KV pool occupancy and (`prefix`) its prefix cache counters."""
+    u = runner.usage()
+    KV_USED.labels(stage).set(u.tokens_used)
+    KV_CAPACITY.labels(stage).set(u.tokens_capacity)
+    KV_USED_BLOCKS.labels(stage).set(u.blocks_used)
+    KV_CACHED_BLOCKS.labels(stage).set(u.blocks_cached)
+    KV_USAGE.labels(stage).set(u.fraction)
+    if not prefix:
+        return
+    blocks = runner.pool.blocks
+    queried, hits = _prefix_seen.get(stage, (0, 0))
+    if blocks.queried_tokens >= queried:
+        PREFIX_QUERIED.labels(stage).inc(blocks.queried_tokens - queried)
+        PREFIX_HITS.labels(stage).inc(blocks.hit_tokens - hits)
+    _prefix_seen[stage] = (blocks.queried_tokens, blocks.hit_tokens)
 
 
 def prefill_pass(seqs: int, tokens: int, budget: int, seconds: float) -> None:

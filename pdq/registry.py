@@ -34,6 +34,10 @@ class WorkerInfo:
     quarantined_until_ms: int = 0  # while in the future: quarantined (its hand-offs kept failing)
     quarantine_reason: str = ""
     handoff_streak: int = 0  # its failed KV hand-offs in a row
+    kv_free_tokens: int = 0  # KV positions in free blocks
+    kv_total_tokens: int = 0  # KV positions of the whole pool
+    kv_block_size: int = 0
+    reserved: int = 0  # decode: seats held (reserved or running)
 
     def quarantined(self, now_ms_: int) -> bool:
         return self.quarantined_until_ms > now_ms_
@@ -45,7 +49,9 @@ def heartbeat(store: RequestStore, info: WorkerInfo, ttl_s: float) -> Any:
     it learns that a slot is free). Entries expire after ttl_s."""
     return store.heartbeat(info.worker_id, info.role, int(ttl_s * 1000),
                            {"role": info.role, "address": info.address, "free_slots": info.free_slots,
-                            "capacity": info.capacity, "running": info.running, "draining": int(info.draining)})
+                            "capacity": info.capacity, "running": info.running, "draining": int(info.draining),
+                            "kv_free_tokens": info.kv_free_tokens, "kv_total_tokens": info.kv_total_tokens,
+                            "kv_block_size": info.kv_block_size, "reserved": info.reserved})
 
 
 def deregister(client: Any, keys: Keys, worker_id: str, role: str) -> Any:
@@ -93,6 +99,9 @@ def live_workers(store: RequestStore, roles: tuple[str, ...], timeout_s: float) 
         return {role: [WorkerInfo(worker_id=wid, role=role, address=h["address"],
                                   free_slots=int(h.get("free_slots", 0)), capacity=int(h.get("capacity", 0)),
                                   running=int(h.get("running", 0)),
+                                  kv_free_tokens=int(h.get("kv_free_tokens", 0)),
+                                  kv_total_tokens=int(h.get("kv_total_tokens", 0)),
+                                  kv_block_size=int(h.get("kv_block_size", 0)), reserved=int(h.get("reserved", 0)),
                                   draining=h.get("draining") == "1" or wid in drained,
                                   heartbeat_ms=int(h.get("heartbeat_ms", 0)), quarantined_until_ms=until,
                                   quarantine_reason=reason, handoff_streak=streak)

@@ -267,5 +267,18 @@ async def reclaim_previous_life(store: RequestStore, worker_id: str, max_attempt
                     worker_id, requeued + failed, requeued, failed)
 
 
+def kv_reserve_tokens(spec: Any, max_seq_len: int) -> int:
+    """KV positions a request may use (a `RequestSpec`): its prompt plus every token it may generate."""
+    return min(max_seq_len, len(spec.prompt_token_ids) + spec.sampling.max_tokens)
+
+
+def kv_info(runner: Any) -> dict[str, int]:
+    """A runner's KV pool for its heartbeat (`WorkerInfo` fields); nothing before it is loaded."""
+    if runner is None:
+        return {}
+    return {"kv_free_tokens": runner.free_tokens, "kv_total_tokens": runner.capacity_tokens,
+            "kv_block_size": runner.block_size}
+
+
 def sync_store(config: WorkerConfig) -> RequestStore:
     return RequestStore(config.redis(aio=False), config.key_prefix, config.result_ttl_s, RetryLimits.of(config))

@@ -19,7 +19,7 @@ import torch
 from pdq import metrics, redisconn, telemetry
 from pdq.cancel_listener import CancelListener
 from pdq.convert import sampling_from_pb
-from pdq.engine.kv_pool import KVPoolFull
+from pdq.engine.blocks import KVPoolFull
 from pdq.engine.runner import PrefillItem as ChunkItem
 from pdq.engine.sampling import SamplingParams, sample_each
 from pdq.output_text import TextOutput
@@ -27,7 +27,7 @@ from pdq.ending import Ending
 from pdq.request import State
 from pdq.store import RequestStore, StepItem, now_ms
 from pdq.v1 import internal_pb2 as pb
-from pdq.worker import IDLE_BEAT_S, ModelLoop
+from pdq.worker import IDLE_BEAT_S, ModelLoop, kv_reserve_tokens
 from prefill_worker.chunking import plan_chunks
 
 log = logging.getLogger("pdq.prefill")
@@ -96,8 +96,10 @@ class PrefillLoop(ModelLoop):
     def __init__(self, runner: Any, store: RequestStore, cancels: CancelListener, tokenizer: Any,
                  eos_ids: list[int], max_batched_tokens: int, prefill_chunk: int,
                  local: Callable[[pb.PrefillItem], bool] | None = None,
-                 adopt: Callable[[pb.KVHeader, Any, bool | None], str | None] | None = None):
+                 adopt: Callable[[pb.KVHeader, Any, bool | None], str | None] | None = None,
+                 taken: Callable[[str], None] | None = None):
         self.runner = runner
+        self.taken = taken  # told (with the request id) when a local prompt takes its reserved blocks
         self.local = local
         self.adopt = adopt
         self.store = store
@@ -189,15 +191,21 @@ class PrefillLoop(ModelLoop):
         job.done(outcome)
 
     def _admit(self, jobs: list[Job]) -> list[Job]:
-        """Those of `jobs` holding a KV slot here, taking one for each that fits."""
+        """Those of `jobs` holding KV blocks here, taking them for each that fits: its prompt's
+        (the leading blocks the prefix cache holds are shared, and their prefill skipped); for a
+        prompt whose decode worker is this process, room for every token it may generate too."""
         admitted = []
         for job in jobs:
             if not job.admitted:
+                local = self._local(job)
+                reserve = kv_reserve_tokens(job.item.spec, self.runner.max_seq_len) if local else 0
                 try:
-                    self.runner.allocate(job.key)
+                    job.filled = self.runner.allocate(job.key, job.prompt, reserve)
                     job.admitted = True
                 except KVPoolFull:
                     continue
+                if local and self.taken is not None:
+                    self.taken(job.rid)
             admitted.append(job)
         return admitted
 
@@ -250,7 +258,7 @@ class PrefillLoop(ModelLoop):
         tokens of the prompts it completed, and their hand-offs. -> jobs still pending."""
         metrics.prefill_pass(len(chunks), sum(len(c.token_ids) for c in chunks), self.max_batched_tokens,
                              time.perf_counter() - started)
-        metrics.kv_pool("prefill", self.runner.capacity - self.runner.num_free, self.runner.capacity)
+        metrics.kv_pool("prefill", self.runner)
         complete = []
         for row, job in enumerate(jobs):
             job.filled += len(chunks[row].token_ids)

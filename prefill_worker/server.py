@@ -18,7 +18,7 @@ from pdq.serving import GRPC_OPTIONS, Server
 from pdq.status import StatusError
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
-from pdq.worker import Heartbeat, ModelThread, load_runner, reclaim_previous_life, sync_store
+from pdq.worker import Heartbeat, ModelThread, kv_info, load_runner, reclaim_previous_life, sync_store
 from prefill_worker.loop import Job, Outcome, PrefillLoop
 
 log = logging.getLogger("pdq.prefill")
@@ -176,9 +176,7 @@ def build_server(config: PrefillConfig) -> Server:
 
     def info() -> WorkerInfo:
         runner = state.get("runner")
-        return WorkerInfo(worker_id, "prefill", address,
-                          free_slots=runner.num_free if runner else 0,
-                          capacity=runner.capacity if runner else 0)
+        return WorkerInfo(worker_id, "prefill", address, **kv_info(runner))
 
     async def start() -> None:
         path = await asyncio.to_thread(resolve_model, config.model)
@@ -196,7 +194,8 @@ def build_server(config: PrefillConfig) -> Server:
         server.ready = True
         state["heartbeat"] = Heartbeat(config, keys, info, lambda: server.ready and service.loop.alive)
         await state["heartbeat"].start()
-        log.info("prefill worker %s at %s (KV slots %d)", worker_id, address, runner.capacity)
+        log.info("prefill worker %s at %s (KV %d tokens in blocks of %d)", worker_id, address,
+                 runner.capacity_tokens, runner.block_size)
 
     async def stop() -> None:
         if "heartbeat" in state:

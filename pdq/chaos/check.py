@@ -240,9 +240,10 @@ def check_leaks(left: Leftovers, decode_workers: int, heartbeat_s: float = 0.5) 
     if len(fresh) < decode_workers:
         leak(f"{len(fresh)} of {decode_workers} decode workers heartbeating", sorted(left.decode_workers))
     for wid, w in fresh.items():
-        if w.get("free_slots") != w.get("capacity") or (w.get("running") or "0") != "0":
-            leak(f"decode worker {wid}: {w.get('free_slots')} of {w.get('capacity')} KV slots free, "
-                 f"{w.get('running')} running", w)
+        if ((w.get("reserved") or "0") != "0" or (w.get("running") or "0") != "0"
+                or w.get("kv_free_tokens") != w.get("kv_total_tokens")):
+            leak(f"decode worker {wid}: {w.get('reserved')} seats held, {w.get('running')} running, "
+                 f"{w.get('kv_free_tokens')} of {w.get('kv_total_tokens')} KV tokens free", w)
     return found
 
 

@@ -1,8 +1,9 @@
-"""The model runtime: our Llama-family forward, a slot KV pool, the runner, sampling and an in-process engine."""
+"""The model runtime: our Llama-family forward, a paged KV pool, the runner, sampling and an in-process engine."""
 
 from pdq.engine.batch_policy import BatchPolicy, Chunk, SeqView, StepPlan
 from pdq.engine.engine import Completion, LLMEngine
 from pdq.engine.kv_pool import KVPool, KVPoolFull, KVUsage
+from pdq.engine.blocks import BlockManager
 from pdq.engine.llama import LlamaModel
 from pdq.engine.runner import DecodeItem, ModelRunner, PrefillItem
 from pdq.engine.sampling import SamplingParams, sample
@@ -11,6 +12,7 @@ from pdq.model.arch import ModelSpec, UnsupportedModelError
 
 __all__ = [
     "BatchPolicy",
+    "BlockManager",
     "Chunk",
     "Completion",
     "DecodeItem",

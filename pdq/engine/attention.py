@@ -1,29 +1,38 @@
-"""Attention over the slot KV pool, for one forward that mixes prefill chunks and decode tokens.
+"""Attention over the paged KV pool, for one forward that mixes prefill chunks and decode tokens.
 
-Row layout of a forward of T tokens: first the prefill chunks, each a contiguous run of
-rows, then one row per decoding sequence. `AttnMetadata` says where each row's K/V goes in
-the pool and what it may attend to; the runner builds it once per step, every layer shares it.
+Row layout of a forward of T tokens: first the prefill chunks, each a contiguous run of rows,
+then one row per decoding sequence. `AttnMetadata` says where each row's K/V goes in the pool
+and what it may attend to; the runner builds it once per step, every layer shares it.
+
+- A chunk starting at position 0 attends to its own keys (causal), straight from this step's k, v.
+- A chunk starting later (chunked prefill, or a prompt whose prefix was cached) reads its
+  earlier keys from its blocks (a gather of that one sequence) and attends with a causal mask.
+- Decode rows read each sequence's blocks in place through its block table: on CPU with the C
+  kernel (`cpu_kernels`), elsewhere by gathering the step's blocks and one batched SDPA.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from pdq.engine import cpu_kernels
 
 
 @dataclass
 class PrefillChunk:
     """One sequence's chunk: rows [row, row + length) are its positions [start, start + length).
 
-    `mask` is None when start == 0 (plain causal), else an additive mask [length,
-    start + length] (see `additive_mask`).
+    blocks: long [ceil((start + length) / block_size)] its block table, when start > 0.
+    mask: additive [length, start + length] when start > 0 (see `additive_mask`).
     """
 
-    slot: int
     start: int
     length: int
     row: int
-    mask: torch.Tensor | None
+    blocks: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -32,17 +41,11 @@ class AttnMetadata:
 
     positions: long [T], position of every row (for rotary).
     kv_rows: long [T * kv_heads], row of each (token, kv head) in the layer's pool viewed as
-        [num_slots * kv_heads * max_seq_len, head_dim]: where this step's K/V is written.
-    decode_span: decode attention runs batched over pool slots [0, decode_span), a view.
-    decode_len: keys [0, decode_len) are read for decode, the longest decoding context.
-    decode_mask: additive [decode_span, 1, 1, decode_len], or None when all keys are visible.
-    decode_slots: long [B] slot of each decode row; None when they are exactly 0..span-1.
-    decode_groups: when set, decode attention runs per group of consecutive slots instead,
-        each (first slot, end slot, keys read, additive mask [end - first, 1, 1, keys] or None),
-        so a group of short sequences does not read as far as the batch's longest
-        (`kv_order`); every slot in [0, span) decodes.
-    decode_order: with decode_groups, long [span] decode row of each slot; None when rows are
-        already in slot order.
+        [num_blocks * kv_heads * block_size, head_dim]: where this step's K/V is written.
+    decode_tables: int32 [B, max_blocks], each decoding sequence's block table (padded).
+    decode_lens: int32 [B], keys each decode row reads (its position + 1).
+    decode_mask: for the gather path, additive [B, 1, 1, max_blocks * block_size].
+    kernel: decode rows run the CPU kernel (else the gather path).
     """
 
     positions: torch.Tensor
@@ -50,18 +53,23 @@ class AttnMetadata:
     chunks: list[PrefillChunk]
     num_prefill_tokens: int
     num_decode: int
-    decode_span: int = 0
-    decode_len: int = 0
+    decode_tables: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
-    decode_slots: torch.Tensor | None = None
-    decode_groups: list[tuple[int, int, int, torch.Tensor | None]] | None = None
-    decode_order: torch.Tensor | None = None
+    kernel: bool = False
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """0 where `allowed`, -inf elsewhere: built once per step, so SDPA does not convert a
     bool mask in every layer. Every query row must allow at least one key."""
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """[len(blocks), kv_heads, bs, D] blocks of a layer's cache -> [kv_heads, len(blocks) * bs, D]."""
+    got = cache.index_select(0, blocks)
+    n, heads, bs, dim = got.shape
+    return got.transpose(0, 1).reshape(heads, n * bs, dim)
 
 
 def attend(
@@ -75,8 +83,8 @@ def attend(
     """Write this step's K/V into the pool, then attend. Returns [T, q_heads, head_dim].
 
     q: [T, q_heads, head_dim]; k, v: [T, kv_heads, head_dim] (rotary already applied).
-    k_cache, v_cache: this layer's contiguous pool tensors [num_slots, kv_heads, max_seq_len,
-    head_dim]; written in place at meta.kv_rows.
+    k_cache, v_cache: this layer's pool tensors [num_blocks, kv_heads, block_size, head_dim];
+    written in place at meta.kv_rows.
     """
     head_dim = k.shape[-1]
     k_cache.view(-1, head_dim).index_copy_(0, meta.kv_rows, k.reshape(-1, head_dim))
@@ -84,55 +92,33 @@ def attend(
     gqa = q.shape[1] != k.shape[1]
     outs = []
     for c in meta.chunks:
-        qc = q[c.row : c.row + c.length].transpose(0, 1).unsqueeze(0)
-        end = c.start + c.length
-        kc = k_cache[c.slot, :, :end].unsqueeze(0)
-        vc = v_cache[c.slot, :, :end].unsqueeze(0)
-        o = F.scaled_dot_product_attention(
-            qc, kc, vc, attn_mask=c.mask, is_causal=c.mask is None, enable_gqa=gqa
-        )
-        outs.append(o[0].transpose(0, 1))
+        qc = q[c.row : c.row + c.length].transpose(0, 1)
+        if c.blocks is None:  # from position 0: its keys are this step's
+            kc = k[c.row : c.row + c.length].transpose(0, 1)
+            vc = v[c.row : c.row + c.length].transpose(0, 1)
+        else:
+            end = c.start + c.length
+            kc, vc = gather(k_cache, c.blocks)[:, :end], gather(v_cache, c.blocks)[:, :end]
+        o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=c.mask, is_causal=c.mask is None, enable_gqa=gqa)
+        outs.append(o.transpose(0, 1))
     if meta.num_decode:
         outs.append(_decode(q[meta.num_prefill_tokens :], k_cache, v_cache, meta))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _decode(q, k_cache, v_cache, meta: AttnMetadata) -> torch.Tensor:
-    """One query per decoding sequence, batched over the contiguous slot range [0, span).
-
-    The query heads sharing a kv head are folded into the query-length dim,
-    [B, kv_heads, group, head_dim]: each K/V block is read once per group, not repeated.
-    """
-    span, length = meta.decode_span, meta.decode_len
-    num_kv_heads = k_cache.shape[1]
+    """One query per decoding sequence, each over its own blocks."""
+    if meta.kernel:
+        return cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens,
+                                        1 / math.sqrt(q.shape[-1]))
     b, num_heads, head_dim = q.shape
-    q = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    if meta.decode_groups is not None:
-        return _decode_groups(q, k_cache, v_cache, meta).reshape(b, num_heads, head_dim)
-    if meta.decode_slots is not None:  # scatter into the slot range; other rows are ignored
-        full = q.new_zeros(span, *q.shape[1:])
-        full[meta.decode_slots] = q
-        q = full
-    o = F.scaled_dot_product_attention(
-        q, k_cache[:span, :, :length], v_cache[:span, :, :length], attn_mask=meta.decode_mask
-    )
-    if meta.decode_slots is not None:
-        o = o[meta.decode_slots]
+    tables = meta.decode_tables.long()
+    blocks = k_cache.index_select(0, tables.view(-1))
+    n, kv_heads, bs, _ = blocks.shape
+    keys = blocks.view(b, n // b, kv_heads, bs, head_dim).transpose(1, 2).reshape(b, kv_heads, -1, head_dim)
+    values = (v_cache.index_select(0, tables.view(-1)).view(b, n // b, kv_heads, bs, head_dim)
+              .transpose(1, 2).reshape(b, kv_heads, -1, head_dim))
+    # the query heads sharing a kv head fold into the query-length dim: each key is read once per group
+    q = q.view(b, kv_heads, num_heads // kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.decode_mask)
     return o.reshape(b, num_heads, head_dim)
-
-
-def _decode_groups(q, k_cache, v_cache, meta: AttnMetadata) -> torch.Tensor:
-    """`_decode` over consecutive slot groups, each reading keys up to its own longest."""
-    order = meta.decode_order
-    if order is not None:
-        q = q[order]  # rows in slot order
-    o = torch.cat([
-        F.scaled_dot_product_attention(q[first:end], k_cache[first:end, :, :keys], v_cache[first:end, :, :keys],
-                                       attn_mask=mask)
-        for first, end, keys, mask in meta.decode_groups
-    ])
-    if order is not None:
-        rows = torch.empty_like(o)
-        rows[order] = o
-        o = rows
-    return o

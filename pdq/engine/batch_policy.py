@@ -1,13 +1,14 @@
 """Iteration-level batch policy: which sequences run in the next step, and how many tokens each.
 
-Pure: takes plain data about sequences and free KV room, returns a `StepPlan`. No torch, no
+Pure: takes plain data about sequences and free KV blocks, returns a `StepPlan`. No torch, no
 IO; the in-process `LLMEngine` and a decode worker's loop both drive it.
 
 Policy (decode first, then chunked prefill, FCFS, under a per-step token budget):
 1. every running sequence with exactly one uncached token decodes it (1 token each);
 2. running sequences partway through their prompt get their next chunk;
-3. waiting sequences are admitted in order while a KV slot, a seat (max_num_seqs) and
-   budget remain; each gets its first chunk this same step.
+3. waiting sequences are admitted in order while their KV blocks, a seat (max_num_seqs) and
+   budget remain; each gets its first chunk this same step (from the end of the prefix the
+   cache already holds for it).
 A chunk is at most `prefill_chunk` tokens; all tokens of a step are at most `max_batched_tokens`.
 """
 
@@ -18,11 +19,14 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class SeqView:
     """What the policy knows of a sequence: tokens known (prompt + generated) and how many of
-    them already have K/V in the pool. `num_tokens - num_cached` tokens are still to run."""
+    them already have K/V in the pool (for a waiting one: found in the prefix cache).
+    `num_tokens - num_cached` tokens are still to run; a waiting sequence needs `blocks` free
+    KV blocks to be admitted."""
 
     seq_id: Hashable
     num_tokens: int
     num_cached: int = 0
+    blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,7 @@ class Chunk:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One step's decisions. `admit` lists waiting sequences to give a KV slot before running
+    """One step's decisions. `admit` lists waiting sequences to give KV blocks before running
     (they also appear in `prefill`). `num_tokens` = len(decode) + total prefill length."""
 
     decode: list[Hashable] = field(default_factory=list)
@@ -62,9 +66,10 @@ class BatchPolicy:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
-    def schedule(self, running: Iterable[SeqView], waiting: Iterable[SeqView], free_slots: int) -> StepPlan:
-        """Plan one step. `running`: sequences holding a KV slot, in priority (FCFS) order;
-        `waiting`: sequences without one, in admission order; `free_slots`: KV slots free."""
+    def schedule(self, running: Iterable[SeqView], waiting: Iterable[SeqView], free_blocks: int) -> StepPlan:
+        """Plan one step. `running`: sequences holding KV blocks, in priority (FCFS) order, each
+        with room for its next token; `waiting`: sequences without, in admission order;
+        `free_blocks`: KV blocks free."""
         running = list(running)
         budget = self.max_batched_tokens
         decode: list[Hashable] = []
@@ -84,9 +89,9 @@ class BatchPolicy:
             n = min(s.num_tokens - s.num_cached, self.prefill_chunk, budget)
             prefill.append(Chunk(s.seq_id, s.num_cached, n))
             budget -= n
-        seats = min(free_slots, self.max_num_seqs - len(running))
+        seats = self.max_num_seqs - len(running)
         for s in waiting:
-            if not budget or seats <= 0:
+            if not budget or seats <= 0 or s.blocks > free_blocks:
                 break
             n = min(s.num_tokens - s.num_cached, self.prefill_chunk, budget)
             if n <= 0:
@@ -95,4 +100,5 @@ class BatchPolicy:
             prefill.append(Chunk(s.seq_id, s.num_cached, n))
             budget -= n
             seats -= 1
+            free_blocks -= s.blocks
         return StepPlan(decode, prefill, admit, self.max_batched_tokens - budget)

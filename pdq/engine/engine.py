@@ -1,8 +1,14 @@
 """LLMEngine: prefill and decode in one process, iteration-level continuous batching.
 
 The same model runtime the service uses, without RPC or Redis: the reference the service is
-benchmarked against. Every `step()` asks the `BatchPolicy` what to run, runs it as one
-forward, samples, and lets finished sequences leave (freeing their KV slot) at once.
+benchmarked against. Every `step()` makes room for the running sequences' next tokens (preempting
+the newest by recompute when the KV blocks run out), asks the `BatchPolicy` what to run, runs it
+as one forward, samples, and lets finished sequences leave (freeing their blocks) at once.
+
+Preemption by recompute: the preempted sequence's blocks are freed and it goes back to the head
+of the waiting queue with its prompt plus the tokens generated so far; when readmitted it
+prefills all of them (its own blocks, if still cached, are found again) and goes on sampling
+where it stopped: no token twice, none missing.
 """
 
 import itertools
@@ -10,7 +16,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pdq.engine.batch_policy import BatchPolicy
+from pdq.engine.batch_policy import BatchPolicy, Chunk, SeqView
+from pdq.engine.blocks import KVPoolFull
 from pdq.engine.runner import ModelRunner, PrefillItem
 from pdq.engine.sampling import SamplingParams, sample
 from pdq.engine.sequence import Sequence
@@ -30,7 +37,7 @@ class LLMEngine:
 
     max_batched_tokens: per-step token budget (decode tokens + prefill chunks);
     prefill_chunk: max prompt tokens of one sequence per step;
-    max_num_seqs: max running sequences (default: the KV pool's capacity).
+    max_num_seqs: max running sequences.
     """
 
     def __init__(
@@ -39,10 +46,11 @@ class LLMEngine:
         *,
         max_batched_tokens: int = 1024,
         prefill_chunk: int = 512,
-        max_num_seqs: int | None = None,
+        max_num_seqs: int = 256,
     ):
         self.runner = runner
-        self.policy = BatchPolicy(max_batched_tokens, prefill_chunk, max_num_seqs or runner.capacity)
+        self.policy = BatchPolicy(max_batched_tokens, prefill_chunk, max_num_seqs)
+        self.preemptions = 0
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # insertion order = admission order (FCFS)
         self._ids = itertools.count()
@@ -81,7 +89,7 @@ class LLMEngine:
         return bool(self.waiting or self.running)
 
     def abort_request(self, seq_id: int) -> bool:
-        """Drop a waiting or running sequence and free its KV slot; False if unknown/finished."""
+        """Drop a waiting or running sequence and free its KV blocks; False if unknown/finished."""
         seq = self.running.pop(seq_id, None)
         if seq is not None:
             self.runner.free(seq_id)
@@ -92,22 +100,66 @@ class LLMEngine:
                 return True
         return False
 
+    def _make_room(self) -> None:
+        """Blocks for every running sequence's next decode token; while they are not free, the
+        newest running sequence is preempted (its blocks freed, back to the head of `waiting`)."""
+        runner = self.runner
+        for seq in list(self.running.values()):
+            if seq.seq_id not in self.running or seq.num_tokens - seq.num_cached != 1:
+                continue
+            while True:
+                try:
+                    runner.ensure(seq.seq_id, seq.num_tokens)
+                    break
+                except KVPoolFull:
+                    victim = next(reversed(self.running.values()))
+                    self._preempt(victim)
+                    if victim is seq:
+                        break
+
+    def _preempt(self, seq: Sequence) -> None:
+        del self.running[seq.seq_id]
+        self.runner.free(seq.seq_id)
+        seq.num_cached = 0
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def _waiting_views(self) -> list[SeqView]:
+        """The waiting sequences the policy may admit this step, each with the prefix the cache
+        holds for it and the blocks it needs."""
+        runner, views = self.runner, []
+        for seq in itertools.islice(self.waiting, self.policy.max_num_seqs - len(self.running)):
+            tokens = seq.tokens(0, seq.num_tokens)
+            cached = runner.cached_tokens(tokens)
+            views.append(SeqView(seq.seq_id, seq.num_tokens, cached,
+                                 runner.blocks_for(seq.num_tokens) - cached // runner.block_size))
+        return views
+
     def step(self) -> list[Completion]:
         """Run one iteration; returns the sequences that finished in it."""
         runner = self.runner
-        plan = self.policy.schedule(
-            (s.view() for s in self.running.values()),
-            (s.view() for s in itertools.islice(self.waiting, runner.num_free)),
-            runner.num_free,
-        )
-        for seq_id in plan.admit:
-            seq = self.waiting.popleft()
-            assert seq.seq_id == seq_id, "policy admits in waiting order"
-            runner.allocate(seq_id)
+        self._make_room()
+        views = self._waiting_views()
+        plan = self.policy.schedule((s.view() for s in self.running.values()), views, runner.free_blocks)
+        chunks = {c.seq_id: c for c in plan.prefill}
+        for i, (seq_id, view) in enumerate(zip(plan.admit, views)):
+            seq = self.waiting[0]
+            assert seq.seq_id == seq_id == view.seq_id, "policy admits in waiting order"
+            try:
+                seq.num_cached = runner.allocate(seq_id, seq.tokens(0, seq.num_tokens))
+            except KVPoolFull:  # a cached prefix counted on was evicted by an earlier admission: wait
+                for later in plan.admit[i:]:
+                    plan.prefill.remove(chunks[later])
+                break
+            self.waiting.popleft()
             self.running[seq_id] = seq
-        if not plan:
+            if seq.num_cached != view.num_cached:
+                c = chunks[seq_id]
+                fixed = Chunk(seq_id, seq.num_cached, min(c.length, seq.num_tokens - seq.num_cached))
+                plan.prefill[plan.prefill.index(c)] = fixed
+        if not plan.prefill and not plan.decode:
             if self.waiting and not self.running:
-                raise RuntimeError("cannot schedule any waiting sequence (no KV slot or seat)")
+                raise RuntimeError("cannot schedule any waiting sequence (no KV blocks or seat)")
             return []
         prefill, decode, to_sample = [], [], []
         for c in plan.prefill:

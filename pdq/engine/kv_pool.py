@@ -1,54 +1,56 @@
-"""A preallocated KV cache pool of fixed-size slots, one slot per sequence.
+"""The paged KV cache: preallocated storage in fixed-size blocks, addressed by sequence id.
 
-Layout: one tensor `kv` [num_layers, 2 (k, v), num_slots, num_kv_heads, max_seq_len, head_dim].
-A sequence owns one slot of `max_seq_len` positions for its whole life, so a running sequence
-never needs more memory (no preemption) and a decode step writes one position in place (no
-per-step cat or copy of the growing caches).
+Layout: one tensor `kv` [num_layers, 2 (k, v), num_blocks, num_kv_heads, block_size, head_dim];
+the bookkeeping (block tables, sharing, the prefix cache) is `pdq.engine.blocks.BlockManager`.
+A sequence holds the blocks its positions use, so the pool's token budget is shared by however
+many sequences fit, not divided into `max_seq_len` slots. Blocks never move: a free is pure
+bookkeeping, and any thread may hold a view of a sequence's blocks while it holds them.
 
-The pool keeps the live slots compact: sequences always occupy slots [0, num_used). Freeing a
-slot moves the last live sequence's K/V into it, so batched decode attention can read the
-view `kv[layer, :, :num_used]`. Slot numbers are therefore internal and may change on `free`;
-callers address sequences by id only, and views into the pool are valid until the next `free`.
-
-Threads: `free` and `reorder` move K/V between slots, so they must run on the thread that runs forward passes
-(never during one). `allocate`, `rename` and writes under `pinned` may come from another thread
-(a KV hand-off received in place): they never move a slot that a forward pass reads, and all
-bookkeeping changes and slot moves happen under the pool's lock.
+Threads: every bookkeeping change happens under the pool's lock, so a KV hand-off may be received
+(`allocate`, `write`, `rename`) on another thread while forward passes run; the forward reads only
+the blocks of the sequences in its step, which nobody else writes.
 """
 
 import threading
-from collections.abc import Hashable, Iterator
-from contextlib import contextmanager
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from pdq.engine.blocks import BlockManager, KVPoolFull  # noqa: F401  (KVPoolFull is part of this API)
 
-class KVPoolFull(RuntimeError):
-    """No free slot: the caller must wait for a sequence to finish (never over-admit)."""
+DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)
 class KVUsage:
-    """Pool occupancy. `tokens_cached` counts positions holding valid K/V."""
+    """Pool occupancy, in sequences, blocks and tokens. `tokens_cached` counts positions holding
+    valid K/V of running sequences; `blocks_cached` free blocks still holding a reusable prefix."""
 
     seqs: int
-    capacity: int
+    blocks_used: int
+    blocks_total: int
+    blocks_cached: int
+    block_size: int
     tokens_cached: int
-    tokens_capacity: int
+
+    @property
+    def tokens_used(self) -> int:
+        return self.blocks_used * self.block_size
+
+    @property
+    def tokens_capacity(self) -> int:
+        return self.blocks_total * self.block_size
 
     @property
     def fraction(self) -> float:
-        """Share of slots in use, 0..1."""
-        return self.seqs / self.capacity
+        """Share of blocks in use, 0..1."""
+        return self.blocks_used / self.blocks_total
 
 
 class KVPool:
-    """Slot allocator plus the K/V storage, addressed by sequence id.
-
-    `kv_budget_tokens` is the memory budget in token positions; it gives
-    `kv_budget_tokens // max_seq_len` slots (capacity in sequences).
-    """
+    """Blocks plus their storage. `kv_budget_tokens` is the memory budget in token positions
+    (`kv_budget_tokens // block_size` blocks); no sequence may exceed `max_seq_len` positions."""
 
     def __init__(
         self,
@@ -60,6 +62,8 @@ class KVPool:
         max_seq_len: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        prefix_cache: bool = True,
     ):
         if max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be > 0, got {max_seq_len}")
@@ -68,136 +72,144 @@ class KVPool:
                 f"kv_budget_tokens={kv_budget_tokens} holds no sequence of max_seq_len={max_seq_len}"
             )
         self.max_seq_len = max_seq_len
-        self.capacity = kv_budget_tokens // max_seq_len
-        # zeros, not empty: masked-out keys must hold finite values (0 * NaN would poison softmax @ v)
-        self.kv = torch.zeros(
-            num_layers, 2, self.capacity, num_kv_heads, max_seq_len, head_dim, dtype=dtype, device=device
-        )
-        self._slot: dict[Hashable, int] = {}
-        self._owner: list[Hashable] = []  # _owner[slot] = seq_id, for slots [0, num_used)
+        self.block_size = block_size
+        self.blocks = BlockManager(kv_budget_tokens // block_size, block_size, prefix_cache)
+        # zeros, not empty: padded key positions must hold finite values (0 * NaN would poison softmax @ v)
+        self.kv = torch.zeros(num_layers, 2, self.blocks.num_blocks, num_kv_heads, block_size, head_dim,
+                              dtype=dtype, device=device)
         self._length: dict[Hashable, int] = {}
+        self._tokens: dict[Hashable, list[int]] = {}  # the tokens of positions [0, n) where known, for `commit`
         self._lock = threading.Lock()
 
     @property
-    def num_used(self) -> int:
-        return len(self._owner)
+    def num_blocks(self) -> int:
+        return self.blocks.num_blocks
 
     @property
-    def num_free(self) -> int:
-        """Free slots (sequences that can still be admitted)."""
-        return self.capacity - len(self._owner)
+    def free_tokens(self) -> int:
+        """Positions in blocks that can be taken now."""
+        return self.blocks.num_free * self.block_size
 
-    def can_allocate(self, n: int = 1) -> bool:
-        return self.num_free >= n
+    @property
+    def num_seqs(self) -> int:
+        return len(self._length)
 
-    def allocate(self, seq_id: Hashable) -> int:
-        """Give `seq_id` a slot (its length starts at 0); returns the slot. Raises KVPoolFull."""
+    def can_allocate(self, tokens: Sequence[int] | int, reserve_tokens: int = 0) -> bool:
+        """Whether a sequence of these prompt tokens (or this many), holding room for
+        max(prompt, reserve_tokens) positions, fits now (cached prefix blocks count as found)."""
         with self._lock:
-            if seq_id in self._slot:
-                raise ValueError(f"sequence {seq_id!r} already has a KV slot")
-            if not self.num_free:
-                raise KVPoolFull(f"KV pool full: {self.capacity} sequences of {self.max_seq_len} tokens")
-            slot = len(self._owner)
-            self._owner.append(seq_id)
-            self._slot[seq_id] = slot
-            self._length[seq_id] = 0
-            return slot
+            return self.blocks.can_allocate(tokens, reserve_tokens)
+
+    def allocate(self, seq_id: Hashable, tokens: Sequence[int] = (), reserve_tokens: int = 0) -> int:
+        """Gives `seq_id` blocks for max(len(tokens), reserve_tokens) positions, sharing cached
+        blocks that hold a prefix of `tokens`. -> positions whose K/V is already there (its
+        length starts there). Raises KVPoolFull."""
+        n = max(len(tokens), reserve_tokens)
+        if n > self.max_seq_len:
+            raise ValueError(f"{n} positions exceed max_seq_len={self.max_seq_len}")
+        with self._lock:
+            if seq_id in self._length:
+                raise ValueError(f"sequence {seq_id!r} already has KV blocks")
+            cached = self.blocks.allocate(seq_id, tokens, max(reserve_tokens, 1))
+            self._length[seq_id] = cached
+            self._tokens[seq_id] = list(tokens[:cached])
+            return cached
+
+    def ensure(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Blocks for positions [0, num_tokens) of `seq_id`. Raises KVPoolFull."""
+        if num_tokens > self.max_seq_len:
+            raise ValueError(f"sequence {seq_id!r}: {num_tokens} tokens exceed max_seq_len={self.max_seq_len}")
+        with self._lock:
+            self.blocks.ensure(seq_id, num_tokens)
+
+    def record(self, seq_id: Hashable, start: int, tokens: Sequence[int]) -> None:
+        """The tokens whose K/V is being written at positions [start, start + len(tokens))."""
+        known = self._tokens[seq_id]
+        if len(known) >= start:
+            del known[start:]
+            known.extend(tokens)
+
+    def commit(self, seq_id: Hashable) -> None:
+        """Names the full blocks of `seq_id` whose K/V is written and whose tokens are known
+        (`record`), so that later prompts with that prefix share them."""
+        known = self._tokens.get(seq_id)
+        if known is None or not self.blocks.prefix_cache:
+            return
+        n = min(len(known), self._length[seq_id])
+        with self._lock:
+            self.blocks.commit(seq_id, known[:n] if n < len(known) else known)
 
     def free(self, seq_id: Hashable) -> None:
-        """Release `seq_id`'s slot; unknown or already freed ids are ignored (idempotent).
-        Only on the forward-pass thread (it may move another sequence's K/V)."""
+        """Releases `seq_id`'s blocks; unknown or already freed ids are ignored (idempotent)."""
         with self._lock:
-            slot = self._slot.pop(seq_id, None)
-            if slot is None:
-                return
-            del self._length[seq_id]
-            last = len(self._owner) - 1
-            if slot != last:  # keep live slots compact: move the last sequence into the hole
-                moved = self._owner[last]
-                n = self._length[moved]
-                if n:
-                    self.kv[:, :, slot, :, :n] = self.kv[:, :, last, :, :n]
-                self._owner[slot] = moved
-                self._slot[moved] = slot
-            self._owner.pop()
-
-    def reorder(self, order: list[int]) -> None:
-        """Moves the live sequences so that slot i holds the one that was in slot order[i] (a
-        permutation of [0, num_used)); each keeps its K/V [0, length) and length. Only on the
-        forward-pass thread, like `free`."""
-        with self._lock:
-            n = len(self._owner)
-            if sorted(order) != list(range(n)):
-                raise ValueError(f"reorder needs a permutation of the {n} live slots")
-            saved = {src: self.kv[:, :, src, :, : self._length[self._owner[src]]].clone()
-                     for dst, src in enumerate(order) if dst != src}
-            for dst, src in enumerate(order):
-                if src in saved:
-                    self.kv[:, :, dst, :, : saved[src].shape[-2]] = saved[src]
-            self._owner = [self._owner[src] for src in order]
-            for slot, seq_id in enumerate(self._owner):
-                self._slot[seq_id] = slot
-
-    def lengths(self) -> list[int]:
-        """K/V length of the sequence in each live slot, in slot order."""
-        return [self._length[seq_id] for seq_id in self._owner]
+            if self._length.pop(seq_id, None) is not None:
+                self._tokens.pop(seq_id, None)
+                self.blocks.free(seq_id)
 
     def rename(self, old: Hashable, new: Hashable) -> None:
-        """The slot of `old` (K/V and length kept) now belongs to `new`, which must have none."""
+        """The blocks of `old` (K/V and length kept) now belong to `new`, which must have none."""
         with self._lock:
-            if new in self._slot:
-                raise ValueError(f"sequence {new!r} already has a KV slot")
-            slot = self.slot(old)
-            del self._slot[old]
-            self._slot[new], self._owner[slot] = slot, new
+            if new in self._length:
+                raise ValueError(f"sequence {new!r} already has KV blocks")
+            self.length(old)
+            self.blocks.rename(old, new)
             self._length[new] = self._length.pop(old)
-
-    @contextmanager
-    def pinned(self, seq_id: Hashable) -> Iterator[torch.Tensor]:
-        """Yields `seq_id`'s storage, a view [num_layers, 2 (k, v), num_kv_heads, max_seq_len,
-        head_dim], with the pool locked: no allocate, free or slot move until the block ends.
-        For writing K/V from another thread into a slot that no forward pass uses yet (the
-        positions a move keeps are [0, length): set the length before writing)."""
-        with self._lock:
-            yield self.kv[:, :, self.slot(seq_id)]
+            self._tokens[new] = self._tokens.pop(old)
 
     def __contains__(self, seq_id: Hashable) -> bool:
-        return seq_id in self._slot
+        return seq_id in self._length
 
-    def slot(self, seq_id: Hashable) -> int:
-        """Current slot of `seq_id` (changes when another sequence is freed). KeyError if none."""
-        try:
-            return self._slot[seq_id]
-        except KeyError:
-            raise KeyError(f"sequence {seq_id!r} has no KV slot") from None
+    def table(self, seq_id: Hashable) -> list[int]:
+        """`seq_id`'s block table: position p lives in block table[p // block_size]."""
+        self.length(seq_id)
+        return self.blocks.tables[seq_id]
 
     def length(self, seq_id: Hashable) -> int:
-        """Positions [0, length) of `seq_id` hold valid K/V."""
-        self.slot(seq_id)
-        return self._length[seq_id]
+        """Positions [0, length) of `seq_id` hold valid K/V. KeyError if it holds no blocks."""
+        try:
+            return self._length[seq_id]
+        except KeyError:
+            raise KeyError(f"sequence {seq_id!r} has no KV blocks") from None
 
     def set_length(self, seq_id: Hashable, length: int) -> None:
         """Record that positions [0, length) of `seq_id` now hold valid K/V."""
-        self.slot(seq_id)
-        if not 0 <= length <= self.max_seq_len:
-            raise ValueError(f"length {length} outside [0, {self.max_seq_len}]")
+        have = len(self.table(seq_id)) * self.block_size
+        if not 0 <= length <= have:
+            raise ValueError(f"length {length} outside the {have} positions of {seq_id!r}'s blocks")
         self._length[seq_id] = length
 
-    def view(self, seq_id: Hashable, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writable (k, v) views [num_kv_heads, length, head_dim] of positions [0, length).
+    def read(self, seq_id: Hashable, length: int) -> torch.Tensor:
+        """A copy of `seq_id`'s K/V for positions [0, length): [num_layers, 2, num_kv_heads, length, head_dim]."""
+        blocks = self.table(seq_id)[: -(-length // self.block_size)]
+        idx = torch.tensor(blocks, device=self.kv.device)
+        kv = self.kv.index_select(2, idx)  # [L, 2, n, H, bs, D]
+        layers, _, n, heads, bs, dim = kv.shape
+        return kv.permute(0, 1, 3, 2, 4, 5).reshape(layers, 2, heads, n * bs, dim)[:, :, :, :length]
 
-        Views alias the pool: valid until the next `free` (which may move the sequence).
-        """
-        if not 0 <= length <= self.max_seq_len:
-            raise ValueError(f"length {length} outside [0, {self.max_seq_len}]")
-        slot = self.slot(seq_id)
-        return self.kv[layer, 0, slot, :, :length], self.kv[layer, 1, slot, :, :length]
+    def write(self, seq_id: Hashable, kv: torch.Tensor, start: int = 0, tokens: Sequence[int] | None = None) -> None:
+        """Copies `kv` [num_layers, 2, num_kv_heads, n, head_dim] (any device or dtype) into
+        positions [start, start + n) of `seq_id` (start a multiple of block_size) and sets its
+        length to start + n. `tokens`: those positions' tokens, when known (for `commit`)."""
+        if start % self.block_size:
+            raise ValueError(f"write must start at a block boundary, got {start}")
+        n = kv.shape[3]
+        table = self.table(seq_id)
+        first, count = start // self.block_size, -(-n // self.block_size)
+        if first + count > len(table):
+            raise ValueError(f"sequence {seq_id!r}: {start + n} positions exceed its blocks")
+        layers, _, heads, _, dim = kv.shape
+        padded = kv.new_zeros(layers, 2, heads, count * self.block_size, dim)
+        padded[:, :, :, :n] = kv
+        blocks = padded.view(layers, 2, heads, count, self.block_size, dim).permute(0, 1, 3, 2, 4, 5)
+        idx = torch.tensor(table[first:first + count], device=self.kv.device)
+        self.kv.index_copy_(2, idx, blocks.to(device=self.kv.device, dtype=self.kv.dtype))
+        self._length[seq_id] = start + n
+        if tokens is not None:
+            self.record(seq_id, start, tokens)
 
     def usage(self) -> KVUsage:
         with self._lock:
-            return KVUsage(
-                seqs=self.num_used,
-                capacity=self.capacity,
-                tokens_cached=sum(self._length.values()),
-                tokens_capacity=self.capacity * self.max_seq_len,
-            )
+            s = self.blocks.stats()
+            return KVUsage(seqs=len(self._length), blocks_used=s.used, blocks_total=s.num_blocks,
+                           blocks_cached=s.cached, block_size=s.block_size,
+                           tokens_cached=sum(self._length.values()))

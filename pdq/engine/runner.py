@@ -1,19 +1,20 @@
 """ModelRunner: the model plus its KV pool; runs one forward per step for many sequences.
 
-Sequences are addressed by id. The caller owns admission: `allocate(seq_id)` before the
-first prefill (raises KVPoolFull when there is no room), `free(seq_id)` when done. The runner
-tracks how many positions of each sequence hold K/V (`kv_length`).
+Sequences are addressed by id. The caller owns admission: `allocate(seq_id, prompt)` before the
+first prefill (raises KVPoolFull when its blocks are not free; it says how much of the prompt
+the prefix cache already holds), `free(seq_id)` when done. The KV is paged (`pdq.engine.kv_pool`):
+a sequence's blocks grow as it is written; the runner tracks how many positions of each
+sequence hold K/V (`kv_length`).
 """
 
-from collections.abc import Hashable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from pdq.engine import kv_order
+from pdq.engine import cpu_kernels
 from pdq.engine.attention import AttnMetadata, PrefillChunk, additive_mask
-from pdq.engine.kv_pool import KVPool, KVUsage
+from pdq.engine.kv_pool import DEFAULT_BLOCK_SIZE, KVPool, KVUsage
 from pdq.engine.llama import LlamaModel
 from pdq.model.arch import ModelSpec
 
@@ -64,6 +65,8 @@ class ModelRunner:
         max_seq_len: int,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        prefix_cache: bool = True,
     ):
         config = model.config
         spec = ModelSpec.from_hf_config(config)
@@ -84,7 +87,11 @@ class ModelRunner:
             max_seq_len=max_seq_len,
             dtype=self.dtype,
             device=self.device,
+            block_size=block_size,
+            prefix_cache=prefix_cache,
         )
+        # decode attention through the CPU kernel where it runs (float32 on CPU), else by gathering
+        self.decode_kernel = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.available()
 
     @classmethod
     def from_pretrained(
@@ -95,14 +102,15 @@ class ModelRunner:
         max_seq_len: int,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        **pool,
     ) -> "ModelRunner":
         """Load a local HF checkpoint directory (`pdq.model.arch` lists the families). The config is
-        checked before the weights load."""
+        checked before the weights load. `pool`: `block_size`, `prefix_cache`."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         ModelSpec.from_hf_config(AutoConfig.from_pretrained(path)).check_max_seq_len(max_seq_len)  # before the weights
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
-        return cls(hf, kv_budget_tokens=kv_budget_tokens, max_seq_len=max_seq_len, device=device, dtype=dtype)
+        return cls(hf, kv_budget_tokens=kv_budget_tokens, max_seq_len=max_seq_len, device=device, dtype=dtype, **pool)
 
     # -- model facts -------------------------------------------------------------------------
 
@@ -113,31 +121,53 @@ class ModelRunner:
     eos_token_ids = property(lambda self: self.spec.eos_token_ids)
     max_seq_len = property(lambda self: self.pool.max_seq_len)
 
-    # -- KV slots ----------------------------------------------------------------------------
+    # -- KV blocks ---------------------------------------------------------------------------
 
-    def allocate(self, seq_id: Hashable) -> None:
-        """Reserve a KV slot for `seq_id` (KV length 0). Raises KVPoolFull when none is free."""
-        self.pool.allocate(seq_id)
+    def allocate(self, seq_id: Hashable, tokens: Sequence[int] = (), reserve_tokens: int = 0) -> int:
+        """Give `seq_id` KV blocks for max(len(tokens), reserve_tokens) positions, sharing cached
+        blocks that hold a prefix of `tokens` (its prompt). -> positions already computed (its
+        first prefill chunk starts there). Raises KVPoolFull when the blocks are not free."""
+        return self.pool.allocate(seq_id, tokens, reserve_tokens)
 
     def free(self, seq_id: Hashable) -> None:
-        """Release `seq_id`'s KV slot. Idempotent."""
-        with torch.inference_mode():
-            self.pool.free(seq_id)
+        """Release `seq_id`'s KV blocks. Idempotent."""
+        self.pool.free(seq_id)
 
     def rename(self, old: Hashable, new: Hashable) -> None:
-        """`old`'s slot (its K/V and length) now belongs to `new`. See `KVPool.rename`."""
+        """`old`'s blocks (its K/V and length) now belong to `new`. See `KVPool.rename`."""
         self.pool.rename(old, new)
 
-    def can_allocate(self, n: int = 1) -> bool:
-        return self.pool.can_allocate(n)
+    def can_allocate(self, tokens: Sequence[int] | int, reserve_tokens: int = 0) -> bool:
+        return self.pool.can_allocate(tokens, reserve_tokens)
+
+    def ensure(self, seq_id: Hashable, num_tokens: int) -> None:
+        """KV blocks for positions [0, num_tokens) of `seq_id`. Raises KVPoolFull."""
+        self.pool.ensure(seq_id, num_tokens)
 
     @property
-    def num_free(self) -> int:
-        return self.pool.num_free
+    def block_size(self) -> int:
+        return self.pool.block_size
 
     @property
-    def capacity(self) -> int:
-        return self.pool.capacity
+    def free_tokens(self) -> int:
+        """KV positions in free blocks."""
+        return self.pool.free_tokens
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.num_blocks * self.pool.block_size
+
+    @property
+    def free_blocks(self) -> int:
+        return self.pool.blocks.num_free
+
+    def blocks_for(self, tokens: int) -> int:
+        return self.pool.blocks.blocks_for(tokens)
+
+    def cached_tokens(self, tokens: Sequence[int]) -> int:
+        """Leading tokens of a prompt that the prefix cache holds now (a lookup: nothing is held)."""
+        with self.pool._lock:
+            return self.pool.blocks.cached_tokens(tokens)
 
     def usage(self) -> KVUsage:
         return self.pool.usage()
@@ -147,22 +177,22 @@ class ModelRunner:
         return self.pool.length(seq_id)
 
     def warm_up(self, step_tokens: int, chunk: int) -> None:
-        """Runs full-size passes on scratch slots and frees them: a prefill pass of
+        """Runs full-size passes on scratch sequences and frees them: a prefill pass of
         `step_tokens` tokens in chunks of at most `chunk`, then a decode step of those
         sequences, as vLLM's and TGI's start-up runs do. The first passes of that size in a
         process are otherwise slower (the allocator maps their buffers fresh), and would land
-        on the first users' requests. A pool without room for a scratch slot is left as it is."""
+        on the first users' requests. Scratch tokens never enter the prefix cache."""
         chunk = max(1, min(chunk, self.max_seq_len - 1))
         sizes, left = [], max(1, step_tokens)
-        while left > 0 and len(sizes) < self.num_free:
+        while left > 0 and self.can_allocate(sum(sizes) + min(chunk, left) + len(sizes) + 1 + self.block_size):
             sizes.append(min(chunk, left))
             left -= sizes[-1]
         keys = [("warm-up", i) for i in range(len(sizes))]
-        for key in keys:
-            self.allocate(key)
+        for key, n in zip(keys, sizes):
+            self.allocate(key, reserve_tokens=n + 1)
         try:
-            self.prefill([PrefillItem(key, [0] * n, 0) for key, n in zip(keys, sizes)])
-            self.decode([(key, 0, n) for key, n in zip(keys, sizes)])
+            self.step([PrefillItem(key, [0] * n, 0) for key, n in zip(keys, sizes)], (), commit=False)
+            self.step((), [(key, 0, n) for key, n in zip(keys, sizes)], commit=False)
         finally:
             for key in keys:
                 self.free(key)
@@ -179,130 +209,104 @@ class ModelRunner:
         return self.step((), items)
 
     @torch.inference_mode()
-    def step(self, prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem]) -> torch.Tensor:
+    def step(self, prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem], commit: bool = True) -> torch.Tensor:
         """Prefill chunks and decode tokens in one forward. Logits rows: prefill items in
-        order, then decode items in order. Each sequence may appear at most once."""
+        order, then decode items in order. Each sequence may appear at most once, and must hold
+        blocks for what it writes (`allocate` / `ensure`; raises KVPoolFull otherwise, before
+        any change). After the pass, the full blocks written are named for prefix reuse
+        (`commit=False`: not, for scratch tokens)."""
         if not prefill and not decode:
             return torch.empty(0, self.vocab_size, device=self.device)
-        if not prefill:
-            self._sort_pool()
         input_ids, meta, logit_rows = self._prepare(prefill, decode)
-        return self.model(input_ids, meta, self.pool.kv, logit_rows)
+        logits = self.model(input_ids, meta, self.pool.kv, logit_rows)
+        if commit:
+            for item in prefill:
+                self.pool.commit(item.seq_id)
+            for seq_id, _, _ in decode:
+                self.pool.commit(seq_id)
+        return logits
 
     def _prepare(self, prefill, decode) -> tuple[torch.Tensor, AttnMetadata, torch.Tensor | slice]:
         """Validate the items, flatten them into token rows (prefill chunks, then decode
         tokens), build the attention plan, and advance each sequence's KV length."""
-        pool, dev = self.pool, self.device
+        pool, dev, bs = self.pool, self.device, self.block_size
+        seen: set = set()
+        for item in prefill:
+            if not len(item.token_ids):
+                raise ValueError(f"empty prefill chunk for sequence {item.seq_id!r}")
+            self._claim(item.seq_id, item.start_pos, len(item.token_ids), seen)
+        for seq_id, _, pos in decode:
+            self._claim(seq_id, pos, 1, seen)
         tokens: list[int] = []
-        slots: list[int] = []
+        rows: list[int] = []  # pool row (block * block_size + offset) of each token
         positions: list[int] = []
         chunks: list[PrefillChunk] = []
         logit_rows: list[int] = []
-        seen = set()
         for item in prefill:
             n, start = len(item.token_ids), item.start_pos
-            slot = self._claim(item.seq_id, start, n, seen)
-            if n == 0:
-                raise ValueError(f"empty prefill chunk for sequence {item.seq_id!r}")
-            mask = None
+            table = pool.table(item.seq_id)
+            chunk = PrefillChunk(start, n, len(tokens))
             if start:
                 q_pos = torch.arange(start, start + n, device=dev)
-                mask = additive_mask(torch.arange(start + n, device=dev)[None, :] <= q_pos[:, None], self.dtype)
-            chunks.append(PrefillChunk(slot, start, n, len(tokens), mask))
+                chunk.mask = additive_mask(torch.arange(start + n, device=dev)[None, :] <= q_pos[:, None], self.dtype)
+                chunk.blocks = torch.tensor(table[: -(-(start + n) // bs)], device=dev)
+            chunks.append(chunk)
             tokens.extend(item.token_ids)
-            slots.extend([slot] * n)
+            rows.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             positions.extend(range(start, start + n))
             logit_rows.append(len(tokens) - 1)
         num_prefill = len(tokens)
-        dec_slots = []
+        tables = []
         for seq_id, token, pos in decode:
-            dec_slots.append(self._claim(seq_id, pos, 1, seen))
+            table = pool.table(seq_id)
             tokens.append(token)
+            rows.append(table[pos // bs] * bs + pos % bs)
             positions.append(pos)
-        slots.extend(dec_slots)
+            tables.append(table[: pos // bs + 1])
         if min(tokens) < 0 or max(tokens) >= self.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.vocab_size})")
         logit_rows.extend(range(num_prefill, len(tokens)))
-        slots_t, positions_t = torch.tensor(slots, device=dev), torch.tensor(positions, device=dev)
+        rows_t, positions_t = torch.tensor(rows, device=dev), torch.tensor(positions, device=dev)
         heads = torch.arange(self.num_kv_heads, device=dev)
-        kv_rows = ((slots_t[:, None] * self.num_kv_heads + heads) * self.max_seq_len + positions_t[:, None]).view(-1)
-        meta = AttnMetadata(
-            positions=positions_t,
-            kv_rows=kv_rows,
-            chunks=chunks,
-            num_prefill_tokens=num_prefill,
-            num_decode=len(decode),
-        )
+        # the pool's layer tensor [num_blocks, kv_heads, bs, D] viewed as rows of D
+        kv_rows = (((rows_t // bs)[:, None] * self.num_kv_heads + heads) * bs + (rows_t % bs)[:, None]).view(-1)
+        meta = AttnMetadata(positions=positions_t, kv_rows=kv_rows, chunks=chunks, num_prefill_tokens=num_prefill,
+                            num_decode=len(decode))
         if decode:
-            self._plan_decode(meta, dec_slots, positions[num_prefill:])
+            self._plan_decode(meta, tables, positions[num_prefill:])
         for item in prefill:
+            pool.record(item.seq_id, item.start_pos, item.token_ids)
             pool.set_length(item.seq_id, item.start_pos + len(item.token_ids))
-        for seq_id, _, pos in decode:
+        for seq_id, token, pos in decode:
+            pool.record(seq_id, pos, (token,))
             pool.set_length(seq_id, pos + 1)
         rows = slice(None) if len(logit_rows) == len(tokens) else torch.tensor(logit_rows, device=dev)
         return torch.tensor(tokens, device=dev), meta, rows
 
-    def _claim(self, seq_id, start: int, n: int, seen: set) -> int:
-        """Check that positions [start, start + n) can be written for `seq_id`; return its slot."""
+    def _claim(self, seq_id, start: int, n: int, seen: set) -> None:
+        """Check that positions [start, start + n) can be written for `seq_id`, taking the
+        blocks they need."""
         if seq_id in seen:
             raise ValueError(f"sequence {seq_id!r} appears twice in one step")
         seen.add(seq_id)
-        slot = self.pool.slot(seq_id)
         have = self.pool.length(seq_id)
         if not 0 <= start <= have:
             raise ValueError(f"sequence {seq_id!r}: position {start} but only {have} positions in KV")
         if start + n > self.max_seq_len:
             raise ValueError(f"sequence {seq_id!r}: {start + n} tokens exceed max_seq_len={self.max_seq_len}")
-        return slot
+        self.pool.ensure(seq_id, start + n)
 
-    def _plan_decode(self, meta: AttnMetadata, dec_slots: list[int], dec_pos: list[int]) -> None:
-        span = max(dec_slots) + 1
-        length = max(dec_pos) + 1
-        meta.decode_span, meta.decode_len = span, length
-        if len(dec_slots) == span and self._plan_groups(meta, dec_slots, dec_pos):
-            return
-        dense = dec_slots == list(range(span))
-        if not dense:
-            meta.decode_slots = torch.tensor(dec_slots, device=self.device)
-        if dense and min(dec_pos) == length - 1:
-            return  # every query sees every key in [0, length): no mask
-        pos_of_slot = [0] * span  # slots not decoding this step: attend to key 0 only (ignored)
-        for s, p in zip(dec_slots, dec_pos):
-            pos_of_slot[s] = p
-        last = torch.tensor(pos_of_slot, device=self.device)
-        keys = torch.arange(length, device=self.device)
-        meta.decode_mask = additive_mask((keys[None, :] <= last[:, None]).view(span, 1, 1, length), self.dtype)
-
-    def _plan_groups(self, meta: AttnMetadata, dec_slots: list[int], dec_pos: list[int]) -> bool:
-        """Plans decode attention per slot group when that reads enough fewer keys (every slot
-        of [0, span) decodes this step). -> whether it did."""
-        span = len(dec_slots)
-        pos_of_slot, row_of_slot = [0] * span, [0] * span
-        for row, (slot, pos) in enumerate(zip(dec_slots, dec_pos)):
-            pos_of_slot[slot], row_of_slot[slot] = pos, row
-        lengths = [p + 1 for p in pos_of_slot]
-        if not kv_order.worth_grouping(lengths):
-            return False
-        groups = []
-        for first, end, keys in kv_order.groups(lengths):
-            last = pos_of_slot[first:end]
-            mask = None
-            if min(last) != keys - 1:  # some sequence of the group sees fewer keys
-                visible = torch.arange(keys, device=self.device)[None, :] <= torch.tensor(last, device=self.device)[:, None]
-                mask = additive_mask(visible.view(end - first, 1, 1, keys), self.dtype)
-            groups.append((first, end, keys, mask))
-        meta.decode_groups = groups
-        if row_of_slot != list(range(span)):
-            meta.decode_order = torch.tensor(row_of_slot, device=self.device)
-        return True
-
-    def _sort_pool(self) -> None:
-        """Moves the pool's sequences into length order (longest first) when the reads that
-        saves pay for the copy (`kv_order.sort_order`), so grouped decode attention reads little
-        past each sequence's own length."""
-        order = kv_order.sort_order(self.pool.lengths())
-        if order is not None:
-            self.pool.reorder(order)
+    def _plan_decode(self, meta: AttnMetadata, tables: list[list[int]], dec_pos: list[int]) -> None:
+        width = max(len(t) for t in tables)
+        padded = [t + [t[-1]] * (width - len(t)) for t in tables]  # padding reads a block of its own, masked
+        lens = [p + 1 for p in dec_pos]
+        meta.kernel = self.decode_kernel
+        meta.decode_tables = torch.tensor(padded, dtype=torch.int32, device=self.device)
+        meta.decode_lens = torch.tensor(lens, dtype=torch.int32, device=self.device)
+        if not self.decode_kernel:
+            keys = torch.arange(width * self.block_size, device=self.device)
+            visible = keys[None, :] < meta.decode_lens[:, None]
+            meta.decode_mask = additive_mask(visible.view(len(lens), 1, 1, -1), self.dtype)
 
     # -- KV hand-off -------------------------------------------------------------------------
 
@@ -314,37 +318,17 @@ class ModelRunner:
         length = self.kv_length(seq_id) if length is None else length
         if length > self.kv_length(seq_id):
             raise ValueError(f"sequence {seq_id!r} has {self.kv_length(seq_id)} positions, asked {length}")
-        return [
-            tuple(t.clone(memory_format=torch.contiguous_format) for t in self.pool.view(seq_id, i, length))
-            for i in range(self.num_layers)
-        ]
-
-    def kv_view(self, seq_id: Hashable, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writable (k, v) views into the pool, [num_kv_heads, length, head_dim] each, for
-        receiving a hand-off in place (e.g. `view.copy_(torch.frombuffer(...).view(...))`).
-        Valid until the next `free`. After filling every layer, call `set_kv_length`."""
-        return self.pool.view(seq_id, layer, length)
-
-    @contextmanager
-    def kv_slot(self, seq_id: Hashable) -> Iterator[torch.Tensor]:
-        """`seq_id`'s K/V storage [num_layers, 2, num_kv_heads, max_seq_len, head_dim] with the
-        pool locked, for receiving a hand-off from another thread while forward passes run (on
-        sequences other than `seq_id`). See `KVPool.pinned` for the rules."""
-        with self.pool.pinned(seq_id) as kv:  # the pool needs no grad: plain copy_ into it
-            yield kv
-
-    def set_kv_length(self, seq_id: Hashable, length: int) -> None:
-        """Declare that positions [0, length) of `seq_id` hold K/V (after writing via kv_view)."""
-        self.pool.set_length(seq_id, length)
+        kv = self.pool.read(seq_id, length)
+        return [(layer[0].contiguous(), layer[1].contiguous()) for layer in kv]
 
     @torch.inference_mode()
-    def import_kv(self, seq_id: Hashable, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Copy one layer's K/V [num_kv_heads, n, head_dim] (any device/dtype) into positions
-        [0, n) of `seq_id`'s slot and set its KV length to n. Import every layer before use."""
-        expected = (self.num_kv_heads, k.shape[1], self.head_dim)
-        if tuple(k.shape) != expected or tuple(v.shape) != expected:
-            raise ValueError(f"import_kv: want k, v of shape {expected}, got {tuple(k.shape)}, {tuple(v.shape)}")
-        dst_k, dst_v = self.pool.view(seq_id, layer, k.shape[1])
-        dst_k.copy_(k)
-        dst_v.copy_(v)
-        self.pool.set_length(seq_id, k.shape[1])
+    def write_kv(self, seq_id: Hashable, kv: torch.Tensor, tokens: Sequence[int] | None = None) -> None:
+        """Copies a received K/V [num_layers, 2, num_kv_heads, n, head_dim] (any device or dtype)
+        into positions [0, n) of `seq_id`'s blocks and sets its KV length to n. `tokens`: the
+        tokens of those positions, so their full blocks join the prefix cache. Safe from another
+        thread while forward passes run on other sequences."""
+        expected = (self.num_layers, 2, self.num_kv_heads, kv.shape[3], self.head_dim)
+        if tuple(kv.shape) != expected:
+            raise ValueError(f"write_kv: want K/V of shape {expected}, got {tuple(kv.shape)}")
+        self.pool.write(seq_id, kv, 0, tokens)
+        self.pool.commit(seq_id)

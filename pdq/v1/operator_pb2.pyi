@@ -113,7 +113,7 @@ class ListWorkersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "free_slots", "capacity", "running", "draining", "heartbeat_ms", "quarantined_until_ms", "quarantine_reason")
+    __slots__ = ("worker_id", "role", "address", "free_slots", "capacity", "running", "draining", "heartbeat_ms", "quarantined_until_ms", "quarantine_reason", "kv_free_tokens", "kv_total_tokens", "kv_block_size", "reserved")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,10 @@ class WorkerInfo(_message.Message):
     HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_UNTIL_MS_FIELD_NUMBER: _ClassVar[int]
     QUARANTINE_REASON_FIELD_NUMBER: _ClassVar[int]
+    KV_FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
@@ -134,7 +138,11 @@ class WorkerInfo(_message.Message):
     heartbeat_ms: int
     quarantined_until_ms: int
     quarantine_reason: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., free_slots: _Optional[int] = ..., capacity: _Optional[int] = ..., running: _Optional[int] = ..., draining: _Optional[bool] = ..., heartbeat_ms: _Optional[int] = ..., quarantined_until_ms: _Optional[int] = ..., quarantine_reason: _Optional[str] = ...) -> None: ...
+    kv_free_tokens: int
+    kv_total_tokens: int
+    kv_block_size: int
+    reserved: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., free_slots: _Optional[int] = ..., capacity: _Optional[int] = ..., running: _Optional[int] = ..., draining: _Optional[bool] = ..., heartbeat_ms: _Optional[int] = ..., quarantined_until_ms: _Optional[int] = ..., quarantine_reason: _Optional[str] = ..., kv_free_tokens: _Optional[int] = ..., kv_total_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., reserved: _Optional[int] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)
@@ -205,17 +213,21 @@ class QueueDepth(_message.Message):
     def __init__(self, tier: _Optional[str] = ..., tenant: _Optional[str] = ..., requests: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("queues", "running", "kv_slots_used", "kv_slots_total", "paused_tiers", "paused_tenants")
+    __slots__ = ("queues", "running", "kv_slots_used", "kv_slots_total", "paused_tiers", "paused_tenants", "kv_tokens_used", "kv_tokens_total")
     QUEUES_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     KV_SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
     KV_SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PAUSED_TIERS_FIELD_NUMBER: _ClassVar[int]
     PAUSED_TENANTS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     queues: _containers.RepeatedCompositeFieldContainer[QueueDepth]
     running: int
     kv_slots_used: int
     kv_slots_total: int
     paused_tiers: _containers.RepeatedScalarFieldContainer[str]
     paused_tenants: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, queues: _Optional[_Iterable[_Union[QueueDepth, _Mapping]]] = ..., running: _Optional[int] = ..., kv_slots_used: _Optional[int] = ..., kv_slots_total: _Optional[int] = ..., paused_tiers: _Optional[_Iterable[str]] = ..., paused_tenants: _Optional[_Iterable[str]] = ...) -> None: ...
+    kv_tokens_used: int
+    kv_tokens_total: int
+    def __init__(self, queues: _Optional[_Iterable[_Union[QueueDepth, _Mapping]]] = ..., running: _Optional[int] = ..., kv_slots_used: _Optional[int] = ..., kv_slots_total: _Optional[int] = ..., paused_tiers: _Optional[_Iterable[str]] = ..., paused_tenants: _Optional[_Iterable[str]] = ..., kv_tokens_used: _Optional[int] = ..., kv_tokens_total: _Optional[int] = ...) -> None: ...

@@ -75,7 +75,7 @@ async def test_corrupt_multi_layer_chunk_is_rejected_and_its_slot_freed_then_a_r
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await push(iter(frames("r1", layers, corrupt=True)), timeout=10)
         assert err.value.code() == grpc.StatusCode.DATA_LOSS and "checksum" in err.value.details()
-        assert runner.num_free == runner.capacity  # freed before the call failed: nothing to poll for
+        assert runner.free_tokens == runner.capacity_tokens  # freed before the call failed: nothing to poll for
         assert service.holds["r1"] is not None  # still reserved: the retry may come
         assert (await push(iter(frames("r1", layers)), timeout=10)).accepted
         assert service.holds.get("r1") is None  # running here (None), or already done (gone); no longer reserved
@@ -87,7 +87,7 @@ async def test_hand_off_without_reservation_takes_no_slot(redis_server, prefix):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await push(iter(frames("nobody", cache(runner, 10))), timeout=10)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert runner.num_free == runner.capacity
+        assert runner.free_tokens == runner.capacity_tokens
 
 
 
@@ -104,9 +104,9 @@ async def test_a_stream_that_breaks_mid_transfer_gives_its_slot_back(redis_serve
             await gate.wait()  # never set: the call is cancelled while the slot is held
 
         call = push(requests(), timeout=10)
-        await wait_for("the slot to be taken", lambda: runner.num_free == runner.capacity - 1)
+        await wait_for("the slot to be taken", lambda: runner.free_tokens < runner.capacity_tokens)
         call.cancel()
-        await wait_for("the slot to be given back", lambda: runner.num_free == runner.capacity)
+        await wait_for("the slot to be given back", lambda: runner.free_tokens == runner.capacity_tokens)
         assert service.holds["r2"] is not None  # the reservation stays until released or expired
 
 
@@ -124,7 +124,7 @@ async def test_a_reservation_does_not_expire_while_its_hand_off_arrives(redis_se
                 yield f
 
         call = push(requests(), timeout=10)
-        await wait_for("the slot to be taken", lambda: runner.num_free == runner.capacity - 1)
+        await wait_for("the slot to be taken", lambda: runner.free_tokens < runner.capacity_tokens)
         service.holds["r3"] = time.monotonic() - 1.0  # its reservation is past due mid-transfer
         service.expire()
         assert "r3" in service.holds  # kept: the room is in use by the arriving cache

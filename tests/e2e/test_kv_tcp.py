@@ -31,13 +31,13 @@ async def test_hand_offs_over_tcp_land_and_a_corrupt_one_is_refused_on_the_same_
             with pytest.raises(kv_tcp.Refused) as err:
                 await pusher.push(address, frames("r1", cache(runner, 50), corrupt=True))
             assert err.value.code == grpc.StatusCode.DATA_LOSS and "checksum" in err.value.details
-            assert runner.num_free == runner.capacity  # freed before the answer
+            assert runner.free_tokens == runner.capacity_tokens  # freed before the answer
             assert service.holds["r1"] is not None  # still reserved: the retry may come
 
             with pytest.raises(kv_tcp.Refused) as err:  # no reservation: refused, nothing taken
                 await pusher.push(address, frames("nobody", cache(runner, 10)))
             assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and "no KV reservation" in err.value.details
-            assert runner.num_free == runner.capacity
+            assert runner.free_tokens == runner.capacity_tokens
 
             await pusher.push(address, frames("r1", cache(runner, 50)))  # the retry lands
             assert service.holds.get("r1") is None  # running here (None), or already done (gone); no longer reserved
@@ -62,9 +62,9 @@ async def test_a_connection_that_breaks_mid_transfer_gives_its_slot_back(redis_s
         for frame in sent[:3]:
             writer.write(struct.pack("<I", len(frame)) + frame)
         await writer.drain()
-        await wait_for("the slot to be taken", lambda: runner.num_free == runner.capacity - 1)
+        await wait_for("the slot to be taken", lambda: runner.free_tokens < runner.capacity_tokens)
         writer.close()  # the sender goes away midway
-        await wait_for("the slot to be given back", lambda: runner.num_free == runner.capacity)
+        await wait_for("the slot to be given back", lambda: runner.free_tokens == runner.capacity_tokens)
         assert service.holds["r2"] is not None and not service.receiving
 
 

@@ -85,7 +85,7 @@ def decode_workers(op) -> list[op_pb.WorkerInfo]:
 
 
 def kv_idle(op) -> bool:
-    return all(w.free_slots == w.capacity and w.running == 0 for w in decode_workers(op))
+    return all(w.reserved == 0 and w.running == 0 and w.kv_free_tokens == w.kv_total_tokens for w in decode_workers(op))
 
 
 # -- auth ------------------------------------------------------------------------------------

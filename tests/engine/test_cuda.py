@@ -40,7 +40,7 @@ def test_the_default_16_bit_dtype_serves_a_batch_to_the_end(tmp_path, family):
     engine = LLMEngine(runner, max_batched_tokens=48, prefill_chunk=16)
     outs = engine.generate(PROMPTS, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS])
     assert [len(o) for o in outs] == MAX_TOKENS
-    assert runner.num_free == runner.capacity  # every sequence's KV freed
+    assert runner.free_tokens == runner.capacity_tokens  # every sequence's KV freed
     fp32 = ModelRunner.from_pretrained(str(tmp_path), kv_budget_tokens=4 * 128, max_seq_len=128, dtype=torch.float32)
     for ids in PROMPTS:  # 16-bit logits point the same way as float32's
         a, b = last_logits(runner, ids), last_logits(fp32, ids)

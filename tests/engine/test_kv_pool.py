@@ -1,4 +1,4 @@
-"""KVPool: budget, KVPoolFull, idempotent free, compaction keeps every sequence's K/V."""
+"""KVPool: paged storage in blocks, admission by free blocks, idempotent free, lossless write/read."""
 
 import pytest
 import torch
@@ -6,100 +6,87 @@ import torch
 from pdq.engine import KVPool, KVPoolFull
 
 
-def make_pool(slots=3, max_seq_len=8) -> KVPool:
-    return KVPool(
-        num_layers=2, num_kv_heads=2, head_dim=4, kv_budget_tokens=slots * max_seq_len + 5,
-        max_seq_len=max_seq_len, dtype=torch.float32, device="cpu",
-    )
+def make_pool(blocks=8, block_size=4, max_seq_len=16, **kw) -> KVPool:
+    return KVPool(num_layers=2, num_kv_heads=2, head_dim=3, kv_budget_tokens=blocks * block_size,
+                  max_seq_len=max_seq_len, dtype=torch.float32, device="cpu", block_size=block_size, **kw)
 
 
-def fill(pool: KVPool, seq_id, value: float, length: int):
-    for layer in range(2):
-        k, v = pool.view(seq_id, layer, length)
-        k.fill_(value + layer)
-        v.fill_(-value - layer)
-    pool.set_length(seq_id, length)
-
-
-def test_budget_full_and_free():
+def test_a_sequence_holds_the_blocks_it_uses_not_a_max_seq_len_slot():
     pool = make_pool()
-    assert (pool.capacity, pool.num_free) == (3, 3)
-    for s in "abc":
-        assert pool.can_allocate()
-        pool.allocate(s)
-    assert not pool.can_allocate() and pool.num_free == 0
-    with pytest.raises(KVPoolFull):
-        pool.allocate("d")
+    assert (pool.num_blocks, pool.free_tokens) == (8, 32)
+    for s in "abcdefgh":  # 8 short sequences in a pool that holds 2 of max_seq_len
+        pool.allocate(s, [1, 2, 3])
+    assert pool.free_tokens == 0 and not pool.can_allocate(1)
+    with pytest.raises(KVPoolFull, match="1 blocks of 4 tokens needed, 0 free of 8"):
+        pool.allocate("i", [1])
     pool.free("b")
     pool.free("b")  # idempotent
     pool.free("never-allocated")
-    assert pool.num_free == 1
-    pool.allocate("d")
+    assert pool.free_tokens == 4
+    pool.ensure("a", 8)  # a grows into the block b gave back
+    assert len(pool.table("a")) == 2 and pool.free_tokens == 0
+    with pytest.raises(KVPoolFull):
+        pool.ensure("a", 9)
     with pytest.raises(ValueError, match="already"):
-        pool.allocate("d")
+        pool.allocate("a", [1])
+    with pytest.raises(ValueError, match="max_seq_len"):
+        pool.allocate("z", reserve_tokens=17)
+
+
+def test_reserving_ahead_takes_the_blocks_at_once():
+    pool = make_pool()
+    pool.allocate("a", [1, 2], reserve_tokens=16)
+    assert len(pool.table("a")) == 4 and pool.free_tokens == 16
+    u = pool.usage()
+    assert (u.seqs, u.blocks_used, u.blocks_total, u.tokens_used, u.tokens_capacity) == (1, 4, 8, 16, 32)
+    assert u.fraction == 0.5
 
 
 def test_budget_smaller_than_one_sequence():
     with pytest.raises(ValueError, match="holds no sequence"):
-        KVPool(
-            num_layers=1, num_kv_heads=1, head_dim=2, kv_budget_tokens=7, max_seq_len=8,
-            dtype=torch.float32, device="cpu",
-        )
+        make_pool(blocks=3, block_size=4, max_seq_len=16)
 
 
-def test_free_compacts_without_losing_kv():
-    pool = make_pool(slots=4)
-    for i, s in enumerate("abcd"):
-        pool.allocate(s)
-        fill(pool, s, 10.0 * (i + 1), length=i + 2)
-    pool.free("a")  # "d" moves into slot 0
-    pool.free("c")
-    assert sorted(pool.slot(s) for s in "bd") == [0, 1]  # live slots stay [0, num_used)
-    for s, value, length in (("b", 20.0, 3), ("d", 40.0, 5)):
-        assert pool.length(s) == length
-        for layer in range(2):
-            k, v = pool.view(s, layer, length)
-            assert torch.all(k == value + layer) and torch.all(v == -value - layer)
-    u = pool.usage()
-    assert (u.seqs, u.capacity, u.tokens_cached, u.tokens_capacity) == (2, 4, 8, 32)
-    assert u.fraction == 0.5
-    with pytest.raises(KeyError):
-        pool.slot("a")
-
-
-def test_a_slot_written_under_pinned_keeps_its_kv_through_moves_and_rename():
-    pool = make_pool(slots=3)
-    pool.allocate("a")
-    fill(pool, "a", 1.0, length=2)
-    pool.allocate(("in", 1))  # a hand-off being received, under a key of its own
-    pool.set_length(("in", 1), 4)  # set first: a move keeps positions [0, length)
-    with pool.pinned(("in", 1)) as kv:
-        assert kv.shape == (2, 2, 2, 8, 4)
-        kv[:, :, :, :4] = 5.0
-    pool.free("a")  # moves the received slot into slot 0
-    assert pool.slot(("in", 1)) == 0
+def test_write_then_read_round_trips_across_blocks_and_rename():
+    pool = make_pool()
+    pool.allocate("other", [9] * 5)  # the sequence's blocks are not the first ones
+    pool.allocate(("in", 1), reserve_tokens=10)
+    kv = torch.arange(2 * 2 * 2 * 10 * 3, dtype=torch.float32).view(2, 2, 2, 10, 3)
+    pool.write(("in", 1), kv)
     pool.rename(("in", 1), "r")
-    assert ("in", 1) not in pool and pool.length("r") == 4 and pool.slot("r") == 0
-    k, v = pool.view("r", 1, 4)
-    assert torch.all(k == 5.0) and torch.all(v == 5.0)
-    pool.allocate("b")
-    with pytest.raises(ValueError, match="already"):
-        pool.rename("b", "r")
-    with pytest.raises(KeyError):
-        pool.rename("gone", "c")
+    assert pool.length("r") == 10 and ("in", 1) not in pool
+    assert torch.equal(pool.read("r", 10), kv)
+    assert torch.equal(pool.read("r", 7), kv[:, :, :, :7])
+    with pytest.raises(ValueError, match="block boundary"):
+        pool.write("r", kv[:, :, :, :2], start=3)
+    with pytest.raises(KeyError, match="no KV blocks"):
+        pool.length(("in", 1))
 
 
-def test_reorder_moves_every_sequence_with_its_kv():
-    pool = make_pool(slots=4)
-    for i, s in enumerate("abcd"):
-        pool.allocate(s)
-        fill(pool, s, 10.0 * (i + 1), length=i + 2)
-    pool.reorder([3, 1, 0, 2])  # slot i now holds the one that was in slot order[i]
-    assert [pool.slot(s) for s in "dbac"] == [0, 1, 2, 3]
-    assert pool.lengths() == [5, 3, 2, 4]
-    for i, s in enumerate("abcd"):
-        for layer in range(2):
-            k, v = pool.view(s, layer, i + 2)
-            assert torch.all(k == 10.0 * (i + 1) + layer) and torch.all(v == -10.0 * (i + 1) - layer)
-    with pytest.raises(ValueError, match="permutation"):
-        pool.reorder([0, 0, 1, 2])
+def test_a_prompt_shares_the_cached_blocks_of_its_prefix():
+    pool = make_pool()
+    prompt = list(range(11))  # two full blocks and three tokens
+    assert pool.allocate("a", prompt) == 0
+    pool.record("a", 0, prompt)
+    pool.set_length("a", 11)
+    pool.commit("a")
+    assert pool.allocate("b", prompt[:8] + [99, 98]) == 8  # both full blocks found
+    assert pool.table("b")[:2] == pool.table("a")[:2]
+    assert pool.allocate("c", prompt[:9]) == 8  # at least one token is always left to compute
+    assert pool.allocate("d", prompt[:8]) == 4
+    pool.free("a")
+    pool.free("b")
+    pool.free("c")
+    pool.free("d")
+    assert pool.free_tokens == 32 and pool.usage().blocks_cached == 2
+    assert pool.allocate("e", prompt) == 8  # cached after every holder left
+
+
+def test_without_prefix_cache_nothing_is_shared():
+    pool = make_pool(prefix_cache=False)
+    prompt = list(range(11))
+    pool.allocate("a", prompt)
+    pool.record("a", 0, prompt)
+    pool.set_length("a", 11)
+    pool.commit("a")
+    assert pool.allocate("b", prompt) == 0

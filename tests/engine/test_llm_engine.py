@@ -15,7 +15,7 @@ def prompts(lens=PROMPT_LENS, seed=0) -> list[list[int]]:
 
 
 def small_engine(runner) -> LLMEngine:
-    # 3 slots for 7 sequences: most join mid-flight; the 75-token prompt takes 3 chunks of <= 32
+    # room for 3 max_seq_len sequences, 7 come: the 75-token prompt takes 3 chunks of <= 32
     return LLMEngine(runner, max_batched_tokens=48, prefill_chunk=32)
 
 
@@ -26,7 +26,7 @@ def test_greedy_matches_hf_alone(tiny_llama, make_runner, hf_greedy):
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
     outs = engine.generate(ps, params)
     assert outs == [hf_greedy(tiny_llama, p, n) for p, n in zip(ps, MAX_TOKENS)]
-    assert runner.num_free == runner.capacity == 3  # no leak
+    assert runner.free_tokens == runner.capacity_tokens  # no leak
     assert runner.usage().tokens_cached == 0
 
 
@@ -83,4 +83,28 @@ def test_abort_frees_kv_and_leaves_others_intact(tiny_llama, make_runner, hf_gre
         done.update({c.seq_id: c.token_ids for c in engine.step()})
     assert sorted(done) == ids[1:3]
     assert [done[i] for i in ids[1:3]] == [hf_greedy(tiny_llama, p, 6) for p in ps[1:3]]
-    assert runner.num_free == runner.capacity
+    assert runner.free_tokens == runner.capacity_tokens
+
+
+def test_a_cached_prefix_is_skipped_and_changes_no_token(tiny_llama, make_runner, hf_greedy):
+    system = prompts([64], seed=3)[0]  # four blocks of 16
+    ps = [system + p for p in prompts([5, 9, 3, 12], seed=4)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    runner = make_runner(tiny_llama, slots=4)
+    engine = LLMEngine(runner, max_batched_tokens=256, prefill_chunk=64)
+    outs = engine.generate(ps[:1], params) + engine.generate(ps[1:], params)
+    assert outs == [hf_greedy(tiny_llama, p, 8) for p in ps]
+    assert runner.pool.blocks.hit_tokens == 3 * 64  # every later prompt found the system prompt
+    off = make_runner(tiny_llama, slots=4, prefix_cache=False)
+    assert LLMEngine(off, max_batched_tokens=256, prefill_chunk=64).generate(ps, params) == outs
+    assert off.pool.blocks.hit_tokens == 0
+
+
+def test_preemption_by_recompute_when_blocks_run_out_changes_no_token(tiny_llama, make_runner, hf_greedy):
+    runner = make_runner(tiny_llama, slots=1)  # 128 positions: 8 blocks, for 4 sequences growing to 60
+    engine = LLMEngine(runner, max_batched_tokens=64, prefill_chunk=32)
+    ps = prompts([30, 25, 40, 20], seed=5)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    assert engine.generate(ps, params) == [hf_greedy(tiny_llama, p, 30) for p in ps]
+    assert engine.preemptions > 0
+    assert runner.free_tokens == runner.capacity_tokens

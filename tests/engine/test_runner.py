@@ -52,14 +52,16 @@ def test_mixed_step_and_sparse_decode(tiny_llama, make_runner):
     torch.testing.assert_close(out[1], refs["x"], atol=ATOL, rtol=0)
 
 
-def test_free_mid_flight_moves_kv_transparently(tiny_llama, make_runner):
+def test_freeing_one_sequence_leaves_the_others_kv_as_it_was(tiny_llama, make_runner):
     runner = make_runner(tiny_llama, slots=3)
     a, b, c = tokens(20, 5), tokens(30, 6), tokens(10, 7)
     refs = {s: alone(runner, s, ids + [3]) for s, ids in (("a", a), ("b", b), ("c", c))}
     for s, ids in (("a", a), ("b", b), ("c", c)):
         runner.allocate(s)
         runner.prefill([PrefillItem(s, ids)])
-    runner.free("a")  # c's KV moves to a's slot
+    runner.free("a")
+    runner.allocate("x", tokens(40, 8))  # takes a's blocks and writes them
+    runner.prefill([PrefillItem("x", tokens(40, 8))])
     out = runner.decode([("c", 3, 10), ("b", 3, 30)])
     torch.testing.assert_close(out[0], refs["c"], atol=ATOL, rtol=0)
     torch.testing.assert_close(out[1], refs["b"], atol=ATOL, rtol=0)
@@ -73,8 +75,8 @@ def greedy_continue(runner, seq_id, first: int, pos: int, n: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("via_view", [False, True], ids=["import_kv", "kv_view"])
-def test_kv_handoff_equals_uninterrupted(tiny_llama, make_runner, via_view):
+@pytest.mark.parametrize("via_bytes", [False, True], ids=["tensor", "bytes"])
+def test_kv_handoff_equals_uninterrupted(tiny_llama, make_runner, via_bytes):
     prompt = tokens(45, 9)
     one = make_runner(tiny_llama)
     one.allocate(0)
@@ -85,29 +87,24 @@ def test_kv_handoff_equals_uninterrupted(tiny_llama, make_runner, via_view):
     prefill_side.allocate("r")
     assert int(prefill_side.prefill([PrefillItem("r", prompt)])[0].argmax()) == first
     layers = prefill_side.export_kv("r", len(prompt))
-    prefill_side.free("r")  # exported copies outlive the slot
+    prefill_side.free("r")  # exported copies outlive the blocks
     assert len(layers) == decode_side.num_layers
     assert layers[0][0].shape == (decode_side.num_kv_heads, len(prompt), decode_side.head_dim)
-    decode_side.allocate("other")  # the hand-off lands in a non-zero slot
-    decode_side.allocate("r")
-    for layer, (k, v) in enumerate(layers):
-        if via_view:  # receive raw bytes straight into the pool
-            dst_k, dst_v = decode_side.kv_view("r", layer, len(prompt))
-            dst_k.copy_(torch.frombuffer(bytearray(k.numpy().tobytes()), dtype=torch.float32).view(k.shape))
-            dst_v.copy_(torch.frombuffer(bytearray(v.numpy().tobytes()), dtype=torch.float32).view(v.shape))
-        else:
-            decode_side.import_kv("r", layer, k, v)
-    if via_view:
-        decode_side.set_kv_length("r", len(prompt))
+    kv = torch.stack([torch.stack(layer) for layer in layers])
+    if via_bytes:  # as received off the wire
+        kv = torch.frombuffer(bytearray(kv.numpy().tobytes()), dtype=torch.float32).view(kv.shape)
+    decode_side.allocate("other", tokens(20, 1))  # the hand-off lands in blocks other than the first
+    decode_side.allocate("r", reserve_tokens=len(prompt) + 12)
+    decode_side.write_kv("r", kv, prompt)
     assert decode_side.kv_length("r") == len(prompt)
     assert greedy_continue(decode_side, "r", first, len(prompt), 12) == expected
 
 
 def test_runner_rejects_bad_items(tiny_llama, make_runner):
     runner = make_runner(tiny_llama, slots=1, max_seq_len=32)
-    with pytest.raises(KeyError, match="no KV slot"):
+    with pytest.raises(KeyError, match="no KV blocks"):
         runner.prefill([PrefillItem("nope", [1, 2])])
-    runner.allocate("a")
+    runner.allocate("a", reserve_tokens=32)
     with pytest.raises(KVPoolFull):
         runner.allocate("b")
     with pytest.raises(ValueError, match="only 0 positions"):
@@ -117,49 +114,53 @@ def test_runner_rejects_bad_items(tiny_llama, make_runner):
     with pytest.raises(ValueError, match="twice"):
         runner.step([PrefillItem("a", [1, 2])], [("a", 3, 2)])
     with pytest.raises(ValueError, match="shape"):
-        runner.import_kv("a", 0, torch.zeros(1, 4, 16), torch.zeros(1, 4, 16))
+        runner.write_kv("a", torch.zeros(1, 2, 4, 3, 16))
 
 
-def test_grouped_decode_attention_equals_alone(tiny_llama, make_runner):
-    """Enough sequences of different lengths that the runner sorts its pool and runs decode
-    attention per slot group: every row still equals the sequence decoded alone."""
-    from pdq.engine import kv_order
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "gather"])
+def test_paged_decode_of_many_lengths_equals_alone(tiny_llama, make_runner, kernel):
+    """Sequences of many lengths, their blocks interleaved in the pool, decoded in one step with
+    rows in no particular order: every row equals the sequence decoded alone, through the C
+    kernel and through the gather path alike."""
+    from pdq.engine import cpu_kernels
 
-    n = 4 * kv_order.GROUP
-    lengths = [5 + (i * 37) % 90 for i in range(n)]  # 5..94, in no order
+    assert cpu_kernels.available()  # CI has a C compiler: the kernel path must not silently fall back
+    lengths = [5 + (i * 37) % 90 for i in range(24)]  # 5..94, in no order
     prompts = {f"s{i}": tokens(length, 100 + i) for i, length in enumerate(lengths)}
-    runner = make_runner(tiny_llama, slots=n)
+    runner = make_runner(tiny_llama, slots=24)
+    runner.decode_kernel = kernel
     refs = {s: alone(runner, s, ids + [9]) for s, ids in prompts.items()}
     for s, ids in prompts.items():
         runner.allocate(s)
-        runner.prefill([PrefillItem(s, ids)])
-    before = runner.pool.lengths()
-    assert kv_order.sort_order(before) is not None
-    items = [(s, 9, len(ids)) for s, ids in reversed(prompts.items())]  # rows not in slot order
+    for start in range(0, 95, 16):  # chunk by chunk, so the sequences' blocks interleave
+        runner.prefill([PrefillItem(s, ids[start:start + 16], start) for s, ids in prompts.items() if len(ids) > start])
+    items = [(s, 9, len(ids)) for s, ids in reversed(prompts.items())]
     out = runner.decode(items)
-    assert runner.pool.lengths() == [n + 1 for n in sorted(before, reverse=True)]  # longest first
     assert all(runner.kv_length(s) == len(ids) + 1 for s, ids in prompts.items())
     for row, (s, _, _) in enumerate(items):
         torch.testing.assert_close(out[row], refs[s], atol=ATOL, rtol=0)
-    assert kv_order.worth_grouping([n + 1 for n in runner.pool.lengths()])  # it ran grouped
 
 
 def test_warm_up_runs_full_size_passes_and_leaves_the_pool_as_it_was(tiny_llama, make_runner):
     runner = make_runner(tiny_llama, slots=4)
     ids = tokens(40, 5)
     before = alone(runner, "x", ids)
-    runner.allocate("held")  # a sequence already in the pool keeps its slot
+    runner.allocate("held")  # a sequence already in the pool keeps its blocks
+    free, cached = runner.free_tokens, runner.pool.usage().blocks_cached
     calls = []
     step = runner.step
-    runner.step = lambda prefill, decode: calls.append(([len(p.token_ids) for p in prefill], len(decode))) or step(prefill, decode)
+    runner.step = lambda prefill, decode, commit=True: (calls.append(([len(p.token_ids) for p in prefill], len(decode)))
+                                                        or step(prefill, decode, commit))
     runner.warm_up(300, 64)
     runner.step = step
-    # 300 tokens in chunks of 64 would take 5 slots: 3 are free, so 3 chunks, then their decode step
-    assert calls == [([64, 64, 64], 0), ([], 3)]
-    assert runner.num_free == 3 and runner.kv_length("held") == 0
+    assert calls == [([64, 64, 64, 64, 44], 0), ([], 5)]
+    assert runner.free_tokens == free and runner.kv_length("held") == 0
+    assert runner.pool.usage().blocks_cached == cached  # scratch tokens are not cached
     torch.testing.assert_close(alone(runner, "x", ids), before, atol=ATOL, rtol=0)
-    runner.free("held")
-    for name in "abcd":
-        runner.allocate(name)
-    runner.warm_up(300, 64)  # a full pool: nothing to run on, nothing changes
-    assert runner.num_free == 0
+    n = 0
+    while runner.can_allocate(128):
+        runner.allocate(n, reserve_tokens=128)
+        n += 1
+    calls.clear()
+    runner.warm_up(300, 64)  # a pool without room: nothing to run on, nothing changes
+    assert runner.free_tokens < 128

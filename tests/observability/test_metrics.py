@@ -50,5 +50,5 @@ def test_histograms_move(traced_cluster, client):
     assert moved("pdq_generated_tokens_total", "decode-0", by=7, **req)
     assert moved("pdq_e2e_request_latency_seconds_count", "decode-0", **req)
     assert moved("pdq_batch_size_count", "decode-0", by=7, stage="decode")
-    assert value(after["decode-0"], "pdq_kv_pool_capacity_slots", stage="decode") > 0
+    assert value(after["decode-0"], "pdq_kv_pool_capacity_tokens", stage="decode") > 0
     assert value(after["decode-0"], "pdq_decode_padding_ratio", strategy="continuous") == 0

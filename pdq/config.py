@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         parser.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper(),
                             help=f"{helptext} (env {env}; default {default!r})")
+        if f.type in (bool, "bool") and default is True:  # --no-X: the same as --X false
+            parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_const", const="false",
+                                help=f"the same as {flag} false")
 
 
 def from_arguments(cls: type[T], args: argparse.Namespace | None = None, **overrides: Any) -> T:
@@ -238,6 +241,8 @@ class WorkerConfig(StoreConfig):
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = torch default)"})
     pin_threads: bool = field(default=False, metadata={"help": "on CPU, when torch's threads are as many as this worker's CPUs: pin the model thread and torch's threads one per CPU (pdq.cpu.pin_model_threads); only for a worker alone on its cores (pdq up sets it for a lone colocated worker)"})
     max_seq_len: int = field(default=2048, metadata={"help": "longest sequence (prompt + output) in tokens"})
+    kv_block_size: int = field(default=16, metadata={"help": "positions per KV block: a sequence holds the blocks it uses, and the prefix cache shares whole blocks"})
+    prefix_cache: bool = field(default=True, metadata={"help": "automatic prefix caching: a prompt whose leading blocks another request computed shares them and skips their prefill (--no-prefix-cache: off)"})
     heap_reserve_mb: int = field(default=DEFAULT_HEAP_RESERVE_MB, metadata={"help": "MB of heap to fault in at start-up, after the warm-up pass, and keep (pdq.memory.reserve_heap): the first bursts' passes then take no page faults (0 = none)"})
     heartbeat_s: float = field(default=1.0, metadata={"help": "registry heartbeat period"})
     result_ttl_s: int = field(default=3600, metadata={"help": "how long finished requests stay in Redis"})
@@ -246,6 +251,7 @@ class WorkerConfig(StoreConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _positive("max_seq_len", self.max_seq_len)
+        _positive("kv_block_size", self.kv_block_size)
         _positive("heartbeat_s", self.heartbeat_s)
         if self.heap_reserve_mb < 0:
             raise ValueError(f"heap_reserve_mb must be >= 0, got {self.heap_reserve_mb}")

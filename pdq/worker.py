@@ -163,7 +163,8 @@ def load_runner(config: WorkerConfig, kv_budget_tokens: int, warm_up: tuple[int,
         set_torch_threads(config.threads)
     dtype = getattr(torch, config.dtype) if config.dtype else None
     runner = ModelRunner.from_pretrained(resolve_model(config.model), device=config.device or None, dtype=dtype,
-                                         kv_budget_tokens=kv_budget_tokens, max_seq_len=config.max_seq_len)
+                                         kv_budget_tokens=kv_budget_tokens, max_seq_len=config.max_seq_len,
+                                         block_size=config.kv_block_size, prefix_cache=config.prefix_cache)
     if warm_up[0] > 0:
         runner.warm_up(*warm_up)
     if runner.device.type == "cpu" and config.heap_reserve_mb:

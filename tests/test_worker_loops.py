@@ -222,7 +222,7 @@ def test_a_decode_step_with_one_poisoned_row_fails_only_that_request(rig):
     assert poisoned["state"] == "FAILED" and "sampling failed" in poisoned["error"]
     assert [rig.record(r)["state"] for r in ("a", "b")] == ["COMPLETED", "COMPLETED"]
     assert [len(rig.stream(r)) for r in ("a", "b")] == [6, 6]
-    assert sorted(rig.left) == sorted(rids) and rig.runner.num_free == rig.runner.capacity
+    assert sorted(rig.left) == sorted(rids) and rig.runner.free_tokens == rig.runner.capacity_tokens
 
 
 def test_a_prefill_pass_with_one_poisoned_row_fails_only_that_request(rig):
@@ -245,7 +245,7 @@ def test_a_prefill_pass_with_one_poisoned_row_fails_only_that_request(rig):
     poisoned = rig.record("poisoned")
     assert poisoned["state"] == "FAILED" and "sampling failed" in poisoned["error"]
     assert [rig.record(r)["state"] for r in ("a", "b")] == ["TRANSFERRING", "TRANSFERRING"]
-    assert rig.runner.num_free == rig.runner.capacity
+    assert rig.runner.free_tokens == rig.runner.capacity_tokens
 
 
 def test_a_request_with_a_seed_past_2_63_is_prefilled_with_the_rest(rig):

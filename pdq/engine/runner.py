@@ -183,9 +183,10 @@ class ModelRunner:
         process are otherwise slower (the allocator maps their buffers fresh), and would land
         on the first users' requests. Scratch tokens never enter the prefix cache."""
         chunk = max(1, min(chunk, self.max_seq_len - 1))
-        sizes, left = [], max(1, step_tokens)
-        while left > 0 and self.can_allocate(sum(sizes) + min(chunk, left) + len(sizes) + 1 + self.block_size):
+        sizes, left, blocks = [], max(1, step_tokens), 0
+        while left > 0 and blocks + self.blocks_for(min(chunk, left) + 1) <= self.free_blocks:
             sizes.append(min(chunk, left))
+            blocks += self.blocks_for(sizes[-1] + 1)
             left -= sizes[-1]
         keys = [("warm-up", i) for i in range(len(sizes))]
         for key, n in zip(keys, sizes):

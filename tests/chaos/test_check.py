@@ -179,7 +179,8 @@ def test_a_failed_request_and_a_given_up_one_are_violations():
 
 
 def healthy_leftovers(**kw) -> Leftovers:
-    worker = {"free_slots": "6", "capacity": "6", "running": "0", "heartbeat_ms": "10000"}
+    worker = {"free_slots": "6", "capacity": "6", "running": "0", "reserved": "0", "kv_free_tokens": "4096",
+              "kv_total_tokens": "4096", "heartbeat_ms": "10000"}
     base = dict(queues={"pdq:q:interactive:default": []}, load={"n": "0", "tokens": "0", "running": "0"},
                 decode_workers={"chaos-decode-0": dict(worker), "chaos-decode-1": dict(worker)}, now_ms=10500)
     return Leftovers(**{**base, **kw})
@@ -203,10 +204,13 @@ def test_each_kind_of_leftover_is_a_leak(leftover, words):
     assert checks(found) == ["leaks"] and words in found[0].message
 
 
-def test_a_held_kv_slot_or_a_silent_decode_worker_is_a_leak():
+def test_a_held_seat_or_kv_block_or_a_silent_decode_worker_is_a_leak():
     left = healthy_leftovers()
-    left.decode_workers["chaos-decode-1"]["free_slots"] = "5"
-    assert "5 of 6 KV slots free" in check_leaks(left, decode_workers=2)[0].message
+    left.decode_workers["chaos-decode-1"]["reserved"] = "1"
+    assert "1 seats held" in check_leaks(left, decode_workers=2)[0].message
+    left = healthy_leftovers()
+    left.decode_workers["chaos-decode-1"]["kv_free_tokens"] = "4080"
+    assert "4080 of 4096 KV tokens free" in check_leaks(left, decode_workers=2)[0].message
     left = healthy_leftovers()
     left.decode_workers["chaos-decode-1"]["heartbeat_ms"] = "1000"
     assert "1 of 2 decode workers heartbeating" in check_leaks(left, decode_workers=2)[0].message

@@ -23,7 +23,8 @@ from prefill_worker.server import PUSH_KV
 @contextlib.asynccontextmanager
 async def decode_worker(redis_url: str, prefix: str, **config_kw):
     config = DecodeConfig(redis_url=redis_url, key_prefix=prefix, port=0, model="builtin", threads=1,
-                          max_seq_len=256, kv_budget_tokens=512, heartbeat_s=0.5, **config_kw)  # 2 slots
+                          max_seq_len=256, kv_budget_tokens=512, heartbeat_s=0.5,
+                          **{"max_batch_size": 2, **config_kw})  # 2 seats, 32 KV blocks of 16
     server = build_server(config)
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=GRPC_OPTIONS)
@@ -60,9 +61,9 @@ async def wait_for(what: str, cond, timeout_s: float = 10.0) -> None:
 
 
 @contextlib.asynccontextmanager
-async def worker(redis_server, prefix: str):
+async def worker(redis_server, prefix: str, **config_kw):
     """(service, runner, DecodeWorker stub, PushKV taking frames) of a worker in this process."""
-    async with decode_worker(redis_server.url, prefix) as (server, channel):
+    async with decode_worker(redis_server.url, prefix, **config_kw) as (server, channel):
         yield server.service, server.service.loop.runner, pb_grpc.DecodeWorkerStub(channel), channel.stream_unary(
             PUSH_KV, request_serializer=None, response_deserializer=pb.PushKVResponse.FromString)
 
@@ -167,6 +168,21 @@ async def test_a_reservation_that_must_keep_slots_free_is_refused_once_they_are_
         assert (await reserve("over-share-1", 1)).granted  # a request holding a slot keeps it
         last = await reserve("below-share", 0)
         assert last.granted and last.free_slots == 0 and service.free_slots == 0
+
+
+async def test_a_reservation_is_granted_by_the_kv_blocks_its_prompt_and_max_tokens_need(redis_server, prefix):
+    """Seats free, blocks not: the worker grants what fits its free KV blocks (32 of 16 here),
+    counting the blocks of grants whose KV has not arrived yet."""
+    async with worker(redis_server, prefix, max_batch_size=8) as (service, runner, stub, push):
+        async def reserve(rid: str, tokens: int) -> pb.ReserveResponse:
+            return await stub.Reserve(pb.ReserveRequest(request_id=rid, tokens=tokens), timeout=5)
+
+        assert (await reserve("big", 256)).granted  # 16 blocks, pending until its KV arrives
+        assert service.free_blocks == 16
+        assert (await reserve("b", 200)).granted  # 13 blocks
+        assert not (await reserve("too-big", 100)).granted  # 7 blocks: a seat is free, the blocks are not
+        assert (await reserve("fits", 48)).granted  # 3 blocks
+        assert service.free_blocks == 0 and runner.free_blocks == 32  # granted, not yet taken from the pool
 
 
 async def test_reserve_many_answers_in_order_as_one_reserve_per_item_would(redis_server, prefix):

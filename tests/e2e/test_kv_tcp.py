@@ -78,7 +78,7 @@ async def test_an_oversized_frame_is_refused_and_the_connection_closed(redis_ser
         assert b"at most" in await reader.readexactly(n)
         assert await asyncio.wait_for(reader.read(), 10) == b""  # closed by the worker
         writer.close()
-        assert server.service.loop.runner.num_free == server.service.loop.runner.capacity
+        assert server.service.loop.runner.free_tokens == server.service.loop.runner.capacity_tokens
 
 
 async def test_an_unreachable_data_plane_is_unavailable():

@@ -367,7 +367,9 @@ def test_list_workers_shows_every_live_worker(op, cluster):
     for w in workers:
         if w.draining:  # e.g. a worker that left and is not reaped yet
             continue
-        assert w.address and w.capacity > 0 and w.heartbeat_ms > time.time() * 1000 - 15_000
+        assert w.address and w.heartbeat_ms > time.time() * 1000 - 15_000
+        assert 0 < w.kv_free_tokens <= w.kv_total_tokens and w.kv_block_size == 16
+        assert w.role == "prefill" or w.capacity > 0  # decode seats
 
 
 # -- CLI -------------------------------------------------------------------------------------

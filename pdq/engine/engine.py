@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from pdq.engine.batch_policy import BatchPolicy, Chunk, SeqView
 from pdq.engine.blocks import KVPoolFull
+from pdq.engine.kv_pool import DEFAULT_BLOCK_SIZE
 from pdq.engine.runner import ModelRunner, PrefillItem
 from pdq.engine.sampling import SamplingParams, sample
 from pdq.engine.sequence import Sequence
@@ -56,9 +57,11 @@ class LLMEngine:
         self._ids = itertools.count()
 
     @classmethod
-    def from_pretrained(cls, path: str, *, kv_budget_tokens: int, max_seq_len: int, device=None, dtype=None, **kw):
+    def from_pretrained(cls, path: str, *, kv_budget_tokens: int, max_seq_len: int, device=None, dtype=None,
+                        block_size: int = DEFAULT_BLOCK_SIZE, prefix_cache: bool = True, **kw):
         runner = ModelRunner.from_pretrained(
-            path, kv_budget_tokens=kv_budget_tokens, max_seq_len=max_seq_len, device=device, dtype=dtype
+            path, kv_budget_tokens=kv_budget_tokens, max_seq_len=max_seq_len, device=device, dtype=dtype,
+            block_size=block_size, prefix_cache=prefix_cache,
         )
         return cls(runner, **kw)
 

@@ -190,12 +190,16 @@ class PrefillLoop(ModelLoop):
             job.span = None
         job.done(outcome)
 
-    def _admit(self, jobs: list[Job]) -> list[Job]:
-        """Those of `jobs` holding KV blocks here, taking them for each that fits: its prompt's
-        (the leading blocks the prefix cache holds are shared, and their prefill skipped); for a
+    def _admit(self, jobs: list[Job], budget: int) -> list[Job]:
+        """Those of `jobs` holding KV blocks here, taking them for each that fits while the
+        admitted ones leave tokens of `budget` to run: its prompt's (the leading blocks the prefix
+        cache holds are shared, and their prefill skipped, so a prompt is admitted only when a
+        pass is about to run it: by then the prompts before it have named their blocks); for a
         prompt whose decode worker is this process, room for every token it may generate too."""
-        admitted = []
+        admitted, pending = [], 0
         for job in jobs:
+            if not job.admitted and pending >= budget:
+                continue
             if not job.admitted:
                 local = self._local(job)
                 reserve = kv_reserve_tokens(job.item.spec, self.runner.max_seq_len) if local else 0
@@ -207,6 +211,7 @@ class PrefillLoop(ModelLoop):
                 if local and self.taken is not None:
                     self.taken(job.rid)
             admitted.append(job)
+            pending += len(job.prompt) - job.filled
         return admitted
 
     def _pass(self, pending: list[Job]) -> list[Job]:
@@ -241,7 +246,7 @@ class PrefillLoop(ModelLoop):
                 self._end(job, Outcome("dropped", error="deadline exceeded"))
             else:
                 live.append(job)
-        admitted = self._admit(most_urgent(live)) or self._admit(live)  # no room for the urgent: go on
+        admitted = self._admit(most_urgent(live), budget) or self._admit(live, budget)  # no room for the urgent: go on
         if not admitted:
             return live, [], []
         plan = plan_chunks([len(j.prompt) - j.filled for j in admitted], budget, self.prefill_chunk)

@@ -52,9 +52,14 @@ def _build() -> ctypes.CDLL | None:
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *FLAGS]).encode() + _cpu_id().encode()).hexdigest()[:16]
     path = cache_dir() / f"paged_attention-{key}.so"
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-        os.close(fd)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+            os.close(fd)
+        except OSError as exc:
+            log.warning("cannot write the kernel cache %s (%s; set PDQ_KERNEL_CACHE): decode attention gathers "
+                        "its blocks (slower)", path.parent, exc)
+            return None
         try:
             subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
             os.replace(tmp, path)  # atomic: processes building at once each install a whole library

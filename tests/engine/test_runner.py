@@ -164,3 +164,13 @@ def test_warm_up_runs_full_size_passes_and_leaves_the_pool_as_it_was(tiny_llama,
     calls.clear()
     runner.warm_up(300, 64)  # a pool without room: nothing to run on, nothing changes
     assert runner.free_tokens < 128
+
+
+def test_the_cpu_kernel_leaves_the_process_floating_point_mode_alone():
+    """A library built with -ffast-math turns on flush-to-zero for the whole process when loaded:
+    subnormal floats would then read as zero everywhere (numpy, torch, property tests)."""
+    from pdq.engine import cpu_kernels
+
+    assert cpu_kernels.available()
+    tiny = float.fromhex("0x1p-1070")  # subnormal
+    assert tiny * 2 > 0 and torch.tensor([tiny], dtype=torch.float64).mul(2).item() > 0

@@ -24,10 +24,10 @@ import torch
 log = logging.getLogger("pdq.engine")
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
-# Reassociation lets the compiler vectorize the dot products. Not -ffast-math: a shared library built
-# with it sets the CPU's flush-to-zero mode for the whole process when it loads.
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
-         "-fopenmp", "-shared", "-fPIC"]
+# Compiled with -ffast-math (the dot products and exp vectorize), linked without it: a shared library
+# linked with -ffast-math turns on flush-to-zero for the whole process when it loads.
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+LINK_FLAGS = ["-shared", "-fopenmp"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -52,7 +52,8 @@ def _build() -> ctypes.CDLL | None:
     if cc is None:
         log.warning("no C compiler found: paged decode attention gathers its blocks (slower)")
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *FLAGS]).encode() + _cpu_id().encode()).hexdigest()[:16]
+    flags = " ".join([cc, *COMPILE_FLAGS, "|", *LINK_FLAGS])
+    key = hashlib.sha256(SOURCE.read_bytes() + flags.encode() + _cpu_id().encode()).hexdigest()[:16]
     path = cache_dir() / f"paged_attention-{key}.so"
     if not path.exists():
         try:
@@ -64,7 +65,10 @@ def _build() -> ctypes.CDLL | None:
                         "its blocks (slower)", path.parent, exc)
             return None
         try:
-            subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
+            obj = tmp + ".o"
+            subprocess.run([cc, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", obj], check=True, capture_output=True,
+                           timeout=120)
+            subprocess.run([cc, *LINK_FLAGS, obj, "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
             os.replace(tmp, path)  # atomic: processes building at once each install a whole library
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", b"") or b""
@@ -72,6 +76,8 @@ def _build() -> ctypes.CDLL | None:
                         "blocks (slower)", exc, detail.decode(errors="replace")[-500:])
             Path(tmp).unlink(missing_ok=True)
             return None
+        finally:
+            Path(tmp + ".o").unlink(missing_ok=True)
     lib = ctypes.CDLL(str(path))  # after torch: its OpenMP runtime is the one this library uses
     lib.paged_decode_f32.restype = None
     lib.paged_decode_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]

@@ -64,3 +64,16 @@ def test_a_heap_reserve_is_a_size_from_the_flag_or_env():
     parser = argparse.ArgumentParser()
     add_arguments(parser, DecodeConfig)
     assert from_arguments(DecodeConfig, parser.parse_args(["--heap-reserve-mb", "64"])).heap_reserve_mb == 64
+
+
+def test_a_boolean_that_defaults_on_has_a_no_flag():
+    import argparse
+
+    from pdq.config import DecodeConfig, add_arguments, from_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, DecodeConfig)
+    assert from_arguments(DecodeConfig, parser.parse_args([])).prefix_cache
+    assert not from_arguments(DecodeConfig, parser.parse_args(["--no-prefix-cache"])).prefix_cache
+    assert not from_arguments(DecodeConfig, parser.parse_args(["--prefix-cache", "false"])).prefix_cache
+    assert from_arguments(DecodeConfig, parser.parse_args(["--kv-block-size", "32"])).kv_block_size == 32

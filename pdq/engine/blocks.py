@@ -14,6 +14,7 @@ positions past its shared prefix, into blocks of its own, so a shared block is n
 """
 
 import hashlib
+import struct
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -25,11 +26,12 @@ class KVPoolFull(RuntimeError):
 
 def block_hashes(tokens: Sequence[int], block_size: int, start: int = 0, parent: bytes = b"") -> list[bytes]:
     """The chain hashes of the full blocks of `tokens` from block index `start` on (`parent`: the
-    hash of block start - 1, b"" for the first). Stable across processes (blake2b of the token ids)."""
+    hash of block start - 1, b"" for the first). Stable across processes and machines (blake2b of
+    the token ids as little-endian int64)."""
     out = []
     for i in range(start * block_size, len(tokens) - block_size + 1, block_size):
-        block = b",".join(str(t).encode() for t in tokens[i:i + block_size])
-        parent = hashlib.blake2b(parent + b"|" + block, digest_size=16).digest()
+        block = struct.pack(f"<{block_size}q", *tokens[i:i + block_size])
+        parent = hashlib.blake2b(parent + block, digest_size=16).digest()
         out.append(parent)
     return out
 

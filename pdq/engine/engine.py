@@ -128,14 +128,16 @@ class LLMEngine:
         self.preemptions += 1
 
     def _waiting_views(self) -> list[SeqView]:
-        """The waiting sequences the policy may admit this step, each with the prefix the cache
-        holds for it and the blocks it needs."""
-        runner, views = self.runner, []
-        for seq in itertools.islice(self.waiting, self.policy.max_num_seqs - len(self.running)):
-            tokens = seq.tokens(0, seq.num_tokens)
-            cached = runner.cached_tokens(tokens)
+        """The waiting sequences the policy may admit this step (no more than the step's token
+        budget can start), each with the prefix the cache holds for it and the blocks it needs."""
+        runner, policy, views, budget = self.runner, self.policy, [], self.policy.max_batched_tokens
+        for seq in itertools.islice(self.waiting, policy.max_num_seqs - len(self.running)):
+            if budget <= 0:
+                break
+            cached = runner.cached_tokens(seq.tokens(0, seq.num_tokens))
             views.append(SeqView(seq.seq_id, seq.num_tokens, cached,
                                  runner.blocks_for(seq.num_tokens) - cached // runner.block_size))
+            budget -= min(seq.num_tokens - cached, policy.prefill_chunk)
         return views
 
     def step(self) -> list[Completion]:

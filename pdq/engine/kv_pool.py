@@ -100,6 +100,11 @@ class KVPool:
         with self._lock:
             return self.blocks.can_allocate(tokens, reserve_tokens)
 
+    def cached_tokens(self, tokens: Sequence[int]) -> int:
+        """Leading tokens of a prompt that the prefix cache holds now (a lookup: nothing is held)."""
+        with self._lock:
+            return self.blocks.cached_tokens(tokens)
+
     def allocate(self, seq_id: Hashable, tokens: Sequence[int] = (), reserve_tokens: int = 0) -> int:
         """Gives `seq_id` blocks for max(len(tokens), reserve_tokens) positions, sharing cached
         blocks that hold a prefix of `tokens`. -> positions whose K/V is already there (its

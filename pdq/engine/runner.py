@@ -166,8 +166,7 @@ class ModelRunner:
 
     def cached_tokens(self, tokens: Sequence[int]) -> int:
         """Leading tokens of a prompt that the prefix cache holds now (a lookup: nothing is held)."""
-        with self.pool._lock:
-            return self.pool.blocks.cached_tokens(tokens)
+        return self.pool.cached_tokens(tokens)
 
     def usage(self) -> KVUsage:
         return self.pool.usage()

@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--control-policy", choices=cpu.POLICIES, default=os.environ.get("PDQ_UP_CONTROL_POLICY") or "batch",
                     help=UP_CONTROL_POLICY_HELP)
     up.add_argument("--model", default=os.environ.get("PDQ_MODEL", "builtin"),
-                    help="builtin, builtin:tiny, builtin:small, or a Hugging Face checkpoint dir")
+                    help="builtin (= builtin:small), builtin:tiny, builtin:1b (for a GPU), or a Hugging Face checkpoint dir")
     up.add_argument("--redis-url", default=os.environ.get("PDQ_UP_REDIS_URL"),
                     help="use this Redis instead of starting a private one")
     up.add_argument("--port", type=int, default=50051, help="gateway port (default 50051; 0 = any free)")

@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--control-policy", choices=cpu.POLICIES, default=os.environ.get("PDQ_UP_CONTROL_POLICY") or "batch",
                     help=UP_CONTROL_POLICY_HELP)
     up.add_argument("--model", default=os.environ.get("PDQ_MODEL", "builtin"),
-                    help="builtin, builtin:tiny, builtin:small or a checkpoint dir; with --target, the model the "
+                    help="builtin, builtin:tiny, builtin:small, builtin:1b (for a GPU) or a checkpoint dir; with --target, the model the "
                          "cluster serves (its vocabulary makes the prompts)")
     up.add_argument("--redis-url", default=os.environ.get("PDQ_UP_REDIS_URL"),
                     help="use this Redis instead of starting a private one")

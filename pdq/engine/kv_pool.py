@@ -75,8 +75,11 @@ class KVPool:
         self.block_size = block_size
         self.blocks = BlockManager(kv_budget_tokens // block_size, block_size, prefix_cache)
         # zeros, not empty: padded key positions must hold finite values (0 * NaN would poison softmax @ v)
-        self.kv = torch.zeros(num_layers, 2, self.blocks.num_blocks, num_kv_heads, block_size, head_dim,
+        # one block more than the manager hands out: `scratch_block`, where padding rows of a
+        # fixed-shape (CUDA graph) step write and read, so they never touch a sequence's K/V
+        self.kv = torch.zeros(num_layers, 2, self.blocks.num_blocks + 1, num_kv_heads, block_size, head_dim,
                               dtype=dtype, device=device)
+        self.scratch_block = self.blocks.num_blocks
         self._length: dict[Hashable, int] = {}
         self._tokens: dict[Hashable, list[int]] = {}  # the tokens of positions [0, n) where known, for `commit`
         self._lock = threading.Lock()

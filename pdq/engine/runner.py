@@ -7,13 +7,15 @@ a sequence's blocks grow as it is written; the runner tracks how many positions 
 sequence hold K/V (`kv_length`).
 """
 
+import os
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pdq.engine import cpu_kernels
 from pdq.engine.attention import AttnMetadata, PrefillChunk, additive_mask
+from pdq.engine.cuda_graphs import DecodeGraphs
 from pdq.engine.kv_pool import DEFAULT_BLOCK_SIZE, KVPool, KVUsage
 from pdq.engine.llama import LlamaModel
 from pdq.model.arch import ModelSpec
@@ -29,6 +31,21 @@ class PrefillItem:
     seq_id: Hashable
     token_ids: Sequence[int]
     start_pos: int = 0
+
+
+@dataclass
+class _StepRows:
+    """One step flattened: every token row's id, position and pool row (block * block_size +
+    offset); prefill chunks as (start, length, first row, block table or None from position 0);
+    each decode row's block table."""
+
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    pool_rows: list[int] = field(default_factory=list)
+    logit_rows: list[int] = field(default_factory=list)
+    chunks: list[tuple] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+    num_prefill: int = 0
 
 
 DecodeItem = tuple[Hashable, int, int]
@@ -92,6 +109,12 @@ class ModelRunner:
         )
         # decode attention through the CPU kernel where it runs (float32 on CPU), else by gathering
         self.decode_kernel = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.available()
+        # on a GPU, decode-only steps replay CUDA graphs (PDQ_CUDA_GRAPHS=0: always eager)
+        self.graphs = None
+        if self.device.type == "cuda" and os.environ.get("PDQ_CUDA_GRAPHS", "1") not in ("0", "false"):
+            self.graphs = DecodeGraphs(self.model, self.pool.kv, num_kv_heads=spec.num_kv_heads,
+                                       block_size=block_size, scratch_block=self.pool.scratch_block,
+                                       max_width=self.blocks_for(max_seq_len))
 
     @classmethod
     def from_pretrained(
@@ -196,6 +219,8 @@ class ModelRunner:
         finally:
             for key in keys:
                 self.free(key)
+        if self.graphs is not None:  # a decode batch is at most a step's tokens
+            self.graphs.capture_all(max(1, step_tokens))
 
     # -- forward -----------------------------------------------------------------------------
 
@@ -217,8 +242,13 @@ class ModelRunner:
         (`commit=False`: not, for scratch tokens)."""
         if not prefill and not decode:
             return torch.empty(0, self.vocab_size, device=self.device)
-        input_ids, meta, logit_rows = self._prepare(prefill, decode)
-        logits = self.model(input_ids, meta, self.pool.kv, logit_rows)
+        rows = self._rows(prefill, decode)
+        logits = None
+        if self.graphs is not None and not prefill:
+            logits = self.graphs.run(rows.tokens, rows.positions, rows.pool_rows, rows.tables)
+        if logits is None:
+            input_ids, meta, logit_rows = self._tensors(rows)
+            logits = self.model(input_ids, meta, self.pool.kv, logit_rows)
         if commit:
             for item in prefill:
                 self.pool.commit(item.seq_id)
@@ -226,10 +256,10 @@ class ModelRunner:
                 self.pool.commit(seq_id)
         return logits
 
-    def _prepare(self, prefill, decode) -> tuple[torch.Tensor, AttnMetadata, torch.Tensor | slice]:
+    def _rows(self, prefill, decode) -> "_StepRows":
         """Validate the items, flatten them into token rows (prefill chunks, then decode
-        tokens), build the attention plan, and advance each sequence's KV length."""
-        pool, dev, bs = self.pool, self.device, self.block_size
+        tokens), and advance each sequence's KV length."""
+        pool, bs = self.pool, self.block_size
         seen: set = set()
         for item in prefill:
             if not len(item.token_ids):
@@ -237,51 +267,55 @@ class ModelRunner:
             self._claim(item.seq_id, item.start_pos, len(item.token_ids), seen)
         for seq_id, _, pos in decode:
             self._claim(seq_id, pos, 1, seen)
-        tokens: list[int] = []
-        rows: list[int] = []  # pool row (block * block_size + offset) of each token
-        positions: list[int] = []
-        chunks: list[PrefillChunk] = []
-        logit_rows: list[int] = []
+        r = _StepRows()
         for item in prefill:
             n, start = len(item.token_ids), item.start_pos
             table = pool.table(item.seq_id)
-            chunk = PrefillChunk(start, n, len(tokens))
-            if start:
-                q_pos = torch.arange(start, start + n, device=dev)
-                chunk.mask = additive_mask(torch.arange(start + n, device=dev)[None, :] <= q_pos[:, None], self.dtype)
-                chunk.blocks = torch.tensor(table[: -(-(start + n) // bs)], device=dev)
-            chunks.append(chunk)
-            tokens.extend(item.token_ids)
-            rows.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            positions.extend(range(start, start + n))
-            logit_rows.append(len(tokens) - 1)
-        num_prefill = len(tokens)
-        tables = []
+            r.chunks.append((start, n, len(r.tokens), table[: -(-(start + n) // bs)] if start else None))
+            r.tokens.extend(item.token_ids)
+            r.pool_rows.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            r.positions.extend(range(start, start + n))
+            r.logit_rows.append(len(r.tokens) - 1)
+        r.num_prefill = len(r.tokens)
         for seq_id, token, pos in decode:
             table = pool.table(seq_id)
-            tokens.append(token)
-            rows.append(table[pos // bs] * bs + pos % bs)
-            positions.append(pos)
-            tables.append(table[: pos // bs + 1])
-        if min(tokens) < 0 or max(tokens) >= self.vocab_size:
+            r.tokens.append(token)
+            r.pool_rows.append(table[pos // bs] * bs + pos % bs)
+            r.positions.append(pos)
+            r.tables.append(table[: pos // bs + 1])
+        if min(r.tokens) < 0 or max(r.tokens) >= self.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.vocab_size})")
-        logit_rows.extend(range(num_prefill, len(tokens)))
-        rows_t, positions_t = torch.tensor(rows, device=dev), torch.tensor(positions, device=dev)
-        heads = torch.arange(self.num_kv_heads, device=dev)
-        # the pool's layer tensor [num_blocks, kv_heads, bs, D] viewed as rows of D
-        kv_rows = (((rows_t // bs)[:, None] * self.num_kv_heads + heads) * bs + (rows_t % bs)[:, None]).view(-1)
-        meta = AttnMetadata(positions=positions_t, kv_rows=kv_rows, chunks=chunks, num_prefill_tokens=num_prefill,
-                            num_decode=len(decode))
-        if decode:
-            self._plan_decode(meta, tables, positions[num_prefill:])
+        r.logit_rows.extend(range(r.num_prefill, len(r.tokens)))
         for item in prefill:
             pool.record(item.seq_id, item.start_pos, item.token_ids)
             pool.set_length(item.seq_id, item.start_pos + len(item.token_ids))
         for seq_id, token, pos in decode:
             pool.record(seq_id, pos, (token,))
             pool.set_length(seq_id, pos + 1)
-        rows = slice(None) if len(logit_rows) == len(tokens) else torch.tensor(logit_rows, device=dev)
-        return torch.tensor(tokens, device=dev), meta, rows
+        return r
+
+    def _tensors(self, r: "_StepRows") -> tuple[torch.Tensor, AttnMetadata, torch.Tensor | slice]:
+        """The step's rows as tensors on the device, with its attention plan."""
+        dev, bs = self.device, self.block_size
+        chunks = []
+        for start, n, row, blocks in r.chunks:
+            chunk = PrefillChunk(start, n, row)
+            if start:
+                q_pos = torch.arange(start, start + n, device=dev)
+                chunk.mask = additive_mask(torch.arange(start + n, device=dev)[None, :] <= q_pos[:, None], self.dtype)
+                chunk.blocks = torch.tensor(blocks, device=dev)
+            chunks.append(chunk)
+        rows_t, positions_t = torch.tensor(r.pool_rows, device=dev), torch.tensor(r.positions, device=dev)
+        heads = torch.arange(self.num_kv_heads, device=dev)
+        # the pool's layer tensor [num_blocks, kv_heads, bs, D] viewed as rows of D
+        kv_rows = (((rows_t // bs)[:, None] * self.num_kv_heads + heads) * bs + (rows_t % bs)[:, None]).view(-1)
+        meta = AttnMetadata(positions=positions_t, kv_rows=kv_rows, chunks=chunks, num_prefill_tokens=r.num_prefill,
+                            num_decode=len(r.tables))
+        if r.tables:
+            self._plan_decode(meta, r.tables, r.positions[r.num_prefill:])
+        n = len(r.tokens)
+        logit_rows = slice(None) if len(r.logit_rows) == n else torch.tensor(r.logit_rows, device=dev)
+        return torch.tensor(r.tokens, device=dev), meta, logit_rows
 
     def _claim(self, seq_id, start: int, n: int, seen: set) -> None:
         """Check that positions [start, start + n) can be written for `seq_id`, taking the

@@ -57,6 +57,17 @@ BUILTIN_SIZES: dict[str, dict] = {
         num_key_value_heads=4,
         initializer_range=0.05,
     ),
+    # ~1.1B parameters (TinyLlama's shape): for measuring a GPU, where `small` is launch-bound.
+    # Built once per cache dir, 4.4 GB in float32; far too slow to serve on a small CPU.
+    "1b": dict(
+        _COMMON,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        initializer_range=0.024,
+    ),
 }
 
 

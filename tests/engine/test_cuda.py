@@ -62,13 +62,13 @@ def test_cuda_graphs_replay_the_eager_decode_step(tmp_path, family):
             runner.allocate(i)
         feed[runner] = runner.prefill([PrefillItem(i, ids, 0) for i, ids in enumerate(PROMPTS)]).argmax(-1).tolist()
     assert feed[eager] == feed[graphed]
-    ids = feed[eager]
+    ids, warmed = feed[eager], graphed.graphs.runs  # warm_up's decode step ran through a graph too
     for _ in range(24):  # 3 rows padded to 4; tables grow across block boundaries
         steps = [[(i, t, r.kv_length(i)) for i, t in enumerate(ids)] for r in (eager, graphed)]
         a, b = eager.decode(steps[0]), graphed.decode(steps[1])
         torch.testing.assert_close(b, a, atol=2e-4, rtol=0)
         ids = a.argmax(-1).tolist()
-    assert graphed.graphs.runs == 24
+    assert graphed.graphs.runs - warmed == 24
 
 
 def test_a_16_bit_engine_serves_through_lazily_captured_graphs(tmp_path):

@@ -19,7 +19,7 @@ from pdq.bench import report
 from pdq.bench.metrics import Slo, summarize
 from pdq.bench.options import BenchOptions
 from pdq.bench.record import RequestRecord, RunRecord
-from pdq.bench.workload import Workload, build, vocabulary
+from pdq.bench.workload import Workload, build, for_repeat, vocabulary
 
 if TYPE_CHECKING:
     from pdq.bench.procstat import CpuProbe
@@ -56,13 +56,20 @@ class Progress:
 class Bench:
     """One invocation: runs systems, keeps every run's summary (`runs`), tagged with its repeat."""
 
-    def __init__(self, opts: BenchOptions, workload: Workload):
+    def __init__(self, opts: BenchOptions, workload: Workload, vocab: list[int]):
         self.opts = opts
         self.workload = workload
+        self.vocab = vocab
         self.slo = Slo(opts.slo_ttft, opts.slo_itl)
         self.runs: list[dict] = []  # every run of every repeat
         self.repeat = 0
         self._baselines: dict = {}
+
+    def offered(self, load: int) -> Workload:
+        """The workload as offered at load `load` of this repeat: the same lengths and sharing,
+        fresh prompts each time (`for_repeat`), so no run meets a prefix cache an earlier run of
+        the same cluster or engine filled."""
+        return for_repeat(self.workload, self.vocab, self.repeat * len(self.opts.loads) + load)
 
     def measure(self, desc: str, go: Callable[[Progress], RunRecord]) -> None:
         load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -94,9 +101,9 @@ class Bench:
         opts = self.opts
         warm_up(target, self.workload.requests[0].prompt_token_ids[0], opts.warmup,
                 api_key=next(iter(keys.values()), None), timeout_s=opts.request_timeout)
-        for load in opts.loads:
+        for i, load in enumerate(opts.loads):
             self.measure(f"{strategy} @ {load.label}", lambda p: run_service(
-                target, strategy, strategy, self.workload, load, api_keys=keys, timeout_s=opts.request_timeout,
+                target, strategy, strategy, self.offered(i), load, api_keys=keys, timeout_s=opts.request_timeout,
                 on_done=p, cpu_probe=cpu_probe, client_policy=opts.client_policy,
                 stream_interval=opts.stream_interval))
 
@@ -141,10 +148,10 @@ class Bench:
             self._baselines[name] = (EngineBaseline if name == "engine" else HFBaseline)(model_dir)
         system = self._baselines[name]
         if name == "engine":
-            for load in self.opts.loads:
-                self.measure(f"engine @ {load.label}", lambda p: system.run(self.workload, load, on_done=p))
+            for i, load in enumerate(self.opts.loads):
+                self.measure(f"engine @ {load.label}", lambda p: system.run(self.offered(i), load, on_done=p))
         else:
-            self.measure("hf @ all", lambda p: system.run(self.workload, on_done=p))
+            self.measure("hf @ all", lambda p: system.run(self.offered(0), on_done=p))
 
     def systems(self, model_dir: str) -> list[Callable[[], None]]:
         """What one repeat runs, in order: the target or the spawned strategies, then baselines."""
@@ -190,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
         from pdq.model.loader import resolve_model
 
         model_dir = str(resolve_model(opts.model))
-        workload = build(opts.workload, vocabulary(model_dir), n=opts.requests, seed=opts.seed,
+        vocab = vocabulary(model_dir)
+        workload = build(opts.workload, vocab, n=opts.requests, seed=opts.seed,
                          max_model_len=opts.max_model_len)
     except ValueError as exc:
         say(f"pdq bench: {exc}")
@@ -199,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
     if opts.target and len(workload.tenants) > 1 and not all(opts.api_key(t.name) for t in workload.tenants):
         say("pdq bench: note: not every tenant has a --tenant-key, so the server may see fewer tenants than the "
             "workload has; shares are measured from the client side")
-    bench = Bench(opts, workload)
+    bench = Bench(opts, workload, vocab)
     systems = bench.systems(model_dir)
     failed = False
     try:

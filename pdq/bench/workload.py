@@ -9,7 +9,7 @@ The same (name, n, seed, vocabulary, max_model_len) always gives the same reques
 import json
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 WORKLOADS = ("mixed", "uniform", "long-prompt", "multi-tenant", "shared-prefix")
@@ -82,6 +82,24 @@ def vocabulary(model_dir: str | Path) -> list[int]:
         value = config.get(name)
         special |= set(value if isinstance(value, list) else [value] if value is not None else [])
     return [i for i in range(size) if i not in special]
+
+
+REPEAT_STRIDE = 7919  # a prime: repeat k moves every id k * 7919 places along the vocabulary
+
+
+def for_repeat(workload: Workload, vocab: Sequence[int], k: int) -> Workload:
+    """`workload` for repeat `k` of an invocation (0: itself): every prompt token id moved
+    k * REPEAT_STRIDE places along `vocab`, a bijection, so the requests keep their lengths and
+    whatever prefixes they share with each other, but no prefix cache filled by an earlier repeat
+    holds them: every repeat does the same work."""
+    if k == 0:
+        return workload
+    vocab = list(vocab)
+    where = {t: i for i, t in enumerate(vocab)}
+    shift = k * REPEAT_STRIDE
+    move = {t: vocab[(i + shift) % len(vocab)] for t, i in where.items()}
+    return replace(workload, requests=tuple(replace(r, prompt_token_ids=tuple(move[t] for t in r.prompt_token_ids))
+                                            for r in workload.requests))
 
 
 def build(name: str, vocab: Sequence[int], *, n: int | None = None, seed: int = 0,

@@ -7,7 +7,7 @@ import pytest
 
 from pdq.bench.arrivals import Arrivals, parse_concurrency, parse_rates
 from pdq.bench.roofline import decode_steps, passes
-from pdq.bench.workload import RESERVED_IDS, SHARED_PREFIX_TOKENS, WORKLOADS, build, vocabulary
+from pdq.bench.workload import RESERVED_IDS, SHARED_PREFIX_TOKENS, WORKLOADS, build, for_repeat, vocabulary
 from pdq.model.loader import resolve_model
 
 VOCAB = range(3, 4096)
@@ -53,6 +53,21 @@ def test_shared_prefix_requests_open_with_one_long_system_prompt_then_their_own_
     own = {r.prompt_token_ids[shared:] for r in w.requests}
     assert len(own) == 32 and all(16 <= len(o) <= 96 for o in own)  # every request's own part differs
     assert all(r.prompt_len + r.max_tokens <= max_model_len and r.max_tokens >= 1 for r in w.requests)
+
+
+def test_each_repeat_offers_fresh_prompts_with_the_same_lengths_and_sharing():
+    """A repeat must not find its prompts in a prefix cache that an earlier repeat filled."""
+    w = build("shared-prefix", VOCAB, n=8)
+    assert for_repeat(w, VOCAB, 0) == w
+    r1, r2 = for_repeat(w, VOCAB, 1), for_repeat(w, VOCAB, 2)
+    for other in (r1, r2):
+        assert [(r.prompt_len, r.max_tokens, r.kind) for r in other.requests] == \
+               [(r.prompt_len, r.max_tokens, r.kind) for r in w.requests]
+        assert all(t in VOCAB for r in other.requests for t in r.prompt_token_ids)
+        shared = other.requests[0].prompt_token_ids[:SHARED_PREFIX_TOKENS]
+        assert all(r.prompt_token_ids[:SHARED_PREFIX_TOKENS] == shared for r in other.requests)
+    firsts = {x.requests[0].prompt_token_ids[:16] for x in (w, r1, r2)}
+    assert len(firsts) == 3  # no leading block in common across repeats
 
 
 def test_the_roofline_runs_every_prompt_row_and_every_decode_row_once():

@@ -4,8 +4,7 @@ Row layout of a forward of T tokens: first the prefill chunks, each a contiguous
 then one row per decoding sequence. `AttnMetadata` says where each row's K/V goes in the pool
 and what it may attend to; the runner builds it once per step, every layer shares it.
 
-- A chunk starting at position 0 attends to its own keys (causal), straight from this step's k, v;
-  on a GPU, when every chunk starts at 0, all of them in one call with a block-diagonal mask.
+- A chunk starting at position 0 attends to its own keys (causal), straight from this step's k, v.
 - A chunk starting later (chunked prefill, or a prompt whose prefix was cached) reads its
   earlier keys from its blocks (a gather of that one sequence) and attends with a causal mask.
 - Decode rows read each sequence's blocks in place through its block table: on CPU with the C
@@ -47,9 +46,6 @@ class AttnMetadata:
     decode_lens: int32 [B], keys each decode row reads (its position + 1).
     decode_mask: for the gather path, additive [B, 1, 1, max_blocks * block_size].
     kernel: decode rows run the CPU kernel (else the gather path).
-    prefill_mask: when every chunk starts at position 0, additive [P, P] over the step's P prompt
-        rows, block-diagonal and causal: all chunks attend in one SDPA instead of one each (on a
-        GPU, where a call per chunk and layer is bound by launching it).
     """
 
     positions: torch.Tensor
@@ -61,7 +57,6 @@ class AttnMetadata:
     decode_lens: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
     kernel: bool = False
-    prefill_mask: torch.Tensor | None = None
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -96,14 +91,7 @@ def attend(
     v_cache.view(-1, head_dim).index_copy_(0, meta.kv_rows, v.reshape(-1, head_dim))
     gqa = q.shape[1] != k.shape[1]
     outs = []
-    if meta.prefill_mask is not None:
-        n, group = meta.num_prefill_tokens, q.shape[1] // k.shape[1]
-        kp, vp = k[:n].transpose(0, 1), v[:n].transpose(0, 1)
-        if gqa:  # query head h reads kv head h // group
-            kp, vp = kp.repeat_interleave(group, dim=0), vp.repeat_interleave(group, dim=0)
-        o = F.scaled_dot_product_attention(q[:n].transpose(0, 1), kp, vp, attn_mask=meta.prefill_mask)
-        outs.append(o.transpose(0, 1))
-    for c in meta.chunks if meta.prefill_mask is None else ():
+    for c in meta.chunks:
         qc = q[c.row : c.row + c.length].transpose(0, 1)
         if c.blocks is None:  # from position 0: its keys are this step's
             kc = k[c.row : c.row + c.length].transpose(0, 1)

@@ -109,9 +109,6 @@ class ModelRunner:
         )
         # decode attention through the CPU kernel where it runs (float32 on CPU), else by gathering
         self.decode_kernel = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.available()
-        # prompts that all start at position 0 attend in one masked call, up to this many rows
-        # (its [P, P] mask), on a GPU: there a call per chunk and layer costs its launch
-        self.batched_prefill_rows = 8192 if self.device.type == "cuda" else 0
         # on a GPU, decode-only steps replay CUDA graphs (PDQ_CUDA_GRAPHS=0: always eager)
         self.graphs = None
         if self.device.type == "cuda" and os.environ.get("PDQ_CUDA_GRAPHS", "1") not in ("0", "false"):
@@ -316,12 +313,6 @@ class ModelRunner:
                             num_decode=len(r.tables))
         if r.tables:
             self._plan_decode(meta, r.tables, r.positions[r.num_prefill:])
-        if 1 < len(chunks) and r.num_prefill <= self.batched_prefill_rows and not any(c.start for c in chunks):
-            seg = torch.repeat_interleave(torch.arange(len(chunks), device=dev),
-                                          torch.tensor([c.length for c in chunks], device=dev))
-            rows = torch.arange(r.num_prefill, device=dev)
-            meta.prefill_mask = additive_mask((seg[:, None] == seg[None, :]) & (rows[None, :] <= rows[:, None]),
-                                              self.dtype)
         n = len(r.tokens)
         logit_rows = slice(None) if len(r.logit_rows) == n else torch.tensor(r.logit_rows, device=dev)
         return torch.tensor(r.tokens, device=dev), meta, logit_rows

@@ -175,20 +175,3 @@ def test_the_cpu_kernel_leaves_the_process_floating_point_mode_alone():
     tiny = float.fromhex("0x1p-1070")  # subnormal
     assert tiny * 2 > 0 and torch.tensor([tiny], dtype=torch.float64).mul(2).item() > 0
 
-
-def test_fresh_prompts_in_one_masked_call_equal_one_call_each(tiny_llama, make_runner):
-    """The GPU's batched prefill (every chunk from position 0, one SDPA under a block-diagonal
-    causal mask), forced on here: the same logits and K/V as a call per chunk, beside decode rows."""
-    one_each, masked = make_runner(tiny_llama, slots=4), make_runner(tiny_llama, slots=4)
-    masked.batched_prefill_rows = 8192
-    prompts = {"a": tokens(23, 1), "b": tokens(5, 2), "c": tokens(40, 3)}
-    outs = {}
-    for runner in (one_each, masked):
-        runner.allocate("d")
-        runner.prefill([PrefillItem("d", tokens(30, 4), 0)])
-        for name in prompts:
-            runner.allocate(name)
-        outs[runner] = runner.step([PrefillItem(name, ids, 0) for name, ids in prompts.items()], [("d", 7, 30)])
-        outs[runner] = torch.cat([outs[runner], runner.decode([(name, 9, len(ids)) for name, ids in prompts.items()])])
-    torch.testing.assert_close(outs[masked], outs[one_each], atol=ATOL, rtol=0)
-    assert outs[masked].shape == (7, 256)

@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pdq.bench.arrivals import Arrivals
+from pdq.bench.prefix import counts
 from pdq.bench.record import RequestRecord, RunRecord
 from pdq.bench.workload import BenchRequest, Workload
 from pdq.memory import DEFAULT_HEAP_RESERVE_MB, reserve_heap
@@ -111,11 +112,14 @@ class EngineBaseline:
 
     def run(self, workload: Workload, arrivals: Arrivals, on_done: Progress | None = None,
             warm_up: bool = True) -> RunRecord:
+        blocks = self.engine.runner.pool.blocks
         with pinned_threads() as pinned:
             if warm_up:
                 self._run(_warm_up_requests(workload), Arrivals())
+            queried, hit = blocks.queried_tokens, blocks.hit_tokens
             record = self._run(workload, arrivals, on_done)
         record.notes["engine"]["pinned"] = pinned
+        record.notes["prefix_cache"] = counts(blocks.queried_tokens - queried, blocks.hit_tokens - hit)
         return record
 
     def _run(self, workload: Workload, arrivals: Arrivals, on_done: Progress | None = None) -> RunRecord:

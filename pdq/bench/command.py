@@ -22,6 +22,7 @@ from pdq.bench.record import RequestRecord, RunRecord
 from pdq.bench.workload import Workload, build, for_repeat, vocabulary
 
 if TYPE_CHECKING:
+    from pdq.bench.prefix import PrefixProbe
     from pdq.bench.procstat import CpuProbe
 
 START_ATTEMPTS = 3
@@ -93,7 +94,7 @@ class Bench:
             say(f"    error: {error}")
 
     def service(self, target: str, strategy: str, keys: dict[str, str | None],
-                cpu_probe: "CpuProbe | None" = None) -> None:
+                cpu_probe: "CpuProbe | None" = None, prefix_probe: "PrefixProbe | None" = None) -> None:
         """Every offered load against the cluster at `target`; keys: tenant -> API key (None:
         the client's default, $PDQ_API_KEY or a local `pdq up`'s dev key)."""
         from pdq.bench.service import run_service, warm_up
@@ -105,13 +106,14 @@ class Bench:
             self.measure(f"{strategy} @ {load.label}", lambda p: run_service(
                 target, strategy, strategy, self.offered(i), load, api_keys=keys, timeout_s=opts.request_timeout,
                 on_done=p, cpu_probe=cpu_probe, client_policy=opts.client_policy,
-                stream_interval=opts.stream_interval))
+                stream_interval=opts.stream_interval, prefix_probe=prefix_probe))
 
     def spawned(self, strategy: str) -> None:
         """A fresh cluster for `strategy`, with a key per tenant of the workload (bench.tenancy).
         A failed start-up (e.g. a port taken in between by another process) is retried."""
         import tempfile
 
+        from pdq.bench.prefix import cluster_prefix_probe
         from pdq.bench.procstat import cluster_probe
         from pdq.bench.tenancy import write_auth_file
         from pdq.up import Cluster
@@ -134,7 +136,7 @@ class Bench:
                         raise
                     say(f"pdq bench: the cluster did not start ({exc}); trying again")
             try:
-                self.service(cluster.target, strategy, keys, cluster_probe(cluster))
+                self.service(cluster.target, strategy, keys, cluster_probe(cluster), cluster_prefix_probe(cluster))
             finally:
                 cluster.stop()
 
@@ -223,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
 
     runs = report.median_repeats(bench.runs)
     print(report.table(runs))
-    for extra in (report.tenant_table(runs), report.kind_table(runs), report.cpu_table(runs)):
+    for extra in (report.tenant_table(runs), report.kind_table(runs), report.cpu_table(runs),
+                  report.prefix_lines(runs)):
         if extra:
             print()
             print(extra)

@@ -124,6 +124,19 @@ def cpu_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def prefix_lines(runs: list[dict]) -> str:
+    """Prompt tokens each run found in its prefix cache, of those it looked up ("" when no run
+    looked any up, e.g. a --target cluster, whose workers the benchmark does not read)."""
+    rows = [(r, r["prefix_cache"]) for r in runs if (r.get("prefix_cache") or {}).get("queried_tokens")]
+    if not rows:
+        return ""
+    lines = ["prefix cache (prompt tokens found in it / looked up):"]
+    for r, pc in rows:
+        q, h = pc["queried_tokens"], pc["hit_tokens"]
+        lines.append(f"  {r['name']} @ {r['arrivals']}: {h:,} / {q:,} ({100 * h / q:.0f}%)")
+    return "\n".join(lines)
+
+
 def _metric(run: dict, metric: str) -> float | None:
     return run["ttft_ms"]["p99"] if metric == "ttft_p99" else run.get(metric)
 

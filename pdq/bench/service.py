@@ -19,6 +19,7 @@ import grpc
 
 from pdq import cpu
 from pdq.bench.arrivals import Arrivals
+from pdq.bench.prefix import PrefixProbe
 from pdq.bench.procstat import CpuProbe
 from pdq.bench.record import RequestRecord, RunRecord
 from pdq.bench.workload import BenchRequest, Workload
@@ -51,16 +52,23 @@ async def stream_one(client: AsyncClient, req: BenchRequest, rec: RequestRecord,
 def run_service(target: str, name: str, strategy: str, workload: Workload, arrivals: Arrivals, *,
                 api_keys: dict[str, str | None] | None = None, timeout_s: float = 600.0,
                 on_done: Progress | None = None, cpu_probe: CpuProbe | None = None,
-                client_policy: str = "normal", stream_interval: int = 1) -> RunRecord:
+                client_policy: str = "normal", stream_interval: int = 1,
+                prefix_probe: "PrefixProbe | None" = None) -> RunRecord:
     """Offers `workload` to the gateway at `target` with `arrivals`; returns when every request
     has ended. api_keys: tenant name -> API key (None or missing: the `Client` default,
     $PDQ_API_KEY or the dev key of a local `pdq up`). cpu_probe: the cluster's processes, whose
     CPU time during the run goes into the record. client_policy: the CPU policy (pdq.cpu) of
     this thread and gRPC's, for the run. stream_interval: decode steps per stream message
-    after the first token (GenerateRequest.stream_interval)."""
+    after the first token (GenerateRequest.stream_interval). prefix_probe: the cluster's prefix
+    cache counters, whose change during the run goes into the record's notes."""
+    if prefix_probe:
+        prefix_probe.start()
     with cpu.policy(client_policy):
-        return asyncio.run(_offer(target, name, strategy, workload, arrivals, api_keys or {}, timeout_s,
-                                  on_done, cpu_probe, stream_interval))
+        record = asyncio.run(_offer(target, name, strategy, workload, arrivals, api_keys or {}, timeout_s,
+                                    on_done, cpu_probe, stream_interval))
+    if prefix_probe:
+        record.notes["prefix_cache"] = prefix_probe.stop()
+    return record
 
 
 async def _offer(target: str, name: str, strategy: str, workload: Workload, arrivals: Arrivals,

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from pdq.bench.workload import SHARED_PREFIX_TOKENS
 from tests.bench.test_report import check_schema
 
 
@@ -83,3 +84,24 @@ def test_pdq_bench_handoff_reports_pdq_against_bare_grpc(tmp_path):
     assert report["ttft"]["prefill_alone_ms"] > 0 and report["ttft"]["tcp"]["handoff_overhead"] > 0
     assert report["decode_split"]["requests"] == 4
     assert "bare grpc.aio stream" in proc.stdout
+
+
+def test_pdq_bench_reports_prefix_cache_hits_and_each_repeat_starts_cold(tmp_path):
+    out_json = tmp_path / "bench.json"
+    n = 6
+    cmd = [sys.executable, "-m", "pdq.cli", "bench", "--spawn", "--model", "builtin:tiny", "--strategies", "continuous",
+           "--workload", "shared-prefix", "--requests", str(n), "--baseline", "engine", "--repeat", "2",
+           "--no-roofline", "--json", str(out_json), "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "prefix cache (prompt tokens found in it / looked up):" in proc.stdout
+    doc = json.loads(out_json.read_text())
+    runs = doc["all_runs"]
+    assert sorted((r["name"], r["repeat"]) for r in runs) == [("continuous", 0), ("continuous", 1),
+                                                              ("engine", 0), ("engine", 1)]
+    for r in runs:
+        pc = r["prefix_cache"]
+        assert pc["queried_tokens"] == doc["config"]["prompt_tokens"]  # every prompt looked up once
+        # the system prompt is found for the requests after the first; nothing from an earlier
+        # repeat (each repeat's prompts are fresh), so at most n - 1 system prompts' worth
+        assert 0 < pc["hit_tokens"] <= (n - 1) * SHARED_PREFIX_TOKENS, (r["name"], r["repeat"], pc)

@@ -70,6 +70,18 @@ def test_cpu_table_and_tokens_per_cpu_second():
     assert report.cpu_table(runs[2:]) == ""
 
 
+def test_prefix_lines_show_what_each_run_found_in_its_cache():
+    cached = make_run([make_record(0.0, [0.5, 1.0])])
+    cached.notes["prefix_cache"] = {"queried_tokens": 4000, "hit_tokens": 3000}
+    target = make_run([make_record(0.0, [0.5, 1.0])], name="target")  # a --target cluster: not read
+    runs = [summarize(cached), summarize(target)]
+    assert runs[0]["prefix_cache"] == {"queried_tokens": 4000, "hit_tokens": 3000}
+    lines = report.prefix_lines(runs).splitlines()
+    assert lines[0].startswith("prefix cache") and len(lines) == 2
+    assert lines[1].split()[-4:] == ["3,000", "/", "4,000", "(75%)"]
+    assert report.prefix_lines(runs[1:]) == ""
+
+
 def test_ratios_pair_runs_at_the_same_offered_load():
     runs = [run_entry("continuous", 5, 0.1, Arrivals(rate=2.0)), run_entry("static", 5, 0.5, Arrivals(rate=4.0)),
             run_entry("hf", 5, 1.0)]

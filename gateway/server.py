@@ -183,6 +183,11 @@ class GenerationService(gen_grpc.GenerationServicer):
     async def Generate(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext) -> gen_pb.GenerateResponse:
         # nobody watches a unary call's tokens arrive: the worker may write them in groups
         rid, _ = await self.submit(request, context, self.keys.authenticate(context), interval=UNARY_STREAM_INTERVAL)
+        return await self.collect(rid, context)
+
+    async def collect(self, rid: str, context: grpc.aio.ServicerContext) -> gen_pb.GenerateResponse:
+        """A request's whole result, once it ended; the call ending first (its client gone)
+        cancels the request."""
         got = Collected()
         left: BaseException | None = None
         span = telemetry.start("pdq.stream", attributes={"pdq.request_id": rid})
@@ -305,14 +310,27 @@ def build_server(config: GatewayConfig) -> Server:
     gen_grpc.add_GenerationServicer_to_server(service, server.grpc)
     op_grpc.add_OperatorServicer_to_server(OperatorService(config, store, service, keys), server.grpc)
 
+    door = None
+    if config.http_port:
+        from gateway.http_api import OpenAIDoor
+        from gateway.openai_request import ChatTemplate
+
+        tok_config = model_dir / "tokenizer_config.json"
+        template = ChatTemplate.from_config(json.loads(tok_config.read_text()) if tok_config.exists() else {})
+        door = OpenAIDoor(service, config.served_model_name or config.model, template)
+
     async def start() -> None:
         await client.ping()
         service.follower = OutputFollower(config.redis_url, client, config.redis_outage_s, parse=Event)
         for tenant, policy in keys.tenants.items():  # the key file's tenant policies, for the scheduler
             await store.set_tenant_policy(tenant, TenantPolicy(**policy))
+        if door is not None:
+            await door.start(config.host, config.http_port, (config.tls_cert, config.tls_key) if config.tls_cert else None)
 
     async def stop() -> None:
         service.stopping = True  # calls ended from here on end UNAVAILABLE, their requests untouched
+        if door is not None:
+            await door.stop()
         if service.follower is not None:
             await service.follower.close()
         await channel.close()

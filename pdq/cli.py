@@ -30,7 +30,7 @@ def _up(args: argparse.Namespace) -> int:
     prefill = 1 if args.prefill is None else args.prefill
     return run(Cluster(prefill=prefill, decode=args.decode, model=args.model, redis_url=args.redis_url,
                        port=args.port, durable=args.durable, mtls=args.mtls, colocate=args.colocate,
-                       control_policy=args.control_policy, extra_env=env))
+                       control_policy=args.control_policy, extra_env=env, http_port=args.http_port))
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -113,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--redis-url", default=os.environ.get("PDQ_UP_REDIS_URL"),
                     help="use this Redis instead of starting a private one")
     up.add_argument("--port", type=int, default=50051, help="gateway port (default 50051; 0 = any free)")
+    up.add_argument("--http-port", type=int, default=8000,
+                    help="port of the gateway's OpenAI-compatible HTTP API (default 8000; 0 = off)")
     up.add_argument("--durable", action="store_true", help="private Redis with AOF, appendfsync always")
     up.add_argument("--mtls", action="store_true",
                     help="mutual TLS between the cluster's roles, with a throwaway CA made for this run (openssl)")

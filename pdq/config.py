@@ -168,9 +168,15 @@ class GatewayConfig(StoreConfig):
     tls_cert: str = field(default="", metadata={"help": "PEM certificate chain: serve TLS (with --tls-key)"})
     tls_key: str = field(default="", metadata={"help": "PEM private key of --tls-cert"})
     grace_s: float = field(default=5.0, metadata={"help": "seconds to finish calls on shutdown"})
+    http_port: int = field(default=0, metadata={"help": "port of the OpenAI-compatible HTTP API (/v1/completions, "
+                                                        "/v1/chat/completions, /v1/models, /health); 0 = off"})
+    served_model_name: str = field(default="", metadata={"help": "the model's name in the HTTP API's `model` field "
+                                                                  "(default: --model)"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be 0 (off) or a port, got {self.http_port}")
         _positive("max_model_len", self.max_model_len)
         _positive("default_max_tokens", self.default_max_tokens)
         if bool(self.tls_cert) != bool(self.tls_key):

@@ -140,6 +140,9 @@ RPC_UNEXPECTED = Counter("pdq_rpc_unexpected_errors", "RPCs that raised an unexp
                          "traceback, answered UNAVAILABLE).", ("method",))
 RPC_SECONDS = Histogram("pdq_grpc_server_handling_seconds", "RPC duration (streams: until the last message).",
                         ("service", "method"), buckets=LATENCY_BUCKETS)
+HTTP_SECONDS = Histogram("pdq_http_server_handling_seconds", "HTTP request duration on the gateway's OpenAI-compatible "
+                         "door (streams: until the last event), by route and status.", ("route", "status"),
+                         buckets=LATENCY_BUCKETS)
 
 
 # -- updates from the model loops (once per step) -------------------------------------------------

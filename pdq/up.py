@@ -110,6 +110,7 @@ class Cluster:
     # /metrics ports: 0 = a free port per process; N = gateway N, scheduler N+1, prefill-i N+10+i,
     # decode-i N+20+i (what deploy/prometheus.yml scrapes); -1 = no metrics endpoints
     metrics_port: int = field(default_factory=lambda: int(os.environ.get("PDQ_UP_METRICS_PORT") or 0))
+    http_port: int = 0  # the gateway's OpenAI-compatible HTTP API (0 = off)
     client_key: str = ""
     admin_key: str = ""
     restart: RestartPolicy = field(default_factory=RestartPolicy)  # how `supervise` restarts what exits
@@ -126,6 +127,11 @@ class Cluster:
     def worker_nice(self) -> int:
         """How much nicer decode (and colocated) workers run than the rest."""
         return self.decode_nice if self.decode_nice is not None else 0 if self.colocate else 5
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI-compatible API's base URL ("" when it is off)."""
+        return f"http://{self.host}:{self.http_port}/v1" if self.http_port else ""
 
     @property
     def target(self) -> str:
@@ -169,7 +175,9 @@ class Cluster:
             for i in range(self.decode):
                 self._spawn(f"decode-{i}", "decode_worker", free_port(self.host), env,
                             ["--worker-id", f"decode-{i}-{os.getpid()}"], metrics_offset=20 + i)
-            self._spawn("gateway", "gateway", self.port, env, ["--scheduler-address", f"{self.host}:{sched_port}"],
+            self._spawn("gateway", "gateway", self.port, env, ["--scheduler-address", f"{self.host}:{sched_port}",
+                                                                 "--http-port", str(self.http_port),
+                                                                 "--served-model-name", self.model],
                         metrics_offset=0)
             self._wait_healthy(timeout_s)
         except BaseException:
@@ -361,6 +369,8 @@ def run(cluster: Cluster) -> int:
         say(f"API keys (the CLI finds them by itself for this port):\n"
             f"  client (tenant default): {cluster.client_key}\n  admin  (tenant ops):     {cluster.admin_key}")
     say(f"try:  .venv/bin/pdq generate \"Hello\" --target {cluster.target}")
+    if cluster.http_port:
+        say(f"OpenAI-compatible API: {cluster.base_url}  (key: the client key above)")
     if cluster.metrics_port >= 0:
         say("metrics: " + "  ".join(f"{c.name} {c.metrics_url(cluster.host)}" for c in cluster.children))
     say("stop: Ctrl-C (a process that exits is restarted)")

@@ -1,5 +1,6 @@
-"""A real cluster for end-to-end tests: every role its own process, gRPC on loopback, a
-private Redis server, the built-in model, API keys for two client tenants and an admin."""
+"""A real cluster for end-to-end tests: every role its own process, gRPC (and the OpenAI-compatible
+HTTP door) on loopback, a private Redis server, the built-in model, API keys for two client
+tenants and an admin."""
 
 import json
 
@@ -7,6 +8,7 @@ import pytest
 import redis
 
 from pdq.client import Client
+from pdq.redis_server import free_port
 from pdq.up import Cluster
 
 KEYS = {"acme": "test-key-acme-0001", "globex": "test-key-globex-0002", "ops": "test-key-ops-admin-03"}
@@ -25,7 +27,8 @@ def auth_file(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def cluster(auth_file):
-    with Cluster(model="builtin", port=0, auth=False, extra_env={"PDQ_AUTH_FILE": str(auth_file)}) as c:
+    with Cluster(model="builtin", port=0, auth=False, extra_env={"PDQ_AUTH_FILE": str(auth_file)},
+                 http_port=free_port()) as c:
         yield c
 
 

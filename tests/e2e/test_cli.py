@@ -7,10 +7,12 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
+from pdq.devkeys import find_dev_key
 from pdq.redis_server import free_port
 
 PDQ = [sys.executable, "-m", "pdq.cli"]
@@ -38,15 +40,20 @@ def port_is_free(port: int) -> bool:
             return False
 
 
+def nothing_listens(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
 @pytest.fixture
 def up(tmp_path, request):
     """`pdq up` on a free port (plus the flags of an indirect parameter), its stderr (and its
     children's logs) in a file: -> (process, port, that file)."""
-    port = free_port()
+    port, http_port = free_port(), free_port()
     log = tmp_path / "up.log"
     with open(log, "w") as err:
-        proc = subprocess.Popen([*PDQ, "up", "--port", str(port), *getattr(request, "param", [])],
-                                stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen([*PDQ, "up", "--port", str(port), "--http-port", str(http_port),
+                                 *getattr(request, "param", [])], stdout=subprocess.PIPE, stderr=err, text=True)
     line = proc.stdout.readline()  # printed once every role is healthy
     assert line.strip() == f"gateway: 127.0.0.1:{port}", log.read_text()[-3000:]
     yield proc, port, log
@@ -98,6 +105,12 @@ def test_up_generate_and_ctrl_c_leaves_nothing_behind(up):
     assert len(result["token_ids"]) == 8 and result["finish_reason"] == "length"
     assert result["usage"] == {"prompt_tokens": result["usage"]["prompt_tokens"], "completion_tokens": 8}
     assert streamed.stdout.rstrip("\n") == result["text"]  # greedy: the same text either way
+    base = log.read_text().split("OpenAI-compatible API: ", 1)[1].split()[0]
+    body = json.dumps({"model": "builtin", "prompt": "Hello", "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    req = urllib.request.Request(base + "/completions", data=body.encode(), headers={
+        "Authorization": f"Bearer {find_dev_key(target)}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:  # the HTTP door: the same greedy text
+        assert json.loads(resp.read())["choices"][0]["text"] == result["text"]
     bad = subprocess.run([*PDQ, "generate", "Hello", "--target", target, "--temperature", "-2"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and bad.stdout == "" and "INVALID_ARGUMENT: sampling.temperature" in bad.stderr
@@ -110,6 +123,7 @@ def test_up_generate_and_ctrl_c_leaves_nothing_behind(up):
     assert proc.wait(timeout=60) == 0
     assert gone(family)
     assert port_is_free(port)
+    assert nothing_listens(int(base.rsplit(":", 1)[1].split("/")[0]))  # (its served connection may be in TIME_WAIT)
     assert "Traceback" not in log.read_text()
 
 

@@ -1,0 +1,243 @@
+"""The OpenAI-compatible HTTP door of the gateway (aiohttp, in the gateway's own event loop):
+`POST /v1/completions`, `POST /v1/chat/completions` (server-sent events with `stream: true`),
+`GET /v1/models`, `GET /health`.
+
+A second door into the same `GenerationService` as gRPC: the same keys (`Authorization: Bearer`)
+and tenancy, validation, scheduler, fair share and traces; `Idempotency-Key` (or vLLM's
+`request_id` field) is the client request id. A client that disconnects before its request ends
+cancels it at every hop, as a gRPC client's cancel does. Refusals are OpenAI error objects with
+the HTTP status of pdq's gRPC code (429 with `Retry-After`).
+"""
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import ssl
+import time
+
+import grpc
+from aiohttp import web
+
+from gateway.openai_request import ApiError, ChatTemplate, Parsed, chat, completion
+from pdq import metrics, telemetry
+from pdq.status import StatusError
+from pdq.v1 import generation_pb2 as gen_pb
+
+log = logging.getLogger("pdq.gateway")
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+              404: "not_found_error", 409: "conflict_error", 429: "rate_limit_error"}
+FINISH = {gen_pb.FINISH_REASON_LENGTH: "length", gen_pb.FINISH_REASON_EOS: "stop", gen_pb.FINISH_REASON_STOP: "stop"}
+MAX_BODY_BYTES = 8 << 20
+
+
+class HttpCall:
+    """What `GenerationService` reads of a gRPC call, for an HTTP request: its key, and no
+    deadline of its own (an HTTP client's timeout is its disconnect)."""
+
+    def __init__(self, request: web.Request):
+        self._metadata = (("authorization", request.headers.get("Authorization", "")),)
+
+    def invocation_metadata(self):
+        return self._metadata
+
+    def time_remaining(self) -> None:
+        return None
+
+
+def error_response(exc: ApiError) -> web.Response:
+    body = {"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.code}}
+    headers = {}
+    if exc.status in (429, 503):  # when to try again
+        headers["Retry-After"] = str(max(1, math.ceil(getattr(exc, "retry_ms", 0) / 1000)))
+    return web.json_response(body, status=exc.status, headers=headers)
+
+
+def from_status(exc: StatusError) -> ApiError:
+    """pdq's status -> the HTTP door's error, with the retry hint the status carried."""
+    status = HTTP_STATUS.get(exc.code, 500)
+    err = ApiError(status, exc.message, param=exc.field or None, kind=ERROR_TYPE.get(status, "server_error"),
+                   code=exc.reason or exc.code.name.lower())
+    pushback = dict(exc.trailing).get("grpc-retry-pushback-ms")
+    err.retry_ms = exc.retry_ms or (int(pushback) if pushback and str(pushback).isdigit() else 0)
+    return err
+
+
+def usage_json(usage: gen_pb.Usage) -> dict:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+
+
+class OpenAIDoor:
+    """The HTTP routes over a `GenerationService` (`service`), serving model `served`."""
+
+    def __init__(self, service, served: str, template: ChatTemplate):
+        self.service = service
+        self.served = served
+        self.template = template
+        self.started = int(time.time())
+        self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
+        self.app.add_routes([web.get("/health", self.health), web.get("/v1/models", self.models),
+                             web.post("/v1/completions", self.completions),
+                             web.post("/v1/chat/completions", self.chat_completions)])
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str, port: int, tls: tuple[str, str] | None = None) -> None:
+        ctx = None
+        if tls:
+            ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ctx.load_cert_chain(*tls)
+        # handler_cancellation: a client that disconnects cancels its handler, which cancels the request
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host, port, ssl_context=ctx).start()
+        log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", "https" if tls else "http", host, port)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        started = time.perf_counter()
+        status = 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except ApiError as exc:
+            status = exc.status
+            return error_response(exc)
+        except StatusError as exc:
+            err = from_status(exc)
+            status = err.status
+            return error_response(err)
+        except web.HTTPException as exc:
+            status = exc.status
+            return error_response(ApiError(exc.status, exc.reason, kind=ERROR_TYPE.get(exc.status, "invalid_request_error")))
+        except (asyncio.CancelledError, ConnectionResetError):
+            status = 499
+            raise
+        except Exception as exc:  # a bug: said as one, and logged with its stack
+            log.exception("HTTP %s %s failed", request.method, request.path)
+            return error_response(ApiError(500, f"internal error: {exc!r}", kind="server_error"))
+        finally:
+            metrics.HTTP_SECONDS.labels(request.path if request.path.startswith("/v1/") else "other",
+                                        str(status)).observe(time.perf_counter() - started)
+
+    # -- routes ----------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        self.service.keys.authenticate(HttpCall(request))
+        return web.json_response({"object": "list", "data": [
+            {"id": self.served, "object": "model", "created": self.started, "owned_by": "pdq"}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        parsed = completion(await self._body(request), self.served, self.service.limits.tiers)
+        return await self._serve(request, parsed, "text_completion", "cmpl-")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        parsed, messages = chat(await self._body(request), self.served, self.service.limits.tiers)
+        text = self.template.render(messages)
+        ids = await asyncio.to_thread(lambda: self.service.tokenizer.encode(text, add_special_tokens=False).ids)
+        limit = self.service.limits.max_model_len
+        if len(ids) >= limit:
+            raise ApiError(400, f"messages: the chat is {len(ids)} tokens; this model takes at most {limit - 1}",
+                           param="messages", code="context_length_exceeded")
+        parsed.request.prompt_token_ids.extend(ids)
+        if not parsed.request.sampling.max_tokens:  # as OpenAI's: whatever room the context leaves
+            parsed.request.sampling.max_tokens = limit - len(ids)
+        return await self._serve(request, parsed, "chat.completion", "chatcmpl-")
+
+    # -- the request's life ----------------------------------------------------------------
+
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            body = await request.json(loads=json.loads)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        return body
+
+    async def _serve(self, request: web.Request, parsed: Parsed, kind: str, prefix: str) -> web.StreamResponse:
+        call = HttpCall(request)
+        principal = self.service.keys.authenticate(call)
+        idempotency = request.headers.get("Idempotency-Key")
+        if idempotency and not parsed.request.request_id:
+            parsed.request.request_id = idempotency
+        span = telemetry.start(f"POST {request.path}", kind=telemetry.SpanKind.SERVER,
+                               attributes={"http.request.method": "POST", "url.path": request.path})
+        try:
+            with telemetry.use(span):
+                if not parsed.stream:
+                    rid, _ = await self.service.submit(parsed.request, call, principal, interval=16)
+                    out = await self.service.collect(rid, call)
+                    return web.json_response(self._whole(out, kind, prefix + rid))
+                rid, _ = await self.service.submit(parsed.request, call, principal)
+                return await self._stream(request, call, rid, parsed, kind, prefix + rid)
+        except StatusError as exc:
+            telemetry.end(span, "refused", exc.message)
+            span = None
+            raise
+        finally:
+            telemetry.end(span)
+
+    def _whole(self, out: gen_pb.GenerateResponse, kind: str, cid: str) -> dict:
+        reason = FINISH.get(out.finish_reason, "stop")
+        choice = ({"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+                   "finish_reason": reason} if kind == "chat.completion"
+                  else {"index": 0, "text": out.text, "logprobs": None, "finish_reason": reason})
+        return {"id": cid, "object": kind, "created": int(time.time()), "model": self.served, "choices": [choice],
+                "usage": usage_json(out.usage)}
+
+    async def _stream(self, request: web.Request, call: HttpCall, rid: str, parsed: Parsed, kind: str,
+                      cid: str) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        created, chat_kind = int(time.time()), kind == "chat.completion"
+        obj = "chat.completion.chunk" if chat_kind else "text_completion"
+
+        async def send(choices: list, usage: dict | None = None) -> None:
+            chunk = {"id": cid, "object": obj, "created": created, "model": self.served, "choices": choices}
+            if usage is not None:
+                chunk["usage"] = usage
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+
+        def choice(text: str, reason: str | None, first: bool = False) -> dict:
+            if chat_kind:
+                delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+
+        first = True
+        try:  # aclosing: a write that fails (the client gone) closes the stream, which cancels the request
+            async with contextlib.aclosing(self.service.stream(rid, call)) as messages:
+                async for msg in messages:
+                    if msg.HasField("usage") or msg.finish_reason:
+                        await send([choice("", FINISH.get(msg.finish_reason, "stop"), first)])
+                        if parsed.include_usage:
+                            await send([], usage_json(msg.usage))
+                        break
+                    if msg.HasField("index"):
+                        await send([choice(msg.text, None, first)])
+                        first = False
+        except StatusError as exc:  # after the headers: the error as the stream's last event
+            err = from_status(exc)
+            await resp.write(b"data: " + json.dumps({"error": {"message": err.message, "type": err.kind,
+                                                               "param": err.param, "code": err.code}}).encode()
+                             + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp

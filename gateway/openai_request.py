@@ -1,0 +1,217 @@
+"""OpenAI-compatible request bodies -> pdq's `GenerateRequest`: the fields of `/v1/completions`
+and `/v1/chat/completions` as vLLM's server reads them, checked one by one (a wrong field is a
+400 naming it), and chat messages rendered through the model's chat template.
+
+Pure: no IO. A field pdq does not have yet is refused when set to anything but its neutral value
+(e.g. `n` other than 1), never silently ignored; fields that change nothing here (`user`) are.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+from pdq.v1 import generation_pb2 as gen_pb
+
+# The chat template of a checkpoint without one (the built-in model's): role-tagged turns.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+ROLES = ("system", "user", "assistant", "developer", "tool")
+# fields refused unless neutral: name -> its neutral values (what the feature does when off)
+NOT_YET = {
+    "n": (None, 1), "best_of": (None, 1), "logprobs": (None, False, 0), "top_logprobs": (None, 0),
+    "echo": (None, False), "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1), "logit_bias": (None, {}), "min_p": (None, 0), "min_tokens": (None, 0),
+    "stop_token_ids": (None, []), "response_format": (None, {"type": "text"}), "tools": (None, []),
+    "guided_json": (None,), "guided_regex": (None,),
+}
+
+
+class ApiError(Exception):
+    """A request the door refuses: HTTP status, a message a person can act on, the field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A body as pdq runs it."""
+
+    request: gen_pb.GenerateRequest
+    stream: bool
+    include_usage: bool
+
+
+def _bad(field: str, want: str, got: Any) -> ApiError:
+    return ApiError(400, f"{field}: must be {want}, got {got!r}"[:300], param=field)
+
+
+def _number(body: dict, field: str, default: float, low: float, high: float) -> float:
+    value = body.get(field)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise _bad(field, f"a number in [{low}, {high}]", value)
+    return float(value)
+
+
+def _int(body: dict, field: str, default: int | None, low: int, high: int = 2**63 - 1) -> int | None:
+    value = body.get(field)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise _bad(field, f"an integer in [{low}, {high}]", value)
+    return value
+
+
+def _bool(body: dict, field: str) -> bool:
+    value = body.get(field, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _bad(field, "true or false", value)
+    return value
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop] if stop else []
+    if isinstance(stop, list) and all(isinstance(s, str) and s for s in stop):
+        return stop
+    raise _bad("stop", "a non-empty string or a list of them", stop)
+
+
+def _tier(body: dict, tiers: tuple[str, ...]) -> str:
+    """pdq's `tier` by name, or vLLM's `priority` (0 = the first tier; lower runs sooner)."""
+    tier = body.get("tier")
+    if tier is not None:
+        if not isinstance(tier, str) or tier not in tiers:
+            raise _bad("tier", f"one of {list(tiers)}", tier)
+        return tier
+    priority = _int(body, "priority", None, 0)
+    return "" if priority is None else tiers[min(priority, len(tiers) - 1)]
+
+
+def _common(body: dict, served: str, tiers: tuple[str, ...], default_max_tokens: int | None) -> Parsed:
+    """The fields both endpoints share; the prompt is the caller's to set."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("model", f"the served model's name ({served!r})", model)
+    if model != served:
+        raise ApiError(404, f"The model `{model}` does not exist: this server serves {served!r} (GET /v1/models)",
+                       param="model", code="model_not_found")
+    for field, neutral in NOT_YET.items():
+        if field in body and body[field] not in neutral:
+            raise ApiError(400, f"{field}: not supported by this server yet (leave it out)", param=field)
+    max_tokens = _int(body, "max_completion_tokens", None, 1)
+    max_tokens = _int(body, "max_tokens", max_tokens if max_tokens is not None else default_max_tokens, 1)
+    top_k = _int(body, "top_k", 0, -1)
+    seed = _int(body, "seed", None, -(2**63), 2**64 - 1)
+    sampling = gen_pb.SamplingParams(max_tokens=max_tokens or 0,
+                                     temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+                                     top_p=_number(body, "top_p", 1.0, 0.0, 1.0), top_k=max(0, top_k),
+                                     stop=_stop(body), ignore_eos=_bool(body, "ignore_eos"))
+    if seed is not None:
+        sampling.seed = seed % 2**64
+    request_id = body.get("request_id", "")
+    if not isinstance(request_id, str):
+        raise _bad("request_id", "a string", request_id)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _bad("stream_options", "an object", options)
+    stream = _bool(body, "stream")
+    include_usage = bool(options and _bool(options, "include_usage"))
+    if options and not stream:
+        raise ApiError(400, "stream_options: only with stream: true", param="stream_options")
+    return Parsed(gen_pb.GenerateRequest(sampling=sampling, request_id=request_id, tier=_tier(body, tiers)),
+                  stream, include_usage)
+
+
+def completion(body: dict, served: str, tiers: tuple[str, ...]) -> Parsed:
+    """A `/v1/completions` body. `prompt`: a string or token ids (or a list of one of either);
+    `max_tokens` defaults to 16, as OpenAI's."""
+    parsed = _common(body, served, tiers, 16)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        parsed.request.prompt = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        parsed.request.prompt_token_ids.extend(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise ApiError(400, f"prompt: one prompt per request (got a batch of {len(prompt)}): send each on its own "
+                            "request; they are batched on the server", param="prompt")
+    else:
+        raise _bad("prompt", "a non-empty string or list of token ids", prompt)
+    return parsed
+
+
+def messages_of(body: dict) -> list[dict]:
+    """The chat's messages, each {role, content: str} (content parts of type text joined)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "a non-empty list of {role, content}", messages)
+    out = []
+    for i, m in enumerate(messages):
+        field = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise _bad(f"{field}.role", f"one of {list(ROLES)}", m.get("role") if isinstance(m, dict) else m)
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise _bad(f"{field}.content", "a string or a list of {type: text, text} parts", content)
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise _bad(f"{field}.content", "a string or a list of {type: text, text} parts", content)
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def chat(body: dict, served: str, tiers: tuple[str, ...]) -> tuple[Parsed, list[dict]]:
+    """A `/v1/chat/completions` body -> (its request without the prompt, its messages): the caller
+    renders the messages with the chat template and sets the prompt (and, when the body has no
+    max_tokens, the room left in the context)."""
+    return _common(body, served, tiers, None), messages_of(body)
+
+
+class ChatTemplate:
+    """A checkpoint's chat template (`tokenizer_config.json`), rendered as `transformers` does:
+    Jinja2, sandboxed, with `messages`, `add_generation_prompt`, `bos_token`, `eos_token`."""
+
+    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = ""):
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str):
+            raise ApiError(400, f"messages: {message}", param="messages")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        self.template = env.from_string(source or DEFAULT_CHAT_TEMPLATE)
+        self.bos_token, self.eos_token = bos_token, eos_token
+
+    @classmethod
+    def from_config(cls, config: dict) -> "ChatTemplate":
+        """From a parsed tokenizer_config.json (a named list of templates: the "default" one)."""
+        source = config.get("chat_template")
+        if isinstance(source, list):
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = named.get("default") or next(iter(named.values()), None)
+
+        def token(name: str) -> str:
+            value = config.get(name) or ""
+            return value.get("content", "") if isinstance(value, dict) else str(value)
+
+        return cls(source, token("bos_token"), token("eos_token"))
+
+    def render(self, messages: list[dict]) -> str:
+        return self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
+                                    eos_token=self.eos_token)

@@ -1,0 +1,119 @@
+"""The OpenAI-compatible HTTP door, driven by the official `openai` client: completions and chat,
+whole and streamed, the same greedy text as the gRPC door, tenancy from the key, errors as OpenAI
+error objects with the right status, and a client that disconnects cancels its request."""
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from gateway.openai_request import ChatTemplate
+from tests.e2e.conftest import KEYS
+
+
+@pytest.fixture
+def oa(cluster):
+    with openai.OpenAI(base_url=cluster.base_url, api_key=KEYS["acme"], max_retries=0, timeout=120) as c:
+        yield c
+
+
+def raw(cluster, path: str, body: bytes | None = None, key: str = KEYS["acme"]) -> tuple[int, dict, dict]:
+    """-> (status, headers, JSON body) of a hand-made request (for what the client cannot send)."""
+    req = urllib.request.Request(cluster.base_url.removesuffix("/v1") + path, data=body,
+                                 headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, dict(resp.headers), json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), json.loads(exc.read())
+
+
+def test_health_and_models(cluster, oa):
+    assert raw(cluster, "/health")[0] == 200
+    assert [m.id for m in oa.models.list().data] == ["builtin"]
+
+
+def test_a_greedy_completion_is_the_grpc_doors_text(oa, client):
+    got = oa.completions.create(model="builtin", prompt="The weather today", max_tokens=12, temperature=0,
+                                extra_body={"ignore_eos": True})
+    want = client.generate("The weather today", max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert got.choices[0].text == want.text and got.choices[0].finish_reason == "length"
+    assert got.id.startswith("cmpl-") and got.model == "builtin"
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (want.prompt_tokens, 12)
+    assert got.usage.total_tokens == want.prompt_tokens + 12
+
+
+def test_a_streamed_completion_sends_the_same_text_then_its_usage(oa):
+    kw = dict(model="builtin", prompt=[5, 9, 200, 31, 7], max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    whole = oa.completions.create(**kw).choices[0].text
+    chunks = list(oa.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_chat_renders_the_template_and_streams_the_same_reply(oa, client):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
+    got = oa.chat.completions.create(model="builtin", messages=messages, max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    prompt = ChatTemplate(None).render(messages)  # the built-in model's template
+    assert got.choices[0].message.role == "assistant" and got.object == "chat.completion"
+    assert got.choices[0].message.content == client.generate(prompt, max_tokens=8, temperature=0.0,
+                                                             ignore_eos=True).text
+    chunks = list(oa.chat.completions.create(model="builtin", messages=messages, max_tokens=8, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == got.choices[0].message.content
+
+
+def test_an_idempotency_key_names_one_request(oa):
+    kw = dict(model="builtin", prompt="once", max_tokens=4, temperature=0)
+    a = oa.completions.create(**kw, extra_headers={"Idempotency-Key": "http-idem-1"})
+    b = oa.completions.create(**kw, extra_headers={"Idempotency-Key": "http-idem-1"})
+    assert a.id == b.id and a.choices[0].text == b.choices[0].text
+    with pytest.raises(openai.ConflictError):  # the same key for a different request
+        oa.completions.create(**{**kw, "prompt": "twice"}, extra_headers={"Idempotency-Key": "http-idem-1"})
+
+
+@pytest.mark.parametrize("kw, status, param", [
+    (dict(temperature=3), 400, "temperature"),
+    (dict(n=2), 400, "n"),
+    (dict(logprobs=2), 400, "logprobs"),
+    (dict(max_tokens=0), 400, "max_tokens"),
+    (dict(prompt=["one", "two"]), 400, "prompt"),
+    (dict(prompt=[1, 2, 99999]), 400, "prompt_token_ids[2]"),
+    (dict(model="gpt-4"), 404, "model"),
+])
+def test_bad_fields_are_refused_naming_the_field(oa, kw, status, param):
+    with pytest.raises(openai.APIStatusError) as info:
+        oa.completions.create(**{"model": "builtin", "prompt": "x", "max_tokens": 4, **kw})
+    assert info.value.status_code == status
+    assert info.value.body["param"] == param and info.value.body["message"]
+
+
+def test_a_wrong_key_is_401_and_malformed_bodies_are_400(cluster):
+    status, _, body = raw(cluster, "/v1/completions", b'{"model": "builtin", "prompt": "x"}', key="sk-not-a-key")
+    assert status == 401 and body["error"]["type"] == "authentication_error"
+    status, _, body = raw(cluster, "/v1/completions", b'{"model": "builtin", "prompt": ')
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, _, body = raw(cluster, "/v1/chat/completions",
+                          json.dumps({"model": "builtin", "messages": [{"role": "user"}]}).encode())
+    assert status == 400 and body["error"]["param"] == "messages[0].content"
+
+
+def test_a_client_that_disconnects_cancels_its_request(cluster, oa, client):
+    stream = oa.completions.create(model="builtin", prompt="a long story", max_tokens=1500, temperature=0,
+                                   stream=True, extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    rid = first.id.removeprefix("cmpl-")
+    stream.close()  # the connection goes: the gateway cancels the request at every hop
+    deadline = time.monotonic() + 60
+    state = ""
+    while time.monotonic() < deadline:
+        state = client.get_result(rid, wait_ms=2000).state
+        if state != "DECODING" and state != "PREFILLING" and state != "QUEUED":
+            break
+    assert state == "CANCELLED"

@@ -1,0 +1,79 @@
+"""OpenAI request bodies -> pdq requests (pure): defaults as OpenAI's, every bad field named,
+features pdq lacks refused unless neutral, chat templates rendered as transformers renders them."""
+
+import pytest
+
+from gateway.openai_request import ApiError, ChatTemplate, chat, completion, messages_of
+
+TIERS = ("interactive", "batch")
+
+
+def test_completion_defaults_are_openais():
+    p = completion({"model": "m", "prompt": "hi"}, "m", TIERS)
+    s = p.request.sampling
+    assert (p.request.prompt, s.max_tokens, s.temperature, s.top_p, s.top_k) == ("hi", 16, 1.0, 1.0, 0)
+    assert not p.stream and not p.include_usage and not p.request.request_id and not p.request.tier
+
+
+def test_completion_fields_map_to_the_request():
+    p = completion({"model": "m", "prompt": [[4, 5, 6]], "max_tokens": 7, "temperature": 0, "top_p": 0.5,
+                    "top_k": -1, "seed": -1, "stop": "END", "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}, "request_id": "r-1", "priority": 1,
+                    "n": 1, "logprobs": None, "user": "ignored"}, "m", TIERS)
+    s = p.request.sampling
+    assert list(p.request.prompt_token_ids) == [4, 5, 6] and s.max_tokens == 7 and s.temperature == 0
+    assert (s.top_p, s.top_k, s.seed, list(s.stop), s.ignore_eos) == (0.5, 0, 2**64 - 1, ["END"], True)
+    assert p.stream and p.include_usage and p.request.request_id == "r-1" and p.request.tier == "batch"
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": "x"}, 400, "model"),
+    ({"model": "other", "prompt": "x"}, 404, "model"),
+    ({"model": "m"}, 400, "prompt"),
+    ({"model": "m", "prompt": ""}, 400, "prompt"),
+    ({"model": "m", "prompt": ["a", "b"]}, 400, "prompt"),
+    ({"model": "m", "prompt": "x", "max_tokens": "8"}, 400, "max_tokens"),
+    ({"model": "m", "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"model": "m", "prompt": "x", "top_p": True}, 400, "top_p"),
+    ({"model": "m", "prompt": "x", "stop": [""]}, 400, "stop"),
+    ({"model": "m", "prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"model": "m", "prompt": "x", "tier": "gold"}, 400, "tier"),
+    ({"model": "m", "prompt": "x", "n": 3}, 400, "n"),
+    ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"model": "m", "prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
+])
+def test_bad_completion_bodies_name_their_field(body, status, param):
+    with pytest.raises(ApiError) as info:
+        completion(body, "m", TIERS)
+    assert (info.value.status, info.value.param) == (status, param) and info.value.message
+
+
+def test_chat_messages_and_their_errors():
+    parsed, messages = chat({"model": "m", "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]}]}, "m", TIERS)
+    assert messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    assert parsed.request.sampling.max_tokens == 0  # the door fills in the room the context leaves
+    for bad, param in (([], "messages"), ([{"role": "user"}], "messages[0].content"),
+                       ([{"role": "king", "content": "x"}], "messages[0].role"),
+                       ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content")):
+        with pytest.raises(ApiError) as info:
+            messages_of({"messages": bad})
+        assert info.value.param == param
+
+
+def test_chat_templates_render_as_transformers_does():
+    default = ChatTemplate.from_config({})
+    assert default.render([{"role": "user", "content": "hi"}]) == "<|user|>\nhi\n<|assistant|>\n"
+    qwen_like = ChatTemplate.from_config({
+        "bos_token": {"content": "<s>"}, "eos_token": "</s>",
+        "chat_template": [{"name": "default", "template": "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]"
+                                                          "{{ m['content'] }}{{ eos_token }}{% endfor %}"}]})
+    assert qwen_like.render([{"role": "user", "content": "hi"}]) == "<s>[user]hi</s>"
+    strict = ChatTemplate("{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}"
+                          "{% endif %}ok")
+    with pytest.raises(ApiError, match="first must be user"):
+        strict.render([{"role": "system", "content": "x"}])
+    with pytest.raises(Exception):  # the sandbox: no attribute access to Python internals
+        ChatTemplate("{{ messages.__class__.__mro__ }}").render([])

@@ -61,16 +61,18 @@ class Bench:
         self.opts = opts
         self.workload = workload
         self.vocab = vocab
+        self._offers = 0  # runs offered so far: each gets its own prompt tokens
         self.slo = Slo(opts.slo_ttft, opts.slo_itl)
         self.runs: list[dict] = []  # every run of every repeat
         self.repeat = 0
         self._baselines: dict = {}
 
-    def offered(self, load: int) -> Workload:
-        """The workload as offered at load `load` of this repeat: the same lengths and sharing,
-        fresh prompts each time (`for_repeat`), so no run meets a prefix cache an earlier run of
-        the same cluster or engine filled."""
-        return for_repeat(self.workload, self.vocab, self.repeat * len(self.opts.loads) + load)
+    def offered(self) -> Workload:
+        """The workload as the next run offers it: the same lengths and sharing as every other
+        run's, fresh prompt tokens each time (`for_repeat`), so no run meets a prefix cache that
+        an earlier run (another load, door or repeat of the same cluster or engine) filled."""
+        self._offers += 1
+        return for_repeat(self.workload, self.vocab, self._offers - 1)
 
     def measure(self, desc: str, go: Callable[[Progress], RunRecord]) -> None:
         load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -97,16 +99,17 @@ class Bench:
                 cpu_probe: "CpuProbe | None" = None, prefix_probe: "PrefixProbe | None" = None) -> None:
         """Every offered load against the cluster at `target`; keys: tenant -> API key (None:
         the client's default, $PDQ_API_KEY or a local `pdq up`'s dev key)."""
-        from pdq.bench.service import run_service, warm_up
+        from pdq.bench.service import is_http, run_service, warm_up
 
         opts = self.opts
+        name = f"{strategy}/http" if is_http(target) and opts.spawn else strategy
         warm_up(target, self.workload.requests[0].prompt_token_ids[0], opts.warmup,
-                api_key=next(iter(keys.values()), None), timeout_s=opts.request_timeout)
-        for i, load in enumerate(opts.loads):
-            self.measure(f"{strategy} @ {load.label}", lambda p: run_service(
-                target, strategy, strategy, self.offered(i), load, api_keys=keys, timeout_s=opts.request_timeout,
+                api_key=next(iter(keys.values()), None), timeout_s=opts.request_timeout, http_model=opts.model)
+        for load in opts.loads:
+            self.measure(f"{name} @ {load.label}", lambda p: run_service(
+                target, name, strategy, self.offered(), load, api_keys=keys, timeout_s=opts.request_timeout,
                 on_done=p, cpu_probe=cpu_probe, client_policy=opts.client_policy,
-                stream_interval=opts.stream_interval, prefix_probe=prefix_probe))
+                stream_interval=opts.stream_interval, prefix_probe=prefix_probe, http_model=opts.model))
 
     def spawned(self, strategy: str) -> None:
         """A fresh cluster for `strategy`, with a key per tenant of the workload (bench.tenancy).
@@ -114,6 +117,7 @@ class Bench:
         import tempfile
 
         from pdq.bench.prefix import cluster_prefix_probe
+        from pdq.redis_server import free_port
         from pdq.bench.procstat import cluster_probe
         from pdq.bench.tenancy import write_auth_file
         from pdq.up import Cluster
@@ -127,7 +131,7 @@ class Bench:
                 say(f"pdq bench: starting a cluster for strategy {strategy!r} ...")
                 cluster = Cluster(prefill=opts.prefill, decode=opts.decode, model=opts.model, colocate=opts.colocate,
                                   control_policy=opts.control_policy, redis_url=opts.redis_url, port=0, auth=False,
-                                  extra_env=env)
+                                  extra_env=env, http_port=free_port() if "http" in opts.doors else 0)
                 try:
                     cluster.start()
                     break
@@ -136,7 +140,10 @@ class Bench:
                         raise
                     say(f"pdq bench: the cluster did not start ({exc}); trying again")
             try:
-                self.service(cluster.target, strategy, keys, cluster_probe(cluster), cluster_prefix_probe(cluster))
+                # one cluster, each door in turn (in alternating order, as the systems of a repeat)
+                for door in opts.doors if self.repeat % 2 == 0 else opts.doors[::-1]:
+                    self.service(cluster.base_url if door == "http" else cluster.target, strategy, keys,
+                                 cluster_probe(cluster), cluster_prefix_probe(cluster))
             finally:
                 cluster.stop()
 
@@ -150,10 +157,10 @@ class Bench:
             self._baselines[name] = (EngineBaseline if name == "engine" else HFBaseline)(model_dir)
         system = self._baselines[name]
         if name == "engine":
-            for i, load in enumerate(self.opts.loads):
-                self.measure(f"engine @ {load.label}", lambda p: system.run(self.offered(i), load, on_done=p))
+            for load in self.opts.loads:
+                self.measure(f"engine @ {load.label}", lambda p: system.run(self.offered(), load, on_done=p))
         else:
-            self.measure("hf @ all", lambda p: system.run(self.offered(0), on_done=p))
+            self.measure("hf @ all", lambda p: system.run(self.offered(), on_done=p))
 
     def systems(self, model_dir: str) -> list[Callable[[], None]]:
         """What one repeat runs, in order: the target or the spawned strategies, then baselines."""

@@ -17,7 +17,11 @@ BASELINES = ("hf", "engine")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     where = p.add_argument_group("what to measure")
-    where.add_argument("--target", help="gateway HOST:PORT of a running cluster")
+    where.add_argument("--target", help="gateway HOST:PORT of a running cluster, or the base URL of any "
+                                        "OpenAI-compatible server (http://HOST:PORT/v1; --model names its model)")
+    where.add_argument("--doors", default="grpc",
+                       help="with --spawn: the API each load is offered through, comma-separated: grpc (default), "
+                            "http (the gateway's OpenAI-compatible door; runs named STRATEGY/http), or both")
     where.add_argument("--spawn", action="store_true",
                        help="start a cluster (pdq.up.Cluster) per strategy, and stop it after")
     where.add_argument("--strategies", default=None,
@@ -118,6 +122,7 @@ class BenchOptions:
     control_policy: str = "batch"
     client_policy: str = "batch"
     stream_interval: int = 1
+    doors: tuple[str, ...] = ("grpc",)
     redis_url: str | None = None
     env: dict = field(default_factory=dict)
     api_keys: dict = field(default_factory=dict)
@@ -164,6 +169,11 @@ class BenchOptions:
             value = getattr(a, name)
             if value is not None and not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        doors = tuple(d.strip() for d in a.doors.split(",") if d.strip())
+        if not doors or set(doors) - {"grpc", "http"} or len(set(doors)) != len(doors):
+            raise ValueError(f"--doors: grpc, http or both, got {a.doors!r}")
+        if doors != ("grpc",) and not a.spawn:
+            raise ValueError("--doors: with --spawn (a --target is one door: its address says which)")
         env = _pairs(a.env, "--env")
         if "PDQ_STRATEGY" in env:
             raise ValueError("--env PDQ_STRATEGY: use --strategies")
@@ -174,7 +184,7 @@ class BenchOptions:
                    loads=loads, workload=a.workload, requests=a.requests, seed=a.seed,
                    max_model_len=a.max_model_len, model=a.model, prefill=a.prefill, decode=a.decode,
                    colocate=a.colocate, control_policy=a.control_policy, client_policy=a.client_policy,
-                   stream_interval=a.stream_interval, redis_url=a.redis_url, env=env, api_keys=keys, warmup=a.warmup, repeat=a.repeat,
+                   stream_interval=a.stream_interval, doors=doors, redis_url=a.redis_url, env=env, api_keys=keys, warmup=a.warmup, repeat=a.repeat,
                    request_timeout=a.request_timeout, slo_ttft=a.slo_ttft, slo_itl=a.slo_itl, json=a.json,
                    plot=a.plot, progress=not a.no_progress, roofline=not getattr(a, "no_roofline", False))
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import grpc
 
 from pdq import cpu
+from pdq.bench import http_client
 from pdq.bench.arrivals import Arrivals
 from pdq.bench.prefix import PrefixProbe
 from pdq.bench.procstat import CpuProbe
@@ -53,19 +54,21 @@ def run_service(target: str, name: str, strategy: str, workload: Workload, arriv
                 api_keys: dict[str, str | None] | None = None, timeout_s: float = 600.0,
                 on_done: Progress | None = None, cpu_probe: CpuProbe | None = None,
                 client_policy: str = "normal", stream_interval: int = 1,
-                prefix_probe: "PrefixProbe | None" = None) -> RunRecord:
+                prefix_probe: "PrefixProbe | None" = None, http_model: str = "") -> RunRecord:
     """Offers `workload` to the gateway at `target` with `arrivals`; returns when every request
     has ended. api_keys: tenant name -> API key (None or missing: the `Client` default,
     $PDQ_API_KEY or the dev key of a local `pdq up`). cpu_probe: the cluster's processes, whose
     CPU time during the run goes into the record. client_policy: the CPU policy (pdq.cpu) of
     this thread and gRPC's, for the run. stream_interval: decode steps per stream message
     after the first token (GenerateRequest.stream_interval). prefix_probe: the cluster's prefix
-    cache counters, whose change during the run goes into the record's notes."""
+    cache counters, whose change during the run goes into the record's notes. A `target` that
+    starts with http:// or https:// is an OpenAI-compatible base URL (e.g. http://host:8000/v1):
+    the requests go to its /completions, naming `http_model` (`pdq.bench.http_client`)."""
     if prefix_probe:
         prefix_probe.start()
     with cpu.policy(client_policy):
         record = asyncio.run(_offer(target, name, strategy, workload, arrivals, api_keys or {}, timeout_s,
-                                    on_done, cpu_probe, stream_interval))
+                                    on_done, cpu_probe, stream_interval, http_model))
     if prefix_probe:
         record.notes["prefix_cache"] = prefix_probe.stop()
     return record
@@ -73,14 +76,19 @@ def run_service(target: str, name: str, strategy: str, workload: Workload, arriv
 
 async def _offer(target: str, name: str, strategy: str, workload: Workload, arrivals: Arrivals,
                  api_keys: dict[str, str | None], timeout_s: float, on_done: Progress | None,
-                 cpu_probe: CpuProbe | None, stream_interval: int) -> RunRecord:
-    clients = {t: AsyncClient(target, api_key=api_keys.get(t)) for t in {r.tenant for r in workload.requests}}
+                 cpu_probe: CpuProbe | None, stream_interval: int, http_model: str = "") -> RunRecord:
+    reqs = workload.requests
+    tenants = {r.tenant for r in reqs}
+    http = http_client.session(len(reqs)) if is_http(target) else None
+    clients = {} if http else {t: AsyncClient(target, api_key=api_keys.get(t)) for t in tenants}
     try:  # connected before the clock starts (see the module doc); if that fails, each request says why
-        await asyncio.wait_for(asyncio.gather(*(c.channel.channel_ready() for c in clients.values())),
-                               min(timeout_s, CONNECT_TIMEOUT_S))
+        await asyncio.wait_for(
+            asyncio.gather(*(c.channel.channel_ready() for c in clients.values()),
+                           *(http_client.connect(http, target, api_keys.get(t), sum(r.tenant == t for r in reqs))
+                             for t in (tenants if http else ()))),
+            min(timeout_s, CONNECT_TIMEOUT_S))
     except asyncio.TimeoutError:
         pass
-    reqs = workload.requests
     records: list[RequestRecord | None] = [None] * len(reqs)
     offsets = arrivals.offsets(len(reqs))
     if cpu_probe:
@@ -91,7 +99,11 @@ async def _offer(target: str, name: str, strategy: str, workload: Workload, arri
     async def one(i: int, due: float) -> None:
         rec = records[i] = RequestRecord(reqs[i], due)
         try:
-            await stream_one(clients[reqs[i].tenant], reqs[i], rec, t0, timeout_s, stream_interval)
+            if http:
+                await http_client.stream_one_http(http, target, http_model, api_keys.get(reqs[i].tenant), reqs[i],
+                                                  rec, t0, timeout_s)
+            else:
+                await stream_one(clients[reqs[i].tenant], reqs[i], rec, t0, timeout_s, stream_interval)
         except Exception as exc:  # a bug here must not hang the run: record it as the request's error
             rec.error, rec.end = f"client: {exc!r}", time.perf_counter() - t0
         if on_done:
@@ -117,18 +129,30 @@ async def _offer(target: str, name: str, strategy: str, workload: Workload, arri
     finally:
         for c in clients.values():
             await c.close()
+        if http:
+            await http.close()
     client_cpu = time.process_time() - cpu0
     return RunRecord(name, strategy, workload, arrivals, list(records), client_cpu_s=client_cpu,
                      server_cpu_s=cpu_probe.stop() if cpu_probe else None)
 
 
-def warm_up(target: str, vocab_id: int, n: int = 2, api_key: str | None = None, timeout_s: float = 600.0) -> None:
+def is_http(target: str) -> bool:
+    return target.startswith(("http://", "https://"))
+
+
+def warm_up(target: str, vocab_id: int, n: int = 2, api_key: str | None = None, timeout_s: float = 600.0,
+            http_model: str = "") -> None:
     """Sends `n` small requests at once and waits for them (loads lazily initialised paths)."""
     if n < 1:
         return
 
     async def go() -> list[RequestRecord]:
         req = BenchRequest(-1, (vocab_id,) * 16, 4)
+        if is_http(target):
+            async with http_client.session(n) as http:
+                return await asyncio.gather(*(http_client.stream_one_http(
+                    http, target, http_model, api_key, req, RequestRecord(req, 0.0), 0.0, timeout_s)
+                    for _ in range(n)))
         async with AsyncClient(target, api_key=api_key) as client:
             return await asyncio.gather(*(stream_one(client, req, RequestRecord(req, 0.0), 0.0, timeout_s)
                                           for _ in range(n)))

@@ -84,14 +84,14 @@ def vocabulary(model_dir: str | Path) -> list[int]:
     return [i for i in range(size) if i not in special]
 
 
-REPEAT_STRIDE = 7919  # a prime: repeat k moves every id k * 7919 places along the vocabulary
+REPEAT_STRIDE = 7919  # a prime: the k-th offer moves every id k * 7919 places along the vocabulary
 
 
 def for_repeat(workload: Workload, vocab: Sequence[int], k: int) -> Workload:
-    """`workload` for repeat `k` of an invocation (0: itself): every prompt token id moved
-    k * REPEAT_STRIDE places along `vocab`, a bijection, so the requests keep their lengths and
-    whatever prefixes they share with each other, but no prefix cache filled by an earlier repeat
-    holds them: every repeat does the same work."""
+    """`workload` as offered the k-th time in an invocation (0: itself): every prompt token id
+    moved k * REPEAT_STRIDE places along `vocab`, a bijection, so the requests keep their lengths
+    and whatever prefixes they share with each other, but no prefix cache filled by an earlier run
+    holds them: every run does the same work."""
     if k == 0:
         return workload
     vocab = list(vocab)

@@ -8,6 +8,8 @@ import sys
 import pytest
 
 from pdq.bench.workload import SHARED_PREFIX_TOKENS
+from pdq.redis_server import free_port
+from pdq.up import Cluster
 from tests.bench.test_report import check_schema
 
 
@@ -105,3 +107,30 @@ def test_pdq_bench_reports_prefix_cache_hits_and_each_repeat_starts_cold(tmp_pat
         # the system prompt is found for the requests after the first; nothing from an earlier
         # repeat (each repeat's prompts are fresh), so at most n - 1 system prompts' worth
         assert 0 < pc["hit_tokens"] <= (n - 1) * SHARED_PREFIX_TOKENS, (r["name"], r["repeat"], pc)
+
+
+def test_pdq_bench_offers_a_load_through_both_doors_and_to_any_openai_server(tmp_path):
+    out_json = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "pdq.cli", "bench", "--spawn", "--model", "builtin:tiny", "--strategies", "continuous",
+           "--doors", "grpc,http", "--requests", "6", "--no-roofline", "--json", str(out_json), "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out_json.read_text())
+    runs = {r["name"]: r for r in doc["runs"]}
+    assert set(runs) == {"continuous", "continuous/http"}
+    for r in runs.values():
+        assert r["completed"] == 6 and r["errors"] == 0 and r["length_mismatches"] == 0
+        assert r["output_tokens"] == doc["config"]["output_tokens"]
+    http_vs_grpc = {x["metric"]: x for x in doc["ratios"] if x["a"] == "continuous/http"}
+    assert http_vs_grpc["output_tokens_per_s"]["goal"] == 0.95 and http_vs_grpc["output_tokens_per_s"]["value"] > 0
+    assert http_vs_grpc["ttft_p50_extra_ms"]["goal"] == 5.0
+    assert "continuous/http vs continuous: TTFT p50" in proc.stdout
+
+    with Cluster(model="builtin:tiny", port=0, http_port=free_port()) as cluster:  # any OpenAI-compatible server
+        cmd = [sys.executable, "-m", "pdq.cli", "bench", "--target", cluster.base_url, "--model", "builtin:tiny",
+               "--api-key", cluster.client_key, "--requests", "4", "--no-roofline", "--no-progress"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "target @ all" in proc.stderr and "4/4 ok" in proc.stderr
+    bad = subprocess.run([*cmd[:5], "http://127.0.0.1:9/v1", *cmd[6:]], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "warm-up request failed: HTTP" in bad.stderr

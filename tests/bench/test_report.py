@@ -124,11 +124,14 @@ def test_options():
     # as `pdq up`: colocated workers unless --separate
     assert options("--spawn").colocate and options("--spawn", "--colocate").colocate
     assert not options("--spawn", "--separate").colocate
+    assert options("--spawn").doors == ("grpc",) and options("--spawn", "--doors", "grpc,http").doors == ("grpc", "http")
     for bad, match in ((["--spawn", "--target", "h:1"], "not both"), ([], "nothing to measure"),
                        (["--spawn", "--strategies", "fast"], "unknown fast"),
                        (["--target", "h:1", "--strategies", "a,b"], "one label"),
                        (["--spawn", "--env", "X"], "KEY=VALUE"),
                        (["--spawn", "--env", "PDQ_STRATEGY=x"], "--strategies"),
-                       (["--spawn", "--rates", "0"], "rates"), (["--spawn", "--repeat", "0"], "--repeat")):
+                       (["--spawn", "--rates", "0"], "rates"), (["--spawn", "--repeat", "0"], "--repeat"),
+                       (["--spawn", "--doors", "grpc,smtp"], "--doors"), (["--spawn", "--doors", ""], "--doors"),
+                       (["--target", "h:1", "--doors", "http"], "with --spawn")):
         with pytest.raises(ValueError, match=match):
             options(*bad)

@@ -177,7 +177,9 @@ class OpenAIDoor:
         idempotency = request.headers.get("Idempotency-Key")
         if idempotency and not parsed.request.request_id:
             parsed.request.request_id = idempotency
-        span = telemetry.start(f"POST {request.path}", kind=telemetry.SpanKind.SERVER,
+        # the caller's W3C trace context, if it sent one: the request's trace goes on from it
+        span = telemetry.start(f"POST {request.path}", request.headers.get("traceparent") or None,
+                               kind=telemetry.SpanKind.SERVER,
                                attributes={"http.request.method": "POST", "url.path": request.path})
         try:
             with telemetry.use(span):

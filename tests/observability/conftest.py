@@ -20,7 +20,7 @@ def traced_cluster(collector):
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true",
            "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_TRACES_SAMPLER": "parentbased_always_on"}
     # the collector's gRPC server starts after the fork()s: gRPC threads in a forking parent can abort its children
-    with Cluster(model="builtin", port=0, extra_env=env) as cluster:
+    with Cluster(model="builtin", port=0, extra_env=env, http_port=free_port()) as cluster:
         collector.start()
         yield cluster
 

@@ -1,7 +1,9 @@
 """One trace per request across the gateway, scheduler, prefill and decode processes, as an
 OTLP collector receives it; and a cancelled request's trace shows the cancellation."""
 
+import json
 import secrets
+import urllib.request
 
 import grpc
 import pytest
@@ -127,3 +129,23 @@ def test_rejected_request_is_an_error_span(client, collector):
     collector.wait_for(lambda spans: _has(trace_id, ("pdq.v1.Generation/Generate",), spans))
     gw = _one(collector.trace(trace_id), "pdq.v1.Generation/Generate")
     assert gw.status == "ERROR" and gw.event("rejected")["pdq.reason"] == "MAX_TOKENS_TOO_LARGE"
+
+
+def test_a_request_through_the_http_door_is_one_trace_too(traced_cluster, collector):
+    trace_id, caller_span = secrets.token_hex(16), secrets.token_hex(8)
+    body = json.dumps({"model": "builtin", "prompt": "traced over HTTP", "max_tokens": 5, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    req = urllib.request.Request(traced_cluster.base_url + "/completions", data=body, headers={
+        "Authorization": f"Bearer {traced_cluster.client_key}", "Content-Type": "application/json",
+        "traceparent": f"00-{trace_id}-{caller_span}-01"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        rid = json.loads(resp.read())["id"].removeprefix("cmpl-")
+    hops = ("POST /v1/completions", "pdq.stream", "pdq.v1.Scheduler/Submit", "pdq.queue_wait", "pdq.prefill",
+            "pdq.decode")
+    collector.wait_for(lambda spans: _has(trace_id, hops, spans))
+    spans = collector.trace(trace_id)
+    door = _one(spans, "POST /v1/completions")
+    assert (door.service, door.kind, door.parent_id) == ("pdq-gateway", "SERVER", caller_span)
+    assert door.attributes["pdq.request_id"] == rid and door.attributes["gen_ai.usage.output_tokens"] == 5
+    assert _one(spans, "pdq.v1.Scheduler/Submit").parent_id == door.span_id
+    assert _one(spans, "pdq.decode").parent_id == door.span_id

@@ -55,6 +55,7 @@ class Sequence:
     span: Any = None  # this attempt's decode span (None when tracing is off)
     interval: int = 1  # decode steps per write to Redis (RequestSpec.stream_interval)
     held: list[StepItem] = field(default_factory=list)  # tokens sampled, not written yet
+    prompt: list[int] = field(default_factory=list)  # its prompt's tokens (what repetition_penalty looks at)
 
     @property
     def position(self) -> int:
@@ -191,6 +192,7 @@ class DecodeLoop(ModelLoop):
             self.store.requeue(rid, h.epoch, f"decode worker could not load KV: {exc}", self.max_attempts)
             return
         seq.labels = (h.spec.tier, h.spec.tenant)
+        seq.prompt = prompt
         seq.arrival_ms = h.spec.arrival_ms
         seq.last_token_at = seq.arrived  # the first gap here runs from the KV cache's arrival
         seq.span = span
@@ -332,7 +334,8 @@ class DecodeLoop(ModelLoop):
         ~0.3 ms before the send). Those that leave are told to `on_leave` in one call, after
         the send, so the event loop wakes once a step, not once a sequence."""
         self.settle()
-        tokens = sample_each(logits, [s.params for s in seqs], [len(s.generated) for s in seqs])
+        tokens = sample_each(logits, [s.params for s in seqs], [len(s.generated) for s in seqs],
+                             [(s.prompt, s.generated) for s in seqs])
         self.stats.steps += 1
         self.stats.seq_steps += len(seqs)
         now = time.monotonic()
@@ -348,10 +351,9 @@ class DecodeLoop(ModelLoop):
                 self.stats.wasted_seq_steps += 1
                 continue
             delta, stopped = seq.text.add(token)
-            reason = ("stop" if stopped
-                      else "eos" if token in self.eos_ids and not seq.params.ignore_eos
-                      else "length" if len(seq.generated) >= seq.params.max_tokens
-                      or seq.position + 1 >= self.runner.max_seq_len else "")
+            reason = ("stop" if stopped else seq.params.finish(token, self.eos_ids)
+                      or ("length" if len(seq.generated) >= seq.params.max_tokens
+                          or seq.position + 1 >= self.runner.max_seq_len else ""))
             if reason and reason != "stop":
                 delta += seq.text.flush()
             index = len(seq.generated) - 1

@@ -20,10 +20,8 @@ ROLES = ("system", "user", "assistant", "developer", "tool")
 # fields refused unless neutral: name -> its neutral values (what the feature does when off)
 NOT_YET = {
     "n": (None, 1), "best_of": (None, 1), "logprobs": (None, False, 0), "top_logprobs": (None, 0),
-    "echo": (None, False), "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1), "logit_bias": (None, {}), "min_p": (None, 0), "min_tokens": (None, 0),
-    "stop_token_ids": (None, []), "response_format": (None, {"type": "text"}), "tools": (None, []),
-    "guided_json": (None,), "guided_regex": (None,),
+    "echo": (None, False), "suffix": (None, ""), "min_tokens": (None, 0),
+    "response_format": (None, {"type": "text"}), "tools": (None, []), "guided_json": (None,), "guided_regex": (None,),
 }
 
 
@@ -87,6 +85,31 @@ def _stop(body: dict) -> list[str]:
     raise _bad("stop", "a non-empty string or a list of them", stop)
 
 
+def _token_ids(body: dict, field: str) -> list[int]:
+    value = body.get(field)
+    if value is None:
+        return []
+    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        return value
+    raise _bad(field, "a list of token ids", value)
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's `logit_bias`: {"token id": bias in [-100, 100]} (JSON keys are strings)."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _bad("logit_bias", "an object of token id -> bias", value)
+    out = {}
+    for key, bias in value.items():
+        if not str(key).isdigit() or isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                or not -100 <= bias <= 100:
+            raise _bad("logit_bias", "token ids mapped to numbers in [-100, 100]", {key: bias})
+        out[int(key)] = float(bias)
+    return out
+
+
 def _tier(body: dict, tiers: tuple[str, ...]) -> str:
     """pdq's `tier` by name, or vLLM's `priority` (0 = the first tier; lower runs sooner)."""
     tier = body.get("tier")
@@ -118,7 +141,13 @@ def _common(body: dict, served: str, tiers: tuple[str, ...], default_max_tokens:
     sampling = gen_pb.SamplingParams(max_tokens=max_tokens or 0,
                                      temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                                      top_p=_number(body, "top_p", 1.0, 0.0, 1.0), top_k=max(0, top_k),
-                                     stop=_stop(body), ignore_eos=_bool(body, "ignore_eos"))
+                                     stop=_stop(body), ignore_eos=_bool(body, "ignore_eos"),
+                                     stop_token_ids=_token_ids(body, "stop_token_ids"),
+                                     min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+                                     presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+                                     frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+                                     repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-6, 10.0),
+                                     logit_bias=_logit_bias(body))
     if seed is not None:
         sampling.seed = seed % 2**64
     request_id = body.get("request_id", "")

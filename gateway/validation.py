@@ -19,6 +19,8 @@ REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 MAX_PROMPT_CHARS = 1 << 20
 MAX_STOP = 8
 MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300
 MAX_TIMEOUT_MS = 24 * 3600 * 1000
 
 
@@ -66,6 +68,24 @@ def resolve_sampling(s: gen_pb.SamplingParams, prompt_tokens: int, limits: Limit
     for i, stop in enumerate(out.stop):
         if not 1 <= len(stop) <= MAX_STOP_CHARS:
             raise invalid(f"sampling.stop[{i}]", f"must be 1..{MAX_STOP_CHARS} characters, got {len(stop)}")
+    if len(out.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise invalid("sampling.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS}, got {len(out.stop_token_ids)}")
+    for i, tok in enumerate(out.stop_token_ids):
+        if tok >= limits.vocab_size:
+            raise invalid(f"sampling.stop_token_ids[{i}]", f"{tok} is not below the vocabulary size {limits.vocab_size}")
+    for name, low, high in (("min_p", 0, 1), ("presence_penalty", -2, 2), ("frequency_penalty", -2, 2),
+                            ("repetition_penalty", 0, 10)):
+        value = getattr(out, name)
+        if not math.isfinite(value) or not low <= value <= high:
+            raise invalid(f"sampling.{name}", f"must be in [{low}, {high}]"
+                          + (" (0 = off)" if name == "repetition_penalty" else "") + f", got {value}")
+    if len(out.logit_bias) > MAX_LOGIT_BIAS:
+        raise invalid("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(out.logit_bias)}")
+    for tok, bias in out.logit_bias.items():
+        if tok >= limits.vocab_size:
+            raise invalid("sampling.logit_bias", f"token {tok} is not below the vocabulary size {limits.vocab_size}")
+        if not math.isfinite(bias) or not -100 <= bias <= 100:
+            raise invalid("sampling.logit_bias", f"the bias of token {tok} must be in [-100, 100], got {bias}")
     if not out.HasField("seed"):
         out.seed = random.getrandbits(63)
     return out

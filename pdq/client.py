@@ -105,9 +105,14 @@ class Client(_Connection):
     def request(prompt: str | list[int], *, max_tokens: int = 0, temperature: float = 0.0, top_k: int = 0,
                 top_p: float = 0.0, seed: int | None = None, stop: list[str] | None = None,
                 ignore_eos: bool = False, request_id: str = "", tier: str = "", timeout_ms: int = 0,
-                stream_interval: int = 0) -> gen_pb.GenerateRequest:
+                stream_interval: int = 0, stop_token_ids: list[int] | None = None, min_p: float = 0.0,
+                presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 0.0,
+                logit_bias: dict[int, float] | None = None) -> gen_pb.GenerateRequest:
         sampling = gen_pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                         stop=stop or [], ignore_eos=ignore_eos)
+                                         stop=stop or [], ignore_eos=ignore_eos, stop_token_ids=stop_token_ids or [],
+                                         min_p=min_p, presence_penalty=presence_penalty,
+                                         frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+                                         logit_bias=logit_bias or {})
         if seed is not None:
             sampling.seed = seed
         req = gen_pb.GenerateRequest(sampling=sampling, request_id=request_id, tier=tier, timeout_ms=timeout_ms,

@@ -128,10 +128,9 @@ class PrefillLoop(ModelLoop):
         # a first attempt (epoch 1) has streamed nothing: no Redis round trip in the model thread
         job.generated = self.store.streamed_tokens(job.rid) if job.item.epoch > 1 else []
         job.prompt = prompt + job.generated[:-1]
-        params = job.item.spec.sampling
-        if job.generated and (len(job.generated) >= params.max_tokens
-                              or (job.generated[-1] in self.eos_ids and not params.ignore_eos)):
-            reason = "length" if len(job.generated) >= params.max_tokens else "eos"
+        ended = job.generated and job.params.finish(job.generated[-1], self.eos_ids)
+        if job.generated and (len(job.generated) >= job.params.max_tokens or ended):
+            reason = ended or "length"
             self.store.step([StepItem(job.rid, job.item.epoch, final_state=State.COMPLETED, finish_reason=reason)])
             self._end(job, Outcome("finished", generated=job.generated))
             return False
@@ -281,7 +280,8 @@ class PrefillLoop(ModelLoop):
     def _first_tokens(self, logits: torch.Tensor, complete: list[tuple[int, Job]]) -> None:
         rows = torch.tensor([r for r, _ in complete], device=logits.device)
         params = [j.params for _, j in complete]
-        tokens = sample_each(logits.index_select(0, rows), params, [0] * len(complete))
+        tokens = sample_each(logits.index_select(0, rows), params, [0] * len(complete),
+                             [(j.prompt, ()) for _, j in complete])
         items, results = [], []
         for (_, job), p, token in zip(complete, params, tokens):
             if isinstance(token, Exception):  # this request's own: it alone ends
@@ -289,8 +289,7 @@ class PrefillLoop(ModelLoop):
                 continue
             text = TextOutput(self.tokenizer, p.stop, job.prompt)
             delta, stopped = text.add(token)
-            reason = ("stop" if stopped else "eos" if (token in self.eos_ids and not p.ignore_eos)
-                      else "length" if p.max_tokens <= 1 else "")
+            reason = "stop" if stopped else p.finish(token, self.eos_ids) or ("length" if p.max_tokens <= 1 else "")
             if reason and reason != "stop":
                 delta += text.flush()
             items.append(StepItem(job.rid, job.item.epoch, 0, token, delta,

@@ -40,7 +40,9 @@ def test_completion_fields_map_to_the_request():
     ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"model": "m", "prompt": "x", "tier": "gold"}, 400, "tier"),
     ({"model": "m", "prompt": "x", "n": 3}, 400, "n"),
-    ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"model": "m", "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias"),
+    ({"model": "m", "prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ({"model": "m", "prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
 ])
 def test_bad_completion_bodies_name_their_field(body, status, param):

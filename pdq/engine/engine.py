@@ -184,7 +184,8 @@ class LLMEngine:
         seqs = [to_sample[i] for i in rows]
         if len(rows) != len(to_sample):
             logits = logits[rows]
-        tokens = sample(logits, [s.params for s in seqs], [len(s.output) for s in seqs])
+        tokens = sample(logits, [s.params for s in seqs], [len(s.output) for s in seqs],
+                        [(s.prompt, s.output) for s in seqs])
         done = []
         for seq, token in zip(seqs, tokens):
             if seq.append(token):

@@ -30,6 +30,11 @@ class SamplingParams:
     seed: None = process RNG; an integer in [0, 2**64) makes the output reproducible anywhere.
     stop: stop strings, matched by the caller on detokenized text (the engine ignores them).
     ignore_eos: keep generating past EOS until max_tokens (for benchmarks).
+    stop_token_ids: tokens that end the output as EOS does (ignore_eos does not skip them).
+    min_p: keep tokens at least min_p times as likely as the top one (0 = off; sampled rows).
+    presence_penalty, frequency_penalty: OpenAI's, over the output so far (0 = off).
+    repetition_penalty: HF's, over the prompt and the output (1 = off).
+    logit_bias: token id -> added to its logit (greedy rows too).
     """
 
     max_tokens: int = 16
@@ -39,6 +44,12 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -60,10 +71,36 @@ class SamplingParams:
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {sorted(self.stop_token_ids)!r}")
+        for name, low, high in (("min_p", 0, 1), ("presence_penalty", -2, 2), ("frequency_penalty", -2, 2),
+                                ("repetition_penalty", 1e-6, 10)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not low <= v <= high:
+                raise ValueError(f"{name} must be in [{low}, {high}], got {v!r}")
+        if not all(_is_int(t) and t >= 0 and isinstance(b, (int, float)) and math.isfinite(b) and -100 <= b <= 100
+                   for t, b in self.logit_bias):
+            raise ValueError(f"logit_bias must map token ids >= 0 to numbers in [-100, 100], got {self.logit_bias!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def processed(self) -> bool:
+        """Whether its logits change before the pick: penalties or a bias."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias)
+
+    def finish(self, token: int, eos_ids) -> str:
+        """Why the output ends with `token` ("eos" for an EOS or a stop token id), or "" (it
+        goes on, unless its length ends it)."""
+        if token in self.stop_token_ids or (token in eos_ids and not self.ignore_eos):
+            return "eos"
+        return ""
 
 
 def _is_int(x) -> bool:
@@ -80,16 +117,25 @@ def token_seed(seed: int, step: int) -> int:
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int]) -> list[int]:
+History = tuple[Sequence[int], Sequence[int]]
+"""A row's (prompt tokens, output tokens so far): what its penalties look at."""
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int],
+           histories: Sequence[History | None] | None = None) -> list[int]:
     """Pick one token per row of `logits` [B, vocab].
 
     params[i] applies to row i; steps[i] is the index of the output token being sampled
-    (0 for the first). Greedy rows cost one batched argmax; the other rows are filtered
-    (temperature, top-k, top-p) as one batch and drawn with the exponential-race trick
-    (argmax of probs / Exp(1) noise), the noise of seeded rows from their own generator.
+    (0 for the first); histories[i] its tokens, needed for a row with penalties. Rows with
+    penalties or a bias have their logits changed first (`processed`). Greedy rows cost one
+    batched argmax; the other rows are filtered (temperature, top-k, top-p, min-p) as one batch
+    and drawn with the exponential-race trick (argmax of probs / Exp(1) noise), the noise of
+    seeded rows from their own generator.
     """
     if len(params) != logits.shape[0] or len(steps) != logits.shape[0]:
         raise ValueError(f"sample: {logits.shape[0]} rows but {len(params)} params and {len(steps)} steps")
+    if any(p.processed for p in params):
+        logits = _process(logits, params, histories)
     out = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
@@ -98,18 +144,18 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequen
     return out.tolist()
 
 
-def sample_each(logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int]
-                ) -> list[int | Exception]:
+def sample_each(logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int],
+                histories: Sequence[History | None] | None = None) -> list[int | Exception]:
     """`sample`, except that a row whose sampling raises fails alone: after the batch raised, each
     row is sampled by itself (a seeded row draws the same token alone as in a batch), and a row
     that still raises gets its exception in place of a token."""
     try:
-        return list(sample(logits, params, steps))
+        return list(sample(logits, params, steps, histories))
     except Exception:
         out: list[int | Exception] = []
         for i in range(len(params)):
             try:
-                out += sample(logits[i:i + 1], [params[i]], [steps[i]])
+                out += sample(logits[i:i + 1], [params[i]], [steps[i]], None if histories is None else [histories[i]])
             except Exception as exc:
                 out.append(exc)
         return out
@@ -128,6 +174,9 @@ def _sample_rows(logits, params, steps, rows: list[int]) -> torch.Tensor:
     if any(p.top_k or p.top_p < 1 for p in sub):
         x = _filter_top_k_top_p(x, [min(p.top_k, vocab) or vocab for p in sub], [p.top_p for p in sub])
     probs = x.softmax(dim=-1)
+    if any(p.min_p for p in sub):  # below min_p times the top token's probability: out
+        floor = torch.tensor([p.min_p for p in sub], dtype=probs.dtype, device=dev)[:, None]
+        probs = probs.masked_fill(probs < floor * probs.max(dim=-1, keepdim=True).values, 0.0)
     noise = torch.empty_like(probs).exponential_()
     for j, (i, p) in enumerate(zip(rows, sub)):
         if p.seed is not None:
@@ -150,3 +199,33 @@ def _filter_top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -
     drop[:, 0] = False
     sorted_x = sorted_x.masked_fill(drop, float("-inf"))
     return torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x)
+
+
+def _process(logits: torch.Tensor, params: Sequence[SamplingParams],
+             histories: Sequence[History | None] | None) -> torch.Tensor:
+    """A copy of `logits` (float) with each processed row's penalties and bias applied, as vLLM
+    applies them: repetition (HF's: a seen token's positive logit divided by it, a negative one
+    multiplied), then presence and frequency over the output, then the bias."""
+    x = logits.float().clone()
+    vocab, dev = x.shape[-1], x.device
+    for i, p in enumerate(params):
+        if not p.processed:
+            continue
+        row = x[i]
+        if p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty:
+            if histories is None or histories[i] is None:
+                raise ValueError("sample: a row with penalties needs its token history")
+            prompt, output = histories[i]
+            if p.repetition_penalty != 1:
+                seen = torch.tensor(sorted({t for t in (*prompt, *output) if t < vocab}), dtype=torch.long, device=dev)
+                if len(seen):
+                    v = row[seen]
+                    row[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and output:
+                counts = torch.bincount(torch.tensor([t for t in output if t < vocab], dtype=torch.long, device=dev),
+                                        minlength=vocab).to(row.dtype)
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias if t < vocab], dtype=torch.long, device=dev)
+            row[ids] += torch.tensor([b for t, b in p.logit_bias if t < vocab], dtype=row.dtype, device=dev)
+    return x

@@ -11,8 +11,9 @@ from pdq.engine.sampling import SamplingParams
 class Sequence:
     """prompt + output tokens; `num_cached` of them have K/V in the pool.
 
-    finish_reason: None while running, then "eos" (an EOS token was sampled and is the last
-    output token; only when not params.ignore_eos) or "length" (max_tokens reached).
+    finish_reason: None while running, then "eos" (an EOS token, unless params.ignore_eos, or one
+    of params.stop_token_ids was sampled and is the last output token) or "length" (max_tokens
+    reached).
     """
 
     seq_id: Hashable
@@ -43,7 +44,7 @@ class Sequence:
     def append(self, token: int) -> str | None:
         """Add a sampled token; returns (and records) the finish reason, if it finished."""
         self.output.append(token)
-        if token in self.eos_token_ids and not self.params.ignore_eos:
+        if self.params.finish(token, self.eos_token_ids):
             self.finish_reason = "eos"
         elif len(self.output) >= self.params.max_tokens:
             self.finish_reason = "length"

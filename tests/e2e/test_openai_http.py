@@ -117,3 +117,41 @@ def test_a_client_that_disconnects_cancels_its_request(cluster, oa, client):
         if state != "DECODING" and state != "PREFILLING" and state != "QUEUED":
             break
     assert state == "CANCELLED"
+
+
+PROMPT_IDS = [5, 9, 200, 31, 7, 5, 9]
+
+
+def test_stop_token_ids_and_logit_bias_through_both_doors(oa, client):
+    ref = client.generate(PROMPT_IDS, max_tokens=10, temperature=0.0, ignore_eos=True)
+    stop_at = ref.token_ids[3]
+    cut = ref.token_ids.index(stop_at) + 1
+    stopped = client.generate(PROMPT_IDS, max_tokens=10, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_at])
+    assert stopped.token_ids == ref.token_ids[:cut] and stopped.finish_reason == "eos"
+    http = oa.completions.create(model="builtin", prompt=PROMPT_IDS, max_tokens=10, temperature=0,
+                                 extra_body={"ignore_eos": True, "stop_token_ids": [stop_at]})
+    assert http.choices[0].text == stopped.text and http.usage.completion_tokens == cut
+    forced = client.generate(PROMPT_IDS, max_tokens=6, temperature=0.0, ignore_eos=True, logit_bias={42: 100.0})
+    assert forced.token_ids == [42] * 6
+    http = oa.completions.create(model="builtin", prompt=PROMPT_IDS, max_tokens=6, temperature=0,
+                                 logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    assert http.choices[0].text == forced.text
+
+
+def test_penalties_sample_as_the_engine_does(oa, client):
+    """The service's greedy tokens with penalties are the in-process engine's with the same ones
+    (the same built-in weights): the fields reached the workers, prefill and decode alike."""
+    from pdq.engine import LLMEngine, SamplingParams
+    from pdq.model.builtin import ensure_builtin
+
+    kw = dict(repetition_penalty=0.2, presence_penalty=-2.0, frequency_penalty=-1.0)  # they favour repeats
+    engine = LLMEngine.from_pretrained(str(ensure_builtin("small")), kv_budget_tokens=4096, max_seq_len=2048)
+    want = engine.generate([PROMPT_IDS], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, **kw))[0]
+    plain = engine.generate([PROMPT_IDS], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    assert want != plain  # the penalties change this output
+    got = client.generate(PROMPT_IDS, max_tokens=24, temperature=0.0, ignore_eos=True, **kw)
+    assert got.token_ids == want
+    http = oa.completions.create(model="builtin", prompt=PROMPT_IDS, max_tokens=24, temperature=0,
+                                 presence_penalty=-2.0, frequency_penalty=-1.0,
+                                 extra_body={"ignore_eos": True, "repetition_penalty": 0.2})
+    assert http.choices[0].text == got.text

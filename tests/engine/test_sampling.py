@@ -28,6 +28,12 @@ def logits(rows: int, seed: int = 0) -> torch.Tensor:
         ({"seed": "7"}, "seed"),
         ({"stop": ("",)}, "stop"),
         ({"ignore_eos": 1}, "ignore_eos"),
+        ({"stop_token_ids": [-3]}, "stop_token_ids"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": float("inf")}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logit_bias": {3: 101}}, "logit_bias"),
     ],
 )
 def test_params_validation(kwargs, message):
@@ -132,3 +138,54 @@ def test_a_row_that_cannot_be_sampled_fails_alone():
     assert isinstance(got[1], Exception)
     assert [got[0], got[2], got[3]] == sample(x[[0, 2, 3]], good, [0, 0, 1])
     assert sample_each(x, [good[0]] * 4, [0] * 4) == sample(x, [good[0]] * 4, [0] * 4)
+
+
+def test_a_logit_bias_moves_greedy_too():
+    x = logits(2)
+    weakest = int(x[0].argmin())
+    out = sample(x, [SamplingParams(temperature=0, logit_bias={weakest: 100}), SamplingParams(temperature=0)],
+                 [0, 0])
+    assert out == [weakest, int(x[1].argmax())]  # the other row untouched
+
+
+def test_repetition_penalty_divides_a_seen_positive_logit_and_multiplies_a_negative_one():
+    x = torch.zeros(1, V)
+    x[0, 7], x[0, 8], x[0, 9] = 4.0, 3.0, -1.0
+    p = SamplingParams(temperature=0, repetition_penalty=2.0)
+    assert sample(x, [p], [0], [((7,), ())]) == [8]  # 4 / 2 = 2 < 3
+    assert sample(x, [p], [0], [((), (8, 7))]) == [7]  # both seen: 2 vs 1.5
+    assert sample(x, [SamplingParams(temperature=0)], [0], [((7,), ())]) == [7]  # off: unchanged
+    from pdq.engine.sampling import _process
+    got = _process(x, [p], [((9,), ())])
+    assert got[0, 9] == -2.0 and got[0, 7] == 4.0
+
+
+def test_presence_and_frequency_penalties_count_the_output_only():
+    x = torch.zeros(1, V)
+    x[0, 5], x[0, 6] = 3.0, 2.5
+    assert sample(x, [SamplingParams(temperature=0, presence_penalty=1.0)], [0], [((5, 5), ())]) == [5]
+    assert sample(x, [SamplingParams(temperature=0, presence_penalty=1.0)], [0], [((), (5,))]) == [6]
+    assert sample(x, [SamplingParams(temperature=0, frequency_penalty=0.3)], [0], [((), (5,))]) == [5]  # 2.7
+    assert sample(x, [SamplingParams(temperature=0, frequency_penalty=0.3)], [0], [((), (5, 5))]) == [6]  # 2.4
+
+
+def test_a_row_with_penalties_but_no_history_fails_alone():
+    out = sample_each(logits(2), [SamplingParams(temperature=0, presence_penalty=1.0), SamplingParams(temperature=0)],
+                      [0, 0])
+    assert isinstance(out[0], ValueError) and out[1] == int(logits(2)[1].argmax())
+
+
+def test_min_p_keeps_only_tokens_near_the_top():
+    x = torch.zeros(4, V)
+    x[:, 11], x[:, 12] = 10.0, 9.9  # two near the top; the rest far below
+    p = SamplingParams(temperature=1.0, min_p=0.5, seed=3)
+    drawn = {t for i in range(200) for t in sample(x[:1], [SamplingParams(temperature=1.0, min_p=0.5, seed=i)], [0])}
+    assert drawn == {11, 12}
+    assert sample(x[:1], [SamplingParams(temperature=1.0, min_p=1.0, seed=5)], [0]) == [11]
+    assert p.min_p == 0.5
+
+
+def test_a_stop_token_id_ends_the_output_even_with_ignore_eos():
+    p = SamplingParams(stop_token_ids=[7], ignore_eos=True)
+    assert p.finish(7, {1}) == "eos" and p.finish(1, {1}) == "" and p.finish(3, {1}) == ""
+    assert SamplingParams().finish(1, {1}) == "eos"

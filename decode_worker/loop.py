@@ -28,7 +28,7 @@ from decode_worker.strategy import Strategy
 from pdq import metrics, redisconn, telemetry
 from pdq.cancel_listener import CancelListener
 from pdq.convert import sampling_from_pb
-from pdq.engine.sampling import SamplingParams, sample_each
+from pdq.engine.sampling import SamplingParams, logprob_records, sample_each
 from pdq.faults import Faults
 from pdq.output_text import TextOutput
 from pdq.request import State
@@ -336,11 +336,12 @@ class DecodeLoop(ModelLoop):
         self.settle()
         tokens = sample_each(logits, [s.params for s in seqs], [len(s.generated) for s in seqs],
                              [(s.prompt, s.generated) for s in seqs])
+        records = logprob_records(logits, [t if isinstance(t, int) else 0 for t in tokens], [s.params for s in seqs])
         self.stats.steps += 1
         self.stats.seq_steps += len(seqs)
         now = time.monotonic()
         items, owners, live, itl = [], [], [], []  # owners: the sequence of each item (None: it ended)
-        for seq, token in zip(seqs, tokens):
+        for seq, token, record in zip(seqs, tokens, records):
             if self.running.get(seq.rid) is not seq:  # it left when the previous step settled
                 continue
             if isinstance(token, Exception):  # this request's own: it alone ends
@@ -357,7 +358,8 @@ class DecodeLoop(ModelLoop):
             if reason and reason != "stop":
                 delta += seq.text.flush()
             index = len(seq.generated) - 1
-            seq.held.append(StepItem(seq.rid, seq.epoch, index, token, delta, State.COMPLETED if reason else None, reason))
+            seq.held.append(StepItem(seq.rid, seq.epoch, index, token, delta, State.COMPLETED if reason else None, reason,
+                                     record))
             if reason or self.stats.steps % seq.interval == 0:  # every N steps, all at once
                 items += seq.held
                 owners += [None if reason else seq] * len(seq.held)

@@ -89,6 +89,7 @@ class OpenAIDoor:
                              web.post("/v1/completions", self.completions),
                              web.post("/v1/chat/completions", self.chat_completions)])
         self._runner: web.AppRunner | None = None
+        self._tokens: dict[int, str] = {}  # token id -> its text alone (logprobs)
 
     async def start(self, host: str, port: int, tls: tuple[str, str] | None = None) -> None:
         ctx = None
@@ -196,11 +197,39 @@ class OpenAIDoor:
         finally:
             telemetry.end(span)
 
+    def _token(self, token_id: int) -> str:
+        text = self._tokens.get(token_id)
+        if text is None:
+            text = self._tokens[token_id] = self.service.tokenizer.decode([token_id])
+        return text
+
+    def _logprobs(self, lps, chat_kind: bool, offset: int = 0) -> dict | None:
+        """OpenAI's logprobs object for these tokens' `TokenLogprob`s (None when none were asked)."""
+        if not lps:
+            return None
+        if chat_kind:
+            def one(token_id: int, logprob: float) -> dict:
+                text = self._token(token_id)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"content": [{**one(lp.token_id, lp.logprob), "top_logprobs": [one(t.token_id, t.logprob)
+                                                                                   for t in lp.top]}
+                                for lp in lps]}
+        tokens = [self._token(lp.token_id) for lp in lps]
+        offsets, at = [], offset
+        for text in tokens:
+            offsets.append(at)
+            at += len(text)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self._token(t.token_id): t.logprob for t in lp.top} for lp in lps],
+                "text_offset": offsets}
+
     def _whole(self, out: gen_pb.GenerateResponse, kind: str, cid: str) -> dict:
         reason = FINISH.get(out.finish_reason, "stop")
-        choice = ({"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
-                   "finish_reason": reason} if kind == "chat.completion"
-                  else {"index": 0, "text": out.text, "logprobs": None, "finish_reason": reason})
+        chat_kind = kind == "chat.completion"
+        logprobs = self._logprobs(out.logprobs, chat_kind)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
+                   "finish_reason": reason} if chat_kind
+                  else {"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": reason})
         return {"id": cid, "object": kind, "created": int(time.time()), "model": self.served, "choices": [choice],
                 "usage": usage_json(out.usage)}
 
@@ -217,11 +246,14 @@ class OpenAIDoor:
                 chunk["usage"] = usage
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
 
-        def choice(text: str, reason: str | None, first: bool = False) -> dict:
+        sent = 0  # characters of text sent (completions' text_offset)
+
+        def choice(text: str, reason: str | None, first: bool = False, lps=()) -> dict:
+            logprobs = self._logprobs(lps, chat_kind, sent)
             if chat_kind:
                 delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+                return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
         first = True
         try:  # aclosing: a write that fails (the client gone) closes the stream, which cancels the request
@@ -233,7 +265,8 @@ class OpenAIDoor:
                             await send([], usage_json(msg.usage))
                         break
                     if msg.HasField("index"):
-                        await send([choice(msg.text, None, first)])
+                        await send([choice(msg.text, None, first, msg.logprobs)])
+                        sent += len(msg.text)
                         first = False
         except StatusError as exc:  # after the headers: the error as the stream's last event
             err = from_status(exc)

@@ -17,10 +17,10 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 ROLES = ("system", "user", "assistant", "developer", "tool")
+MAX_LOGPROBS = 20  # top tokens per position (vLLM's default --max-logprobs is 20)
 # fields refused unless neutral: name -> its neutral values (what the feature does when off)
 NOT_YET = {
-    "n": (None, 1), "best_of": (None, 1), "logprobs": (None, False, 0), "top_logprobs": (None, 0),
-    "echo": (None, False), "suffix": (None, ""), "min_tokens": (None, 0),
+    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "min_tokens": (None, 0),
     "response_format": (None, {"type": "text"}), "tools": (None, []), "guided_json": (None,), "guided_regex": (None,),
 }
 
@@ -168,6 +168,9 @@ def completion(body: dict, served: str, tiers: tuple[str, ...]) -> Parsed:
     """A `/v1/completions` body. `prompt`: a string or token ids (or a list of one of either);
     `max_tokens` defaults to 16, as OpenAI's."""
     parsed = _common(body, served, tiers, 16)
+    logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    if logprobs is not None:
+        parsed.request.sampling.logprobs = logprobs
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -209,7 +212,13 @@ def chat(body: dict, served: str, tiers: tuple[str, ...]) -> tuple[Parsed, list[
     """A `/v1/chat/completions` body -> (its request without the prompt, its messages): the caller
     renders the messages with the chat template and sets the prompt (and, when the body has no
     max_tokens, the room left in the context)."""
-    return _common(body, served, tiers, None), messages_of(body)
+    parsed = _common(body, served, tiers, None)
+    top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if _bool(body, "logprobs"):
+        parsed.request.sampling.logprobs = top or 0
+    elif top is not None:
+        raise ApiError(400, "top_logprobs: only with logprobs: true", param="top_logprobs")
+    return parsed, messages_of(body)
 
 
 class ChatTemplate:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from gateway.follower import COUNT, OutputFollower
 from pdq.request import FINISH_REASONS, State
-from pdq.store import RequestStore, _str
+from pdq.store import RequestStore, _str, decode_logprobs
 from pdq.v1 import generation_pb2 as gen_pb
 
 # A request's usage and timing fields, in its record and (in this order) on its end entry.
@@ -17,7 +17,7 @@ class Event:
     """One entry of a request's output stream: tokens from `index` on (index set), or the end
     (state set). An entry holds one token, or several a worker wrote at once (stream_interval)."""
 
-    __slots__ = ("index", "token_ids", "texts", "state", "reason", "error", "usage")
+    __slots__ = ("index", "token_ids", "texts", "state", "reason", "error", "usage", "logprobs")
 
     def __init__(self, fields: dict):
         f = {_str(k): v for k, v in fields.items()}
@@ -32,11 +32,19 @@ class Event:
                 at += n
         else:
             self.texts = [raw.decode()] if self.token_ids else []
+        # each token's log-probabilities (`pdq.store.encode_logprobs`), when its request asked
+        self.logprobs = [token_logprob(t, r) for t, r in zip(self.token_ids, _str(f["p"]).split(","))] if "p" in f else []
         self.state = State(_str(f["done"])) if "done" in f else None
         self.reason = _str(f.get("r", ""))
         self.error = _str(f.get("e", ""))
         # an end's usage fields (USAGE_FIELDS, in order), so that its reader needs no other read
         self.usage = dict(zip(USAGE_FIELDS, _str(f["u"]).split(","))) if "u" in f else None
+
+
+def token_logprob(token_id: int, record: str) -> gen_pb.TokenLogprob:
+    chosen, top = decode_logprobs(record)
+    return gen_pb.TokenLogprob(token_id=token_id, logprob=chosen,
+                               top=[gen_pb.TopLogprob(token_id=t, logprob=v) for t, v in top])
 
 
 async def follow(store: RequestStore, follower: OutputFollower, rid: str,
@@ -99,12 +107,14 @@ async def _entries(store: RequestStore, key: str, upto: bytes) -> AsyncIterator[
 class Collected:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
     end: Event | None = None
 
     def add(self, event: Event) -> None:
         if event.index is not None:
             self.token_ids += event.token_ids
             self.text += event.texts
+            self.logprobs += event.logprobs
         if event.state is not None:
             self.end = event
 
@@ -127,7 +137,8 @@ async def usage_and_timings(store: RequestStore, rid: str, end: Event | None = N
 
 
 async def response(store: RequestStore, rid: str, got: Collected) -> gen_pb.GenerateResponse:
-    out = gen_pb.GenerateResponse(request_id=rid, text="".join(got.text), token_ids=got.token_ids)
+    out = gen_pb.GenerateResponse(request_id=rid, text="".join(got.text), token_ids=got.token_ids,
+                                  logprobs=got.logprobs)
     if got.end is not None:
         out.finish_reason = FINISH_REASONS.get(got.end.reason, 0)
         usage, timings = await usage_and_timings(store, rid, got.end)

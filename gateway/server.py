@@ -158,7 +158,8 @@ class GenerationService(gen_grpc.GenerationServicer):
                     yield gen_pb.GenerateStreamResponse(request_id=rid, index=event.index + skip,
                                                         token_id=event.token_ids[skip],
                                                         token_ids=event.token_ids[skip:],
-                                                        text="".join(event.texts[skip:]))
+                                                        text="".join(event.texts[skip:]),
+                                                        logprobs=event.logprobs[skip:])
                     sent = event.index + len(event.token_ids)
             raise_for_end(end)
             usage, timings = await usage_and_timings(self.store, rid, end)

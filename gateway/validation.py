@@ -21,6 +21,7 @@ MAX_STOP = 8
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300
+MAX_LOGPROBS = 20
 MAX_TIMEOUT_MS = 24 * 3600 * 1000
 
 
@@ -86,6 +87,8 @@ def resolve_sampling(s: gen_pb.SamplingParams, prompt_tokens: int, limits: Limit
             raise invalid("sampling.logit_bias", f"token {tok} is not below the vocabulary size {limits.vocab_size}")
         if not math.isfinite(bias) or not -100 <= bias <= 100:
             raise invalid("sampling.logit_bias", f"the bias of token {tok} must be in [-100, 100], got {bias}")
+    if out.HasField("logprobs") and out.logprobs > MAX_LOGPROBS:
+        raise invalid("sampling.logprobs", f"at most {MAX_LOGPROBS} top tokens, got {out.logprobs}")
     if not out.HasField("seed"):
         out.seed = random.getrandbits(63)
     return out

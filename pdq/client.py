@@ -41,12 +41,16 @@ class Result:
     prompt_tokens: int
     completion_tokens: int
     timings: dict = field(default_factory=dict)
+    logprobs: list = field(default_factory=list)  # TokenLogprob per token, when asked for
 
     def to_json(self) -> dict:
         return {"request_id": self.request_id, "text": self.text, "token_ids": self.token_ids,
                 "finish_reason": self.finish_reason,
                 "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens},
-                "timings": self.timings}
+                "timings": self.timings,
+                **({"logprobs": [{"token_id": lp.token_id, "logprob": lp.logprob,
+                                  "top": [{"token_id": t.token_id, "logprob": t.logprob} for t in lp.top]}
+                                 for lp in self.logprobs]} if self.logprobs else {})}
 
 
 def _timings(t: gen_pb.Timings) -> dict:
@@ -55,7 +59,7 @@ def _timings(t: gen_pb.Timings) -> dict:
 
 def _result(r: gen_pb.GenerateResponse) -> Result:
     return Result(r.request_id, r.text, list(r.token_ids), finish_name(r.finish_reason),
-                  r.usage.prompt_tokens, r.usage.completion_tokens, _timings(r.timings))
+                  r.usage.prompt_tokens, r.usage.completion_tokens, _timings(r.timings), list(r.logprobs))
 
 
 def connect(target: str, api_key: str | None, tls_ca: str | None, admin: bool = False,
@@ -107,7 +111,7 @@ class Client(_Connection):
                 ignore_eos: bool = False, request_id: str = "", tier: str = "", timeout_ms: int = 0,
                 stream_interval: int = 0, stop_token_ids: list[int] | None = None, min_p: float = 0.0,
                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 0.0,
-                logit_bias: dict[int, float] | None = None) -> gen_pb.GenerateRequest:
+                logit_bias: dict[int, float] | None = None, logprobs: int | None = None) -> gen_pb.GenerateRequest:
         sampling = gen_pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                          stop=stop or [], ignore_eos=ignore_eos, stop_token_ids=stop_token_ids or [],
                                          min_p=min_p, presence_penalty=presence_penalty,
@@ -115,6 +119,8 @@ class Client(_Connection):
                                          logit_bias=logit_bias or {})
         if seed is not None:
             sampling.seed = seed
+        if logprobs is not None:
+            sampling.logprobs = logprobs
         req = gen_pb.GenerateRequest(sampling=sampling, request_id=request_id, tier=tier, timeout_ms=timeout_ms,
                                      stream_interval=stream_interval)
         if isinstance(prompt, str):

@@ -11,4 +11,5 @@ def sampling_from_pb(p: gen_pb.SamplingParams) -> SamplingParams:
                           seed=p.seed if p.HasField("seed") else None,
                           stop=tuple(p.stop), ignore_eos=p.ignore_eos, stop_token_ids=frozenset(p.stop_token_ids),
                           min_p=p.min_p, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                          repetition_penalty=p.repetition_penalty or 1.0, logit_bias=dict(p.logit_bias))
+                          repetition_penalty=p.repetition_penalty or 1.0, logit_bias=dict(p.logit_bias),
+                          logprobs=p.logprobs if p.HasField("logprobs") else None)

@@ -484,9 +484,10 @@ if ARGV[4] == 'DECODING' then redis.call('ZREM', key('leases'), ARGV[2]) end
 return {1, redis.call('HGET', rk, 'deadline_ms') or '0'}
 """
 
-# ARGV: prefix, now, ttl, then per run 9 values (`pdq.store.StepArgs`):
+# ARGV: prefix, now, ttl, then per run 10 values (`pdq.store.StepArgs`):
 #       id, epoch, first index ('' = no token), n tokens, token ids ("a,b,c"), their texts joined,
-#       their texts' byte lengths ("1,0,3"), final state ('' = none), finish reason
+#       their texts' byte lengths ("1,0,3"), final state ('' = none), finish reason, the tokens'
+#       log-probability records joined by "," ('' = none asked; `pdq.store.encode_logprobs`)
 # A run is the consecutive tokens of one request, written as one stream entry, then maybe its end.
 # Tokens at indices already written (a replay) are skipped; a gap is an error. -> per run 1
 # (written) or 0 (stale epoch / already ended: drop the sequence)
@@ -500,7 +501,7 @@ local function split(s)
   return out
 end
 local res = {}
-for a = 4, #ARGV, 9 do
+for a = 4, #ARGV, 10 do
   local id = ARGV[a]
   local rk = key('req', id)
   local h = redis.call('HMGET', rk, 'state', 'epoch', 'n_out', 'finish_reason')
@@ -516,15 +517,20 @@ for a = 4, #ARGV, 9 do
       end
       local skip = n_out - first
       if skip < n then
-        local ids, text, lens = ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]
+        local ids, text, lens, lps = ARGV[a + 4], ARGV[a + 5], ARGV[a + 6], ARGV[a + 9]
         if skip > 0 then  -- a replay that goes past what was written: keep the new tokens only
           local all_ids, all_lens, at = split(ids), split(lens), 0
           for k = 1, skip do at = at + tonumber(all_lens[k]) end
           ids = table.concat(all_ids, ',', skip + 1)
           lens = table.concat(all_lens, ',', skip + 1)
           text = string.sub(text, at + 1)
+          if lps ~= '' then lps = table.concat(split(lps), ',', skip + 1) end
         end
-        redis.call('XADD', key('req', id, 'out'), '*', 'i', n_out, 't', ids, 'x', text, 'l', lens)
+        if lps ~= '' then
+          redis.call('XADD', key('req', id, 'out'), '*', 'i', n_out, 't', ids, 'x', text, 'l', lens, 'p', lps)
+        else
+          redis.call('XADD', key('req', id, 'out'), '*', 'i', n_out, 't', ids, 'x', text, 'l', lens)
+        end
         redis.call('HSET', rk, 'n_out', first + n)
         if n_out == 0 then redis.call('HSET', rk, 'first_token_ms', ARGV[2]) end
       end

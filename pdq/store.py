@@ -55,6 +55,7 @@ class StepItem:
     text: str = ""
     final_state: State | None = None
     finish_reason: str = ""
+    logprobs: str = ""  # the token's log-probabilities (`encode_logprobs`), when its request asked
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,7 @@ class TenantBacklog:
 class StepArgs:
     """A step's arguments for the STEP script (`pdq.keys`): items grouped into runs, each run the
     consecutive tokens of one request (index i, i+1, ...) and maybe its end, so Redis checks
-    each request once and gets 9 arguments for a run instead of 7 for every token. `runs`:
+    each request once and gets 10 arguments for a run instead of 8 for every token. `runs`:
     items per run, to give each item its run's answer."""
 
     args: list[Any]
@@ -192,6 +193,18 @@ class StepArgs:
         for n, ok in zip(self.runs, reply):
             out += [bool(ok)] * n
         return out
+
+
+def encode_logprobs(chosen: float, top: list[tuple[int, float]]) -> str:
+    """One token's log-probabilities as its stream entry holds them: "LP ID:LP ID:LP ..." (the
+    token's own, then the top tokens', most likely first). Records of a run join with ","."""
+    return " ".join([f"{chosen:.7g}", *(f"{t}:{v:.7g}" for t, v in top)])
+
+
+def decode_logprobs(record: str) -> tuple[float, list[tuple[int, float]]]:
+    """`encode_logprobs`'s inverse."""
+    head, *top = record.split(" ")
+    return float(head), [(int(t), float(v)) for t, v in (x.split(":") for x in top)]
 
 
 def _step_args(items: list[StepItem], result_ttl_s: int) -> StepArgs:
@@ -213,7 +226,8 @@ def _step_args(items: list[StepItem], result_ttl_s: int) -> StepArgs:
             args += [first.request_id, first.epoch, first.index, len(run),
                      ",".join(str(it.token_id) for it in run), "".join(it.text for it in run),
                      ",".join(str(len(it.text.encode())) for it in run)]
-        args += [last.final_state.value if last.final_state else "", last.finish_reason]
+        args += [last.final_state.value if last.final_state else "", last.finish_reason,
+                 ",".join(it.logprobs for it in run) if first.index is not None and first.logprobs else ""]
         runs.append(len(run))
         i = j
     return StepArgs(args, runs)

@@ -21,7 +21,7 @@ from pdq.cancel_listener import CancelListener
 from pdq.convert import sampling_from_pb
 from pdq.engine.blocks import KVPoolFull
 from pdq.engine.runner import PrefillItem as ChunkItem
-from pdq.engine.sampling import SamplingParams, sample_each
+from pdq.engine.sampling import SamplingParams, logprob_records, sample_each
 from pdq.output_text import TextOutput
 from pdq.ending import Ending
 from pdq.request import State
@@ -280,10 +280,11 @@ class PrefillLoop(ModelLoop):
     def _first_tokens(self, logits: torch.Tensor, complete: list[tuple[int, Job]]) -> None:
         rows = torch.tensor([r for r, _ in complete], device=logits.device)
         params = [j.params for _, j in complete]
-        tokens = sample_each(logits.index_select(0, rows), params, [0] * len(complete),
-                             [(j.prompt, ()) for _, j in complete])
+        picked = logits.index_select(0, rows)
+        tokens = sample_each(picked, params, [0] * len(complete), [(j.prompt, ()) for _, j in complete])
+        records = logprob_records(picked, [t if isinstance(t, int) else 0 for t in tokens], params)
         items, results = [], []
-        for (_, job), p, token in zip(complete, params, tokens):
+        for (_, job), p, token, record in zip(complete, params, tokens, records):
             if isinstance(token, Exception):  # this request's own: it alone ends
                 self._fail(job, f"sampling failed: {token}")
                 continue
@@ -293,7 +294,7 @@ class PrefillLoop(ModelLoop):
             if reason and reason != "stop":
                 delta += text.flush()
             items.append(StepItem(job.rid, job.item.epoch, 0, token, delta,
-                                  State.COMPLETED if reason else None, reason))
+                                  State.COMPLETED if reason else None, reason, record))
             results.append((job, token, reason))
         if not results:
             return

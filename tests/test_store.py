@@ -157,6 +157,26 @@ def test_consecutive_tokens_of_a_request_go_into_one_entry(store):
     assert tokens(store, "b") == [(0, 5, "q")]
 
 
+def test_log_probabilities_ride_their_tokens_and_a_replay_keeps_them_aligned(store):
+    from gateway.results import Event
+    from pdq.store import decode_logprobs, encode_logprobs
+
+    rec = [encode_logprobs(-0.25 * i, [(i, -0.25 * i), (99, -3.5)]) for i in range(4)]
+    assert decode_logprobs(rec[1]) == (-0.25, [(1, -0.25), (99, -3.5)])
+    assert decode_logprobs(encode_logprobs(-1.0, [])) == (-1.0, [])
+    store.submit(make_spec("lp", max_tokens=8))
+    claim(store, "lp")
+    assert store.step([StepItem("lp", 1, 0, 10, "a", logprobs=rec[0])]) == [True]
+    # a replay of token 0 with tokens 1..2: only the new tokens, with their own records
+    assert store.step([StepItem("lp", 1, i, 10 + i, "abc"[i], logprobs=rec[i]) for i in range(3)]) == [True] * 3
+    assert store.step([StepItem("lp", 1, 3, 13, "d")]) == [True]  # no logprobs: no field
+    events = [Event(f) for _, f in store.client.xrange(store.keys.output("lp"))]
+    assert [(e.index, e.token_ids) for e in events] == [(0, [10]), (1, [11, 12]), (3, [13])]
+    assert [[(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in e.logprobs]
+            for e in events] == [[(10, 0.0, [(0, 0.0), (99, -3.5)])],
+                                 [(11, -0.25, [(1, -0.25), (99, -3.5)]), (12, -0.5, [(2, -0.5), (99, -3.5)])], []]
+
+
 def test_a_step_answers_every_item_whatever_runs_it_was_sent_in(store):
     """Items go to Redis as runs (a request's consecutive tokens, then maybe its end); the
     answer is still one per item: a stale run drops all its items, a replayed run writes nothing."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 _MASK64 = (1 << 64) - 1
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class SamplingParams:
     presence_penalty, frequency_penalty: OpenAI's, over the output so far (0 = off).
     repetition_penalty: HF's, over the prompt and the output (1 = off).
     logit_bias: token id -> added to its logit (greedy rows too).
+    logprobs: None, or the number of most likely tokens (0..20) whose log-probabilities come with
+        each output token's own (`logprob_records`).
     """
 
     max_tokens: int = 16
@@ -50,6 +53,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -81,6 +85,8 @@ class SamplingParams:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not low <= v <= high:
                 raise ValueError(f"{name} must be in [{low}, {high}], got {v!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not all(_is_int(t) and t >= 0 and isinstance(b, (int, float)) and math.isfinite(b) and -100 <= b <= 100
                    for t, b in self.logit_bias):
             raise ValueError(f"logit_bias must map token ids >= 0 to numbers in [-100, 100], got {self.logit_bias!r}")
@@ -229,3 +235,25 @@ def _process(logits: torch.Tensor, params: Sequence[SamplingParams],
             ids = torch.tensor([t for t, _ in p.logit_bias if t < vocab], dtype=torch.long, device=dev)
             row[ids] += torch.tensor([b for t, b in p.logit_bias if t < vocab], dtype=row.dtype, device=dev)
     return x
+
+
+def logprob_records(logits: torch.Tensor, tokens: Sequence[int], params: Sequence[SamplingParams]) -> list[str]:
+    """Per row: "" when its params ask for no logprobs, else the record of its sampled token's
+    log-probability and the top `params.logprobs` tokens' (`pdq.store.encode_logprobs`), from
+    the model's distribution: log_softmax of the row's logits as the forward pass made them."""
+    from pdq.store import encode_logprobs
+
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    out = [""] * len(params)
+    if not rows:
+        return out
+    lp = logits[rows].float().log_softmax(dim=-1)
+    k = max(params[i].logprobs for i in rows)
+    top_v, top_i = lp.topk(k, dim=-1) if k else (None, None)
+    chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=lp.device)).squeeze(1).tolist()
+    top_v = top_v.tolist() if k else None
+    top_i = top_i.tolist() if k else None
+    for j, i in enumerate(rows):
+        n = params[i].logprobs
+        out[i] = encode_logprobs(chosen[j], list(zip(top_i[j][:n], top_v[j][:n])) if n else [])
+    return out

@@ -81,7 +81,7 @@ def test_an_idempotency_key_names_one_request(oa):
 @pytest.mark.parametrize("kw, status, param", [
     (dict(temperature=3), 400, "temperature"),
     (dict(n=2), 400, "n"),
-    (dict(logprobs=2), 400, "logprobs"),
+    (dict(logprobs=21), 400, "logprobs"),
     (dict(max_tokens=0), 400, "max_tokens"),
     (dict(prompt=["one", "two"]), 400, "prompt"),
     (dict(prompt=[1, 2, 99999]), 400, "prompt_token_ids[2]"),
@@ -155,3 +155,32 @@ def test_penalties_sample_as_the_engine_does(oa, client):
                                  presence_penalty=-2.0, frequency_penalty=-1.0,
                                  extra_body={"ignore_eos": True, "repetition_penalty": 0.2})
     assert http.choices[0].text == got.text
+
+
+def test_logprobs_come_with_every_token_through_both_doors(oa, client):
+    got = client.generate(PROMPT_IDS, max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+    assert [lp.token_id for lp in got.logprobs] == list(got.token_ids)
+    for lp in got.logprobs:  # greedy: the chosen token is the most likely one
+        assert len(lp.top) == 3 and lp.top[0].token_id == lp.token_id and lp.top[0].logprob == lp.logprob <= 0
+        assert lp.top[0].logprob >= lp.top[1].logprob >= lp.top[2].logprob
+    streamed = [lp for m in client.generate_stream(PROMPT_IDS, max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                   logprobs=3) for lp in m.logprobs]
+    assert [(lp.token_id, lp.logprob) for lp in streamed] == [(lp.token_id, lp.logprob) for lp in got.logprobs]
+    assert not client.generate(PROMPT_IDS, max_tokens=2, temperature=0.0).logprobs  # none unless asked
+
+    http = oa.completions.create(model="builtin", prompt=PROMPT_IDS, max_tokens=6, temperature=0, logprobs=2,
+                                 extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert http.token_logprobs == pytest.approx([lp.logprob for lp in got.logprobs], abs=1e-5)
+    assert "".join(http.tokens) == got.text and len(http.top_logprobs) == 6 and len(http.top_logprobs[0]) <= 2
+    assert http.text_offset[0] == 0 and http.text_offset == sorted(http.text_offset)
+    chat = oa.chat.completions.create(model="builtin", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                      temperature=0, logprobs=True, top_logprobs=2,
+                                      extra_body={"ignore_eos": True}).choices[0].logprobs.content
+    assert len(chat) == 4 and all(len(c.top_logprobs) == 2 and c.logprob == c.top_logprobs[0].logprob for c in chat)
+    chunks = list(oa.chat.completions.create(model="builtin", messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=4, temperature=0, logprobs=True, stream=True,
+                                             extra_body={"ignore_eos": True}))
+    assert [c.logprob for ch in chunks if ch.choices and ch.choices[0].logprobs
+            for c in ch.choices[0].logprobs.content] == pytest.approx([c.logprob for c in chat], abs=1e-5)
+    with pytest.raises(openai.BadRequestError):
+        oa.chat.completions.create(model="builtin", messages=[{"role": "user", "content": "hi"}], top_logprobs=2)

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from gateway.openai_request import ApiError, ChatTemplate, Parsed, chat, completion
 from pdq import metrics, telemetry
+from pdq.serving import StartupError
 from pdq.status import StatusError
 from pdq.v1 import generation_pb2 as gen_pb
 
@@ -99,7 +100,12 @@ class OpenAIDoor:
         # handler_cancellation: a client that disconnects cancels its handler, which cancels the request
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, host, port, ssl_context=ctx).start()
+        try:
+            await web.TCPSite(self._runner, host, port, ssl_context=ctx).start()
+        except OSError as exc:
+            await self._runner.cleanup()
+            raise StartupError(f"the HTTP API cannot listen on {host}:{port} ({exc.strerror}): give another "
+                               "--http-port (pdq up --http-port P), or 0 to serve gRPC only") from None
         log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", "https" if tls else "http", host, port)
 
     async def stop(self) -> None:

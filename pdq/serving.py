@@ -94,6 +94,11 @@ class Server:
         await self.grpc.stop(grace_s)
 
 
+class StartupError(RuntimeError):
+    """A process cannot start for a reason its operator fixes (e.g. a port in use): logged as one
+    line saying what to do, no traceback."""
+
+
 async def run_until_signal(server: Server, grace_s: float, ready: Callable[[], Any] | None = None) -> int:
     """Starts the server and serves until SIGINT/SIGTERM, or until a loop it needs cannot go on
     (`pdq.liveness.fatal`), then stops gracefully. -> the exit status: 0, or 1 after a fatal."""
@@ -169,6 +174,9 @@ def run_service(role: str, config_cls: type, build_server: Callable[[Any], Serve
     except redis.exceptions.ConnectionError as exc:  # at start: say what to fix, not a traceback
         log.error("%s cannot reach Redis at %s: %s (set --redis-url or PDQ_REDIS_URL)",
                   role, redact(config.redis_url), exc)
+        raise SystemExit(1) from None
+    except StartupError as exc:
+        log.error("%s cannot start: %s", role, exc)
         raise SystemExit(1) from None
     except UnsupportedModelError as exc:  # a checkpoint this runtime cannot run: one line, what is unsupported
         log.error("%s cannot run the model %s: %s", role, getattr(config, "model", "?"), exc)

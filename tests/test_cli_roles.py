@@ -57,3 +57,18 @@ def test_an_unreachable_redis_is_one_clear_line_without_the_password():
     assert out.returncode == 1
     assert "scheduler cannot reach Redis at redis://:***@127.0.0.1" in out.stderr
     assert "hunter2" not in out.stderr and "Traceback" not in out.stderr
+
+
+def test_an_http_port_in_use_is_one_clear_line(redis_server):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        out = subprocess.run(PDQ + ["gateway", "--port", str(free_port()), "--redis-url", redis_server.url,
+                                    "--metrics-port", "-1", "--http-port", str(busy), "--model", "builtin:tiny"],
+                             capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert f"gateway cannot start: the HTTP API cannot listen on 127.0.0.1:{busy}" in out.stderr
+    assert "--http-port" in out.stderr and "Traceback" not in out.stderr

@@ -38,7 +38,9 @@ def _generate(args: argparse.Namespace) -> int:
 
     kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, request_id=args.request_id,
-              tier=args.tier, timeout_ms=args.timeout_ms, stream_interval=args.stream_interval)
+              tier=args.tier, timeout_ms=args.timeout_ms, stream_interval=args.stream_interval,
+              min_p=args.min_p, presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+              repetition_penalty=args.repetition_penalty, stop_token_ids=args.stop_token_id, logprobs=args.logprobs)
     with Client(args.target, api_key=args.api_key, tls_ca=args.tls_ca) as client:
         try:
             if args.stream and not args.json:
@@ -136,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
+    gen.add_argument("--min-p", type=float, default=0.0, help="keep tokens at least this share of the top one's probability")
+    gen.add_argument("--presence-penalty", type=float, default=0.0)
+    gen.add_argument("--frequency-penalty", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=0.0, help="HF's; 0 = off")
+    gen.add_argument("--stop-token-id", type=int, action="append", default=[], help="token id that ends the output (repeatable)")
+    gen.add_argument("--logprobs", type=int, default=None, metavar="N",
+                     help="each token's log-probability and the N most likely (with --json)")
     gen.add_argument("--request-id", default="", help="idempotency key")
     gen.add_argument("--tier", default="", help="interactive (default) or batch")
     gen.add_argument("--timeout-ms", type=int, default=0)

@@ -100,9 +100,11 @@ def test_up_generate_and_ctrl_c_leaves_nothing_behind(up):
     assert streamed.returncode == 0, streamed.stderr
     assert streamed.stdout.strip() and "[length: 8 tokens" in streamed.stderr  # text on stdout, the rest on stderr
     as_json = subprocess.run([*PDQ, "generate", "Hello", "--target", target, "--max-tokens", "8", "--ignore-eos",
-                              "--json"], capture_output=True, text=True, timeout=60)
+                              "--json", "--logprobs", "2"], capture_output=True, text=True, timeout=60)
     result = json.loads(as_json.stdout)
     assert len(result["token_ids"]) == 8 and result["finish_reason"] == "length"
+    assert [lp["token_id"] for lp in result["logprobs"]] == result["token_ids"]
+    assert all(len(lp["top"]) == 2 and lp["top"][0]["token_id"] == lp["token_id"] for lp in result["logprobs"])
     assert result["usage"] == {"prompt_tokens": result["usage"]["prompt_tokens"], "completion_tokens": 8}
     assert streamed.stdout.rstrip("\n") == result["text"]  # greedy: the same text either way
     base = log.read_text().split("OpenAI-compatible API: ", 1)[1].split()[0]

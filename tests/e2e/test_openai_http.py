@@ -184,3 +184,24 @@ def test_logprobs_come_with_every_token_through_both_doors(oa, client):
             for c in ch.choices[0].logprobs.content] == pytest.approx([c.logprob for c in chat], abs=1e-5)
     with pytest.raises(openai.BadRequestError):
         oa.chat.completions.create(model="builtin", messages=[{"role": "user", "content": "hi"}], top_logprobs=2)
+
+
+def test_a_full_tenant_queue_is_429_with_retry_after(cluster, other_tenant):
+    from pdq.client import OperatorClient
+    from tests.e2e.test_operator import paused
+
+    with OperatorClient(cluster.target, api_key=KEYS["ops"]) as op:
+        before = {t.tenant: t for t in op.list_tenants()}["globex"]
+        op.set_tenant_policy("globex", weight=before.weight, tier=before.tier, max_queued=1)
+        try:
+            with paused(op, tenant="globex"):
+                first = other_tenant.submit("one", max_tokens=2)
+                with openai.OpenAI(base_url=cluster.base_url, api_key=KEYS["globex"], max_retries=0) as oa:
+                    with pytest.raises(openai.RateLimitError) as info:
+                        oa.completions.create(model="builtin", prompt="two", max_tokens=2)
+                op.cancel(first)
+        finally:
+            op.set_tenant_policy("globex", before.weight, before.tier, before.max_queued, before.max_queued_tokens)
+    resp = info.value.response
+    assert resp.status_code == 429 and int(resp.headers["Retry-After"]) >= 1
+    assert info.value.body["type"] == "rate_limit_error" and "TENANT_QUEUE_FULL" in info.value.body["message"]

@@ -72,9 +72,10 @@ def from_status(exc: StatusError) -> ApiError:
     return err
 
 
-def usage_json(usage: gen_pb.Usage) -> dict:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+def usage_json(usage: gen_pb.Usage, completion_tokens: int | None = None) -> dict:
+    """OpenAI's usage: the prompt once, the completion tokens of every choice."""
+    done = usage.completion_tokens if completion_tokens is None else completion_tokens
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": done, "total_tokens": usage.prompt_tokens + done}
 
 
 class OpenAIDoor:
@@ -190,18 +191,44 @@ class OpenAIDoor:
                                attributes={"http.request.method": "POST", "url.path": request.path})
         try:
             with telemetry.use(span):
+                rids = await self._submit(parsed, call, principal)
                 if not parsed.stream:
-                    rid, _ = await self.service.submit(parsed.request, call, principal, interval=16)
-                    out = await self.service.collect(rid, call)
-                    return web.json_response(self._whole(out, kind, prefix + rid))
-                rid, _ = await self.service.submit(parsed.request, call, principal)
-                return await self._stream(request, call, rid, parsed, kind, prefix + rid)
+                    outs = await asyncio.gather(*(self.service.collect(rid, call) for rid in rids))
+                    return web.json_response(self._whole(outs, kind, prefix + rids[0]))
+                return await self._stream(request, call, rids, parsed, kind, prefix + rids[0])
         except StatusError as exc:
             telemetry.end(span, "refused", exc.message)
             span = None
             raise
         finally:
             telemetry.end(span)
+
+    async def _submit(self, parsed: Parsed, call: HttpCall, principal) -> list[str]:
+        """The request's `n` completions, each a request of its own (its prompt's prefill found in
+        the prefix cache after the first): choice i gets the seed plus i, and the client request
+        id "ID.i" (choice 0: ID itself)."""
+        interval = 1 if parsed.stream else 16  # nobody watches a whole response's tokens arrive
+        if parsed.n == 1:
+            return [(await self.service.submit(parsed.request, call, principal, interval=interval))[0]]
+        requests = []
+        for i in range(parsed.n):
+            one = gen_pb.GenerateRequest()
+            one.CopyFrom(parsed.request)
+            if i and one.request_id:
+                one.request_id = f"{one.request_id}.{i}"
+            if one.sampling.HasField("seed"):
+                one.sampling.seed = (one.sampling.seed + i) % 2**64
+            requests.append(one)
+        rids = [(await self.service.submit(requests[0], call, principal, interval=interval))[0]]
+        rest = await asyncio.gather(*(self.service.submit(r, call, principal, interval=interval)
+                                      for r in requests[1:]), return_exceptions=True)
+        failed = next((r for r in rest if isinstance(r, BaseException)), None)
+        rids += [r[0] for r in rest if not isinstance(r, BaseException)]
+        if failed is not None:  # all or nothing: the accepted ones are cancelled
+            await asyncio.gather(*(self.service.cancel(rid, "another choice of its request was refused")
+                                   for rid in rids), return_exceptions=True)
+            raise failed
+        return rids
 
     def _token(self, token_id: int) -> str:
         text = self._tokens.get(token_id)
@@ -229,18 +256,22 @@ class OpenAIDoor:
                 "top_logprobs": [{self._token(t.token_id): t.logprob for t in lp.top} for lp in lps],
                 "text_offset": offsets}
 
-    def _whole(self, out: gen_pb.GenerateResponse, kind: str, cid: str) -> dict:
-        reason = FINISH.get(out.finish_reason, "stop")
+    def _whole(self, outs: list[gen_pb.GenerateResponse], kind: str, cid: str) -> dict:
         chat_kind = kind == "chat.completion"
-        logprobs = self._logprobs(out.logprobs, chat_kind)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
-                   "finish_reason": reason} if chat_kind
-                  else {"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": reason})
-        return {"id": cid, "object": kind, "created": int(time.time()), "model": self.served, "choices": [choice],
-                "usage": usage_json(out.usage)}
+        choices = []
+        for i, out in enumerate(outs):
+            reason = FINISH.get(out.finish_reason, "stop")
+            logprobs = self._logprobs(out.logprobs, chat_kind)
+            choices.append({"index": i, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
+                            "finish_reason": reason} if chat_kind
+                           else {"index": i, "text": out.text, "logprobs": logprobs, "finish_reason": reason})
+        return {"id": cid, "object": kind, "created": int(time.time()), "model": self.served, "choices": choices,
+                "usage": usage_json(outs[0].usage, sum(o.usage.completion_tokens for o in outs))}
 
-    async def _stream(self, request: web.Request, call: HttpCall, rid: str, parsed: Parsed, kind: str,
+    async def _stream(self, request: web.Request, call: HttpCall, rids: list[str], parsed: Parsed, kind: str,
                       cid: str) -> web.StreamResponse:
+        """Server-sent events of the request's choices as their tokens come (each chunk one
+        choice's), then each one's finish, the usage if asked, and [DONE]."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         created, chat_kind = int(time.time()), kind == "chat.completion"
@@ -252,33 +283,55 @@ class OpenAIDoor:
                 chunk["usage"] = usage
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
 
-        sent = 0  # characters of text sent (completions' text_offset)
+        sent = [0] * len(rids)  # characters of text sent per choice (completions' text_offset)
+        first = [True] * len(rids)
 
-        def choice(text: str, reason: str | None, first: bool = False, lps=()) -> dict:
-            logprobs = self._logprobs(lps, chat_kind, sent)
+        def choice(i: int, text: str, reason: str | None, lps=()) -> dict:
+            logprobs = self._logprobs(lps, chat_kind, sent[i])
             if chat_kind:
-                delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-                return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
+                delta = {"role": "assistant", "content": text} if first[i] else ({"content": text} if text else {})
+                return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+            return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
-        first = True
-        try:  # aclosing: a write that fails (the client gone) closes the stream, which cancels the request
-            async with contextlib.aclosing(self.service.stream(rid, call)) as messages:
-                async for msg in messages:
-                    if msg.HasField("usage") or msg.finish_reason:
-                        await send([choice("", FINISH.get(msg.finish_reason, "stop"), first)])
-                        if parsed.include_usage:
-                            await send([], usage_json(msg.usage))
-                        break
-                    if msg.HasField("index"):
-                        await send([choice(msg.text, None, first, msg.logprobs)])
-                        sent += len(msg.text)
-                        first = False
-        except StatusError as exc:  # after the headers: the error as the stream's last event
-            err = from_status(exc)
-            await resp.write(b"data: " + json.dumps({"error": {"message": err.message, "type": err.kind,
-                                                               "param": err.param, "code": err.code}}).encode()
-                             + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def follow(i: int, rid: str) -> None:
+            try:  # aclosing: this task cancelled (the client gone) closes the stream, which cancels the request
+                async with contextlib.aclosing(self.service.stream(rid, call)) as messages:
+                    async for msg in messages:
+                        await queue.put((i, msg))
+            except StatusError as exc:
+                await queue.put((i, exc))
+            await queue.put((i, None))
+
+        tasks = [asyncio.create_task(follow(i, rid)) for i, rid in enumerate(rids)]
+        usage, completion_tokens, left, failed = None, 0, len(rids), None
+        try:
+            while left:
+                i, msg = await queue.get()
+                if msg is None:
+                    left -= 1
+                elif isinstance(msg, StatusError):
+                    failed = failed or msg
+                elif msg.HasField("usage") or msg.finish_reason:
+                    await send([choice(i, "", FINISH.get(msg.finish_reason, "stop"))])
+                    usage = msg.usage
+                    completion_tokens += msg.usage.completion_tokens
+                elif msg.HasField("index"):
+                    await send([choice(i, msg.text, None, msg.logprobs)])
+                    sent[i] += len(msg.text)
+                    first[i] = False
+            if failed is not None:  # after the headers: the error as the stream's last event
+                err = from_status(failed)
+                await resp.write(b"data: " + json.dumps({"error": {"message": err.message, "type": err.kind,
+                                                                   "param": err.param, "code": err.code}}).encode()
+                                 + b"\n\n")
+            elif parsed.include_usage and usage is not None:
+                await send([], usage_json(usage, completion_tokens))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         return resp

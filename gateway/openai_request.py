@@ -18,9 +18,10 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_LOGPROBS = 20  # top tokens per position (vLLM's default --max-logprobs is 20)
+MAX_N = 16  # choices per request
 # fields refused unless neutral: name -> its neutral values (what the feature does when off)
 NOT_YET = {
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "min_tokens": (None, 0),
+    "echo": (None, False), "suffix": (None, ""), "min_tokens": (None, 0),
     "response_format": (None, {"type": "text"}), "tools": (None, []), "guided_json": (None,), "guided_regex": (None,),
 }
 
@@ -41,6 +42,7 @@ class Parsed:
     request: gen_pb.GenerateRequest
     stream: bool
     include_usage: bool
+    n: int = 1  # completions of the prompt (choices)
 
 
 def _bad(field: str, want: str, got: Any) -> ApiError:
@@ -160,8 +162,12 @@ def _common(body: dict, served: str, tiers: tuple[str, ...], default_max_tokens:
     include_usage = bool(options and _bool(options, "include_usage"))
     if options and not stream:
         raise ApiError(400, "stream_options: only with stream: true", param="stream_options")
+    n = _int(body, "n", 1, 1, MAX_N)
+    best_of = _int(body, "best_of", None, 1, MAX_N)
+    if best_of is not None and best_of != n:
+        raise ApiError(400, f"best_of: only equal to n ({n}) here: every completion is returned", param="best_of")
     return Parsed(gen_pb.GenerateRequest(sampling=sampling, request_id=request_id, tier=_tier(body, tiers)),
-                  stream, include_usage)
+                  stream, include_usage, n)
 
 
 def completion(body: dict, served: str, tiers: tuple[str, ...]) -> Parsed:

@@ -39,7 +39,7 @@ def test_completion_fields_map_to_the_request():
     ({"model": "m", "prompt": "x", "stream": "yes"}, 400, "stream"),
     ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"model": "m", "prompt": "x", "tier": "gold"}, 400, "tier"),
-    ({"model": "m", "prompt": "x", "n": 3}, 400, "n"),
+    ({"model": "m", "prompt": "x", "n": 0}, 400, "n"),
     ({"model": "m", "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"model": "m", "prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias"),
     ({"model": "m", "prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),

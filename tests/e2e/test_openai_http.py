@@ -80,7 +80,8 @@ def test_an_idempotency_key_names_one_request(oa):
 
 @pytest.mark.parametrize("kw, status, param", [
     (dict(temperature=3), 400, "temperature"),
-    (dict(n=2), 400, "n"),
+    (dict(n=17), 400, "n"),
+    (dict(n=2, best_of=3), 400, "best_of"),
     (dict(logprobs=21), 400, "logprobs"),
     (dict(max_tokens=0), 400, "max_tokens"),
     (dict(prompt=["one", "two"]), 400, "prompt"),
@@ -205,3 +206,25 @@ def test_a_full_tenant_queue_is_429_with_retry_after(cluster, other_tenant):
     resp = info.value.response
     assert resp.status_code == 429 and int(resp.headers["Retry-After"]) >= 1
     assert info.value.body["type"] == "rate_limit_error" and "TENANT_QUEUE_FULL" in info.value.body["message"]
+
+
+def test_n_choices_each_a_completion_of_the_prompt(oa):
+    kw = dict(model="builtin", prompt=PROMPT_IDS, max_tokens=8, extra_body={"ignore_eos": True})
+    greedy = oa.completions.create(n=3, temperature=0, **kw)
+    assert [c.index for c in greedy.choices] == [0, 1, 2] and len({c.text for c in greedy.choices}) == 1
+    assert greedy.usage.completion_tokens == 24 and greedy.usage.prompt_tokens == len(PROMPT_IDS)
+    sampled = oa.completions.create(n=3, temperature=1.0, seed=11, **kw)
+    again = oa.completions.create(n=3, temperature=1.0, seed=11, **kw)
+    assert [c.text for c in sampled.choices] == [c.text for c in again.choices]  # seeded: reproducible
+    assert len({c.text for c in sampled.choices}) > 1  # choice i samples with seed + i
+    chunks = list(oa.completions.create(n=2, temperature=1.0, seed=11, stream=True,
+                                        stream_options={"include_usage": True}, **kw))
+    texts = {0: "", 1: ""}
+    for ch in chunks:
+        for c in ch.choices:
+            texts[c.index] += c.text
+    assert [texts[0], texts[1]] == [c.text for c in sampled.choices[:2]]
+    assert chunks[-1].usage.completion_tokens == 16
+    chat = oa.chat.completions.create(model="builtin", messages=[{"role": "user", "content": "hi"}], n=2,
+                                      max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message.content == chat.choices[1].message.content

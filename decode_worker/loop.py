@@ -28,6 +28,7 @@ from decode_worker.strategy import Strategy
 from pdq import metrics, redisconn, telemetry
 from pdq.cancel_listener import CancelListener
 from pdq.convert import sampling_from_pb
+from pdq.engine.constraint import Grammars, advance
 from pdq.engine.sampling import SamplingParams, logprob_records, sample_each
 from pdq.faults import Faults
 from pdq.output_text import TextOutput
@@ -56,6 +57,7 @@ class Sequence:
     interval: int = 1  # decode steps per write to Redis (RequestSpec.stream_interval)
     held: list[StepItem] = field(default_factory=list)  # tokens sampled, not written yet
     prompt: list[int] = field(default_factory=list)  # its prompt's tokens (what repetition_penalty looks at)
+    matcher: Any = None  # its structured output's matcher (pdq.engine.constraint), None when unconstrained
 
     @property
     def position(self) -> int:
@@ -96,6 +98,7 @@ class DecodeLoop(ModelLoop):
         self.cancels = cancels
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
+        self._grammars: Grammars | None = None
         self.address = worker_address
         self.on_leave = on_leave  # called from this thread with the sequences that left (frees their holds)
         self.strategy = strategy
@@ -117,6 +120,13 @@ class DecodeLoop(ModelLoop):
         self._left: list[str] | None = None  # during `after`: who left, told in one on_leave call at its end
         # fault injection (PDQ_FAULTS decode_step_delay_ms): every forward pass takes this much longer
         self.step_delay_s = Faults.from_env().get("decode_step_delay_ms") / 1000
+
+    @property
+    def grammars(self) -> Grammars:
+        """Structured output's masks (built on first use)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.runner.vocab_size, self.eos_ids)
+        return self._grammars
 
     def add(self, item: Arrived | Discard) -> None:
         """A received hand-off to decode, or the slot of a failed one to free (see kv_receive)."""
@@ -182,6 +192,8 @@ class DecodeLoop(ModelLoop):
             generated = list(h.generated_token_ids)
             seq = Sequence(rid, h.epoch, len(prompt), params,
                            TextOutput(self.tokenizer, params.stop, prompt, generated), generated, h.spec.deadline_ms)
+            if params.json_schema or params.regex:
+                seq.matcher = self.grammars.matcher(params, generated)
             self.runner.rename(kv.key, rid)  # the K/V was received into the slot (kv_receive)
         except Exception as exc:
             log.error("cannot take KV of %s: %s", rid, exc)
@@ -334,7 +346,8 @@ class DecodeLoop(ModelLoop):
         ~0.3 ms before the send). Those that leave are told to `on_leave` in one call, after
         the send, so the event loop wakes once a step, not once a sequence."""
         self.settle()
-        tokens = sample_each(logits, [s.params for s in seqs], [len(s.generated) for s in seqs],
+        masked = self.grammars.mask(logits, [s.matcher for s in seqs]) if any(s.matcher for s in seqs) else logits
+        tokens = sample_each(masked, [s.params for s in seqs], [len(s.generated) for s in seqs],
                              [(s.prompt, s.generated) for s in seqs])
         records = logprob_records(logits, [t if isinstance(t, int) else 0 for t in tokens], [s.params for s in seqs])
         self.stats.steps += 1
@@ -352,7 +365,8 @@ class DecodeLoop(ModelLoop):
                 self.stats.wasted_seq_steps += 1
                 continue
             delta, stopped = seq.text.add(token)
-            reason = ("stop" if stopped else seq.params.finish(token, self.eos_ids)
+            complete = advance(seq.matcher, token)
+            reason = ("stop" if stopped else seq.params.finish(token, self.eos_ids) or ("stop" if complete else "")
                       or ("length" if len(seq.generated) >= seq.params.max_tokens
                           or seq.position + 1 >= self.runner.max_seq_len else ""))
             if reason and reason != "stop":

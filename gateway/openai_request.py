@@ -6,9 +6,11 @@ Pure: no IO. A field pdq does not have yet is refused when set to anything but i
 (e.g. `n` other than 1), never silently ignored; fields that change nothing here (`user`) are.
 """
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
+from pdq.grammar import check
 from pdq.v1 import generation_pb2 as gen_pb
 
 # The chat template of a checkpoint without one (the built-in model's): role-tagged turns.
@@ -21,8 +23,7 @@ MAX_LOGPROBS = 20  # top tokens per position (vLLM's default --max-logprobs is 2
 MAX_N = 16  # choices per request
 # fields refused unless neutral: name -> its neutral values (what the feature does when off)
 NOT_YET = {
-    "echo": (None, False), "suffix": (None, ""), "min_tokens": (None, 0),
-    "response_format": (None, {"type": "text"}), "tools": (None, []), "guided_json": (None,), "guided_regex": (None,),
+    "echo": (None, False), "suffix": (None, ""), "min_tokens": (None, 0), "tools": (None, []),
 }
 
 
@@ -112,6 +113,37 @@ def _logit_bias(body: dict) -> dict[int, float]:
     return out
 
 
+def _structured(body: dict) -> tuple[str, str]:
+    """Structured output -> (JSON Schema as JSON text, regex): OpenAI's `response_format`
+    (json_object, json_schema) or vLLM's `guided_json` / `guided_regex`. Compiled by the gateway's
+    checks (a schema that does not compile is a 400 naming the field)."""
+    fmt, schema, regex = body.get("response_format"), body.get("guided_json"), body.get("guided_regex")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            schema = {"type": "object"}
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise _bad("response_format", "{type: json_schema, json_schema: {name, schema: {...}}}", fmt)
+        elif kind != "text":
+            raise _bad("response_format", "{type: text | json_object | json_schema}", fmt)
+    if schema is not None and not isinstance(schema, (dict, str)):
+        raise _bad("guided_json", "a JSON Schema (object or JSON text)", schema)
+    if regex is not None and (not isinstance(regex, str) or not regex):
+        raise _bad("guided_regex", "a non-empty regular expression", regex)
+    if schema is not None and regex:
+        raise ApiError(400, "guided_regex: give a JSON schema (response_format, guided_json) or a regex, not both",
+                       param="guided_regex")
+    text = schema if isinstance(schema, str) else json.dumps(schema) if schema is not None else ""
+    error = check(text, regex or "") if text or regex else ""
+    if error:
+        field = "response_format" if fmt is not None else "guided_json" if text else "guided_regex"
+        raise ApiError(400, f"{field}: {error}", param=field)
+    return text, regex or ""
+
+
 def _tier(body: dict, tiers: tuple[str, ...]) -> str:
     """pdq's `tier` by name, or vLLM's `priority` (0 = the first tier; lower runs sooner)."""
     tier = body.get("tier")
@@ -162,6 +194,7 @@ def _common(body: dict, served: str, tiers: tuple[str, ...], default_max_tokens:
     include_usage = bool(options and _bool(options, "include_usage"))
     if options and not stream:
         raise ApiError(400, "stream_options: only with stream: true", param="stream_options")
+    sampling.json_schema, sampling.regex = _structured(body)
     n = _int(body, "n", 1, 1, MAX_N)
     best_of = _int(body, "best_of", None, 1, MAX_N)
     if best_of is not None and best_of != n:

@@ -87,6 +87,12 @@ def resolve_sampling(s: gen_pb.SamplingParams, prompt_tokens: int, limits: Limit
             raise invalid("sampling.logit_bias", f"token {tok} is not below the vocabulary size {limits.vocab_size}")
         if not math.isfinite(bias) or not -100 <= bias <= 100:
             raise invalid("sampling.logit_bias", f"the bias of token {tok} must be in [-100, 100], got {bias}")
+    if out.json_schema or out.regex:
+        from pdq.grammar import check
+
+        error = check(out.json_schema, out.regex)
+        if error:
+            raise invalid("sampling.json_schema" if out.json_schema else "sampling.regex", error)
     if out.HasField("logprobs") and out.logprobs > MAX_LOGPROBS:
         raise invalid("sampling.logprobs", f"at most {MAX_LOGPROBS} top tokens, got {out.logprobs}")
     if not out.HasField("seed"):

@@ -20,6 +20,7 @@ from pdq import metrics, redisconn, telemetry
 from pdq.cancel_listener import CancelListener
 from pdq.convert import sampling_from_pb
 from pdq.engine.blocks import KVPoolFull
+from pdq.engine.constraint import Grammars, advance
 from pdq.engine.runner import PrefillItem as ChunkItem
 from pdq.engine.sampling import SamplingParams, logprob_records, sample_each
 from pdq.output_text import TextOutput
@@ -106,6 +107,7 @@ class PrefillLoop(ModelLoop):
         self.cancels = cancels
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
+        self._grammars: Grammars | None = None
         self.max_batched_tokens = max_batched_tokens
         self.prefill_chunk = prefill_chunk
         self.inbox: queue.Queue[Job | None] = queue.Queue()
@@ -188,6 +190,13 @@ class PrefillLoop(ModelLoop):
                 telemetry.end(job.span, outcome.kind, attributes={"pdq.kv.tokens": len(job.prompt)})
             job.span = None
         job.done(outcome)
+
+    @property
+    def grammars(self) -> Grammars:
+        """Structured output's masks (built on first use)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.runner.vocab_size, self.eos_ids)
+        return self._grammars
 
     def _admit(self, jobs: list[Job], budget: int) -> list[Job]:
         """Those of `jobs` holding KV blocks here, taking them for each that fits while the
@@ -281,16 +290,28 @@ class PrefillLoop(ModelLoop):
         rows = torch.tensor([r for r, _ in complete], device=logits.device)
         params = [j.params for _, j in complete]
         picked = logits.index_select(0, rows)
-        tokens = sample_each(picked, params, [0] * len(complete), [(j.prompt, ()) for _, j in complete])
+        matchers: list = [None] * len(complete)
+        if any(p.json_schema or p.regex for p in params):
+            for i, p in enumerate(params):
+                try:
+                    matchers[i] = self.grammars.matcher(p)
+                except ValueError as exc:
+                    matchers[i] = exc
+        masked = self.grammars.mask(picked, [None if isinstance(m, Exception) else m for m in matchers]) \
+            if any(m is not None for m in matchers) else picked
+        tokens = sample_each(masked, params, [0] * len(complete), [(j.prompt, ()) for _, j in complete])
+        tokens = [m if isinstance(m, Exception) else t for m, t in zip(matchers, tokens)]
         records = logprob_records(picked, [t if isinstance(t, int) else 0 for t in tokens], params)
         items, results = [], []
-        for (_, job), p, token, record in zip(complete, params, tokens, records):
+        for (_, job), p, token, record, matcher in zip(complete, params, tokens, records, matchers):
             if isinstance(token, Exception):  # this request's own: it alone ends
                 self._fail(job, f"sampling failed: {token}")
                 continue
             text = TextOutput(self.tokenizer, p.stop, job.prompt)
             delta, stopped = text.add(token)
-            reason = "stop" if stopped else p.finish(token, self.eos_ids) or ("length" if p.max_tokens <= 1 else "")
+            complete_ = advance(matcher, token)
+            reason = ("stop" if stopped else p.finish(token, self.eos_ids) or ("stop" if complete_ else "")
+                      or ("length" if p.max_tokens <= 1 else ""))
             if reason and reason != "stop":
                 delta += text.flush()
             items.append(StepItem(job.rid, job.item.epoch, 0, token, delta,

@@ -38,6 +38,7 @@ class SamplingParams:
     logit_bias: token id -> added to its logit (greedy rows too).
     logprobs: None, or the number of most likely tokens (0..20) whose log-probabilities come with
         each output token's own (`logprob_records`).
+    json_schema, regex: structured output (`pdq.engine.constraint`; the workers apply it).
     """
 
     max_tokens: int = 16
@@ -54,6 +55,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
+    json_schema: str = ""
+    regex: str = ""
 
     def __post_init__(self):
         if isinstance(self.stop, str):

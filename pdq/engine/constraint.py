@@ -1,0 +1,65 @@
+"""Structured output in the workers: a request's output kept inside its grammar (`pdq.grammar`)
+by masking, at every step, the tokens that would leave it (llguidance's matcher).
+
+The prefill worker samples the first token under the constraint, the decode worker the rest: it
+replays the tokens generated so far into a fresh matcher (`Grammars.matcher`), so a migrated or
+resumed sequence goes on where it was.
+"""
+
+import torch
+
+from pdq.grammar import grammar
+
+
+class Grammars:
+    """A worker's side: its tokenizer as llguidance sees it, and the masks of a step's rows."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids):
+        import llguidance.hf
+        from transformers import PreTrainedTokenizerFast
+
+        eos = sorted(eos_ids)
+        self.tokenizer = llguidance.hf.from_tokenizer(PreTrainedTokenizerFast(tokenizer_object=tokenizer),
+                                                      n_vocab=vocab_size, eos_token=eos[0] if eos else None)
+        self.vocab_size = vocab_size
+
+    def matcher(self, params, generated=()):
+        """A matcher for `params`' constraint with `generated` consumed, or None (no constraint).
+        Raises ValueError when the grammar does not compile or the tokens leave it."""
+        import llguidance
+
+        if not (params.json_schema or params.regex):
+            return None
+        m = llguidance.LLMatcher(self.tokenizer, grammar(params.json_schema, params.regex))
+        if m.is_error():
+            raise ValueError(f"the output constraint does not compile: {m.get_error()}")
+        if generated and not m.consume_tokens(list(generated)):
+            raise ValueError(f"the tokens so far leave the output constraint: {m.get_error()}")
+        return m
+
+    def mask(self, logits: torch.Tensor, matchers) -> torch.Tensor:
+        """`logits` with each constrained row's disallowed tokens at -inf (a copy if any)."""
+        import llguidance.torch
+
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return logits
+        out = logits.float().clone()
+        bits = llguidance.torch.allocate_token_bitmask(len(rows), self.vocab_size)
+        for j, i in enumerate(rows):
+            llguidance.torch.fill_next_token_bitmask(matchers[i], bits, j)
+        sub = out[rows][:, : self.vocab_size].contiguous()
+        llguidance.torch.apply_token_bitmask_inplace(sub, bits.to(sub.device))  # (filled on the CPU)
+        out[rows, : self.vocab_size] = sub.to(out.dtype)
+        if out.shape[1] > self.vocab_size:  # columns past the tokenizer's vocabulary: never
+            out[rows, self.vocab_size:] = float("-inf")
+        return out
+
+
+def advance(matcher, token: int) -> bool:
+    """Feeds the sampled token to the matcher. -> True when the constraint is now complete (the
+    output ends here), False while it goes on."""
+    if matcher is None:
+        return False
+    matcher.consume_token(token)
+    return matcher.is_stopped()

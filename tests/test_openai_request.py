@@ -43,7 +43,9 @@ def test_completion_fields_map_to_the_request():
     ({"model": "m", "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"model": "m", "prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias"),
     ({"model": "m", "prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
-    ({"model": "m", "prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"model": "m", "prompt": "x", "response_format": {"type": "xml"}}, 400, "response_format"),
+    ({"model": "m", "prompt": "x", "guided_json": {"type": "nonsense"}}, 400, "guided_json"),
+    ({"model": "m", "prompt": "x", "guided_json": {}, "guided_regex": "a"}, 400, "guided_regex"),
 ])
 def test_bad_completion_bodies_name_their_field(body, status, param):
     with pytest.raises(ApiError) as info:

@@ -199,8 +199,9 @@ def _common(body: dict, served: str, tiers: tuple[str, ...], default_max_tokens:
     best_of = _int(body, "best_of", None, 1, MAX_N)
     if best_of is not None and best_of != n:
         raise ApiError(400, f"best_of: only equal to n ({n}) here: every completion is returned", param="best_of")
-    return Parsed(gen_pb.GenerateRequest(sampling=sampling, request_id=request_id, tier=_tier(body, tiers)),
-                  stream, include_usage, n)
+    timeout_ms = _int(body, "timeout_ms", 0, 0, 86_400_000)  # pdq's: the request's deadline, from its arrival
+    return Parsed(gen_pb.GenerateRequest(sampling=sampling, request_id=request_id, tier=_tier(body, tiers),
+                                         timeout_ms=timeout_ms), stream, include_usage, n)
 
 
 def completion(body: dict, served: str, tiers: tuple[str, ...]) -> Parsed:

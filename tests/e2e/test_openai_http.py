@@ -264,3 +264,10 @@ def test_a_schema_that_does_not_compile_is_a_400_naming_the_field(oa):
     with pytest.raises(openai.BadRequestError) as info:
         oa.completions.create(model="builtin", prompt="x", max_tokens=4, extra_body={"guided_regex": "("})
     assert info.value.body["param"] == "guided_regex"
+
+
+def test_a_deadline_that_passes_is_504_and_ends_the_request(oa):
+    with pytest.raises(openai.APIStatusError) as info:
+        oa.completions.create(model="builtin", prompt="a long story", max_tokens=1500, temperature=0,
+                              extra_body={"ignore_eos": True, "timeout_ms": 300})
+    assert info.value.status_code == 504 and info.value.body["code"]

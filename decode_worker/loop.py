@@ -98,7 +98,7 @@ class DecodeLoop(ModelLoop):
         self.cancels = cancels
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
-        self._grammars: Grammars | None = None
+        self.grammars = Grammars(tokenizer, runner.vocab_size, self.eos_ids)  # structured output's masks
         self.address = worker_address
         self.on_leave = on_leave  # called from this thread with the sequences that left (frees their holds)
         self.strategy = strategy
@@ -120,13 +120,6 @@ class DecodeLoop(ModelLoop):
         self._left: list[str] | None = None  # during `after`: who left, told in one on_leave call at its end
         # fault injection (PDQ_FAULTS decode_step_delay_ms): every forward pass takes this much longer
         self.step_delay_s = Faults.from_env().get("decode_step_delay_ms") / 1000
-
-    @property
-    def grammars(self) -> Grammars:
-        """Structured output's masks (built on first use)."""
-        if self._grammars is None:
-            self._grammars = Grammars(self.tokenizer, self.runner.vocab_size, self.eos_ids)
-        return self._grammars
 
     def add(self, item: Arrived | Discard) -> None:
         """A received hand-off to decode, or the slot of a failed one to free (see kv_receive)."""
@@ -346,10 +339,10 @@ class DecodeLoop(ModelLoop):
         ~0.3 ms before the send). Those that leave are told to `on_leave` in one call, after
         the send, so the event loop wakes once a step, not once a sequence."""
         self.settle()
-        masked = self.grammars.mask(logits, [s.matcher for s in seqs]) if any(s.matcher for s in seqs) else logits
-        tokens = sample_each(masked, [s.params for s in seqs], [len(s.generated) for s in seqs],
-                             [(s.prompt, s.generated) for s in seqs])
-        records = logprob_records(logits, [t if isinstance(t, int) else 0 for t in tokens], [s.params for s in seqs])
+        params = [s.params for s in seqs]
+        tokens = sample_each(self.grammars.mask(logits, [s.matcher for s in seqs]), params,
+                             [len(s.generated) for s in seqs], [(s.prompt, s.generated) for s in seqs])
+        records = logprob_records(logits, tokens, params)
         self.stats.steps += 1
         self.stats.seq_steps += len(seqs)
         now = time.monotonic()

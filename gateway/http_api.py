@@ -138,7 +138,9 @@ class OpenAIDoor:
             log.exception("HTTP %s %s failed", request.method, request.path)
             return error_response(ApiError(500, f"internal error: {exc!r}", kind="server_error"))
         finally:
-            metrics.HTTP_SECONDS.labels(request.path if request.path.startswith("/v1/") else "other",
+            # by route (its canonical path), not the raw path: a label per unknown path would grow without end
+            route = request.match_info.route.resource
+            metrics.HTTP_SECONDS.labels(route.canonical if route is not None else "other",
                                         str(status)).observe(time.perf_counter() - started)
 
     # -- routes ----------------------------------------------------------------------------

@@ -107,7 +107,7 @@ class PrefillLoop(ModelLoop):
         self.cancels = cancels
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
-        self._grammars: Grammars | None = None
+        self.grammars = Grammars(tokenizer, runner.vocab_size, self.eos_ids)  # structured output's masks
         self.max_batched_tokens = max_batched_tokens
         self.prefill_chunk = prefill_chunk
         self.inbox: queue.Queue[Job | None] = queue.Queue()
@@ -130,7 +130,7 @@ class PrefillLoop(ModelLoop):
         # a first attempt (epoch 1) has streamed nothing: no Redis round trip in the model thread
         job.generated = self.store.streamed_tokens(job.rid) if job.item.epoch > 1 else []
         job.prompt = prompt + job.generated[:-1]
-        ended = job.generated and job.params.finish(job.generated[-1], self.eos_ids)
+        ended = job.params.finish(job.generated[-1], self.eos_ids) if job.generated else ""
         if job.generated and (len(job.generated) >= job.params.max_tokens or ended):
             reason = ended or "length"
             self.store.step([StepItem(job.rid, job.item.epoch, final_state=State.COMPLETED, finish_reason=reason)])
@@ -190,13 +190,6 @@ class PrefillLoop(ModelLoop):
                 telemetry.end(job.span, outcome.kind, attributes={"pdq.kv.tokens": len(job.prompt)})
             job.span = None
         job.done(outcome)
-
-    @property
-    def grammars(self) -> Grammars:
-        """Structured output's masks (built on first use)."""
-        if self._grammars is None:
-            self._grammars = Grammars(self.tokenizer, self.runner.vocab_size, self.eos_ids)
-        return self._grammars
 
     def _admit(self, jobs: list[Job], budget: int) -> list[Job]:
         """Those of `jobs` holding KV blocks here, taking them for each that fits while the
@@ -297,11 +290,10 @@ class PrefillLoop(ModelLoop):
                     matchers[i] = self.grammars.matcher(p)
                 except ValueError as exc:
                     matchers[i] = exc
-        masked = self.grammars.mask(picked, [None if isinstance(m, Exception) else m for m in matchers]) \
-            if any(m is not None for m in matchers) else picked
+        masked = self.grammars.mask(picked, [None if isinstance(m, Exception) else m for m in matchers])
         tokens = sample_each(masked, params, [0] * len(complete), [(j.prompt, ()) for _, j in complete])
         tokens = [m if isinstance(m, Exception) else t for m, t in zip(matchers, tokens)]
-        records = logprob_records(picked, [t if isinstance(t, int) else 0 for t in tokens], params)
+        records = logprob_records(picked, tokens, params)
         items, results = [], []
         for (_, job), p, token, record, matcher in zip(complete, params, tokens, records, matchers):
             if isinstance(token, Exception):  # this request's own: it alone ends

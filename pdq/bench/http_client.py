@@ -7,6 +7,7 @@ says how many tokens came in all, and tokens a chunk carried beyond one each arr
 Connections are opened before the clock starts (`connect`), as a serving client's pool would be.
 """
 
+import asyncio
 import json
 import time
 
@@ -29,8 +30,6 @@ def headers(api_key: str | None) -> dict:
 async def connect(http: aiohttp.ClientSession, base: str, api_key: str | None, n: int) -> None:
     """Opens up to `n` kept-alive connections (n concurrent `GET /models`), so that no request
     of the run pays for its TCP set-up; a failure here is left for the requests to report."""
-    import asyncio
-
     async def one() -> None:
         async with http.get(f"{base}/models", headers=headers(api_key)) as resp:
             await resp.read()

@@ -95,9 +95,7 @@ def for_repeat(workload: Workload, vocab: Sequence[int], k: int) -> Workload:
     if k == 0:
         return workload
     vocab = list(vocab)
-    where = {t: i for i, t in enumerate(vocab)}
-    shift = k * REPEAT_STRIDE
-    move = {t: vocab[(i + shift) % len(vocab)] for t, i in where.items()}
+    move = {t: vocab[(i + k * REPEAT_STRIDE) % len(vocab)] for i, t in enumerate(vocab)}
     return replace(workload, requests=tuple(replace(r, prompt_token_ids=tuple(move[t] for t in r.prompt_token_ids))
                                             for r in workload.requests))
 

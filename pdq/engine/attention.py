@@ -65,6 +65,20 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
+def kv_rows(pool_rows: torch.Tensor, heads: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Rows (block * block_size + offset) of a step's tokens -> their rows in a layer's pool viewed
+    as [num_blocks * kv_heads * block_size, head_dim], one per (token, kv head); `heads` is
+    arange(kv_heads)."""
+    return (((pool_rows // block_size)[:, None] * heads.shape[0] + heads) * block_size
+            + (pool_rows % block_size)[:, None]).view(-1)
+
+
+def decode_mask(keys: torch.Tensor, lens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The gather path's mask: row b sees keys [0, lens[b]) of `keys` (arange of the padded
+    width in positions). -> additive [B, 1, 1, len(keys)]."""
+    return additive_mask((keys[None, :] < lens[:, None]).view(lens.shape[0], 1, 1, -1), dtype)
+
+
 def gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """[len(blocks), kv_heads, bs, D] blocks of a layer's cache -> [kv_heads, len(blocks) * bs, D]."""
     got = cache.index_select(0, blocks)

@@ -15,13 +15,20 @@ class Grammars:
     """A worker's side: its tokenizer as llguidance sees it, and the masks of a step's rows."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids):
-        import llguidance.hf
-        from transformers import PreTrainedTokenizerFast
-
-        eos = sorted(eos_ids)
-        self.tokenizer = llguidance.hf.from_tokenizer(PreTrainedTokenizerFast(tokenizer_object=tokenizer),
-                                                      n_vocab=vocab_size, eos_token=eos[0] if eos else None)
+        self._source, self._eos = tokenizer, sorted(eos_ids)
+        self._tokenizer = None  # llguidance's view of it, built by the first constrained request
         self.vocab_size = vocab_size
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            import llguidance.hf
+            from transformers import PreTrainedTokenizerFast
+
+            self._tokenizer = llguidance.hf.from_tokenizer(PreTrainedTokenizerFast(tokenizer_object=self._source),
+                                                           n_vocab=self.vocab_size,
+                                                           eos_token=self._eos[0] if self._eos else None)
+        return self._tokenizer
 
     def matcher(self, params, generated=()):
         """A matcher for `params`' constraint with `generated` consumed, or None (no constraint).
@@ -39,11 +46,11 @@ class Grammars:
 
     def mask(self, logits: torch.Tensor, matchers) -> torch.Tensor:
         """`logits` with each constrained row's disallowed tokens at -inf (a copy if any)."""
-        import llguidance.torch
-
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return logits
+        import llguidance.torch
+
         out = logits.float().clone()
         bits = llguidance.torch.allocate_token_bitmask(len(rows), self.vocab_size)
         for j, i in enumerate(rows):

@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from pdq.engine.attention import AttnMetadata, additive_mask
+from pdq.engine.attention import AttnMetadata, decode_mask, kv_rows
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 MIN_WIDTH = 8  # blocks: the narrowest table bucket
@@ -63,12 +63,10 @@ class DecodeGraphs:
     def forward(self, ids, positions, rows, tables, lens) -> torch.Tensor:
         """The decode forward of a fixed shape: ids, positions, rows (pool row of each token's
         K/V: block * block_size + offset) long [B]; tables int32 [B, W]; lens int32 [B]."""
-        bs, b = self.block_size, ids.shape[0]
-        kv_rows = (((rows // bs)[:, None] * self._heads.shape[0] + self._heads) * bs + (rows % bs)[:, None]).view(-1)
-        visible = self._keys[: tables.shape[1] * bs][None, :] < lens[:, None]
-        meta = AttnMetadata(positions=positions, kv_rows=kv_rows, chunks=[], num_prefill_tokens=0, num_decode=b,
-                            decode_tables=tables, decode_lens=lens,
-                            decode_mask=additive_mask(visible.view(b, 1, 1, -1), self.kv.dtype))
+        bs = self.block_size
+        meta = AttnMetadata(positions=positions, kv_rows=kv_rows(rows, self._heads, bs), chunks=[], num_prefill_tokens=0,
+                            num_decode=ids.shape[0], decode_tables=tables, decode_lens=lens,
+                            decode_mask=decode_mask(self._keys[: tables.shape[1] * bs], lens, self.kv.dtype))
         return self.model(ids, meta, self.kv, slice(None))
 
     def _inputs(self, b: int, w: int) -> tuple[torch.Tensor, ...]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdq.engine import cpu_kernels
-from pdq.engine.attention import AttnMetadata, PrefillChunk, additive_mask
+from pdq.engine.attention import AttnMetadata, PrefillChunk, additive_mask, decode_mask, kv_rows
 from pdq.engine.cuda_graphs import DecodeGraphs
 from pdq.engine.kv_pool import DEFAULT_BLOCK_SIZE, KVPool, KVUsage
 from pdq.engine.llama import LlamaModel
@@ -305,12 +305,9 @@ class ModelRunner:
                 chunk.mask = additive_mask(torch.arange(start + n, device=dev)[None, :] <= q_pos[:, None], self.dtype)
                 chunk.blocks = torch.tensor(blocks, device=dev)
             chunks.append(chunk)
-        rows_t, positions_t = torch.tensor(r.pool_rows, device=dev), torch.tensor(r.positions, device=dev)
-        heads = torch.arange(self.num_kv_heads, device=dev)
-        # the pool's layer tensor [num_blocks, kv_heads, bs, D] viewed as rows of D
-        kv_rows = (((rows_t // bs)[:, None] * self.num_kv_heads + heads) * bs + (rows_t % bs)[:, None]).view(-1)
-        meta = AttnMetadata(positions=positions_t, kv_rows=kv_rows, chunks=chunks, num_prefill_tokens=r.num_prefill,
-                            num_decode=len(r.tables))
+        rows = kv_rows(torch.tensor(r.pool_rows, device=dev), torch.arange(self.num_kv_heads, device=dev), bs)
+        meta = AttnMetadata(positions=torch.tensor(r.positions, device=dev), kv_rows=rows, chunks=chunks,
+                            num_prefill_tokens=r.num_prefill, num_decode=len(r.tables))
         if r.tables:
             self._plan_decode(meta, r.tables, r.positions[r.num_prefill:])
         n = len(r.tokens)
@@ -338,9 +335,8 @@ class ModelRunner:
         meta.decode_tables = torch.tensor(padded, dtype=torch.int32, device=self.device)
         meta.decode_lens = torch.tensor(lens, dtype=torch.int32, device=self.device)
         if not self.decode_kernel:
-            keys = torch.arange(width * self.block_size, device=self.device)
-            visible = keys[None, :] < meta.decode_lens[:, None]
-            meta.decode_mask = additive_mask(visible.view(len(lens), 1, 1, -1), self.dtype)
+            meta.decode_mask = decode_mask(torch.arange(width * self.block_size, device=self.device),
+                                           meta.decode_lens, self.dtype)
 
     # -- KV hand-off -------------------------------------------------------------------------
 

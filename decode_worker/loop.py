@@ -98,7 +98,7 @@ class DecodeLoop(ModelLoop):
         self.cancels = cancels
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
-        self.grammars = Grammars(tokenizer, runner.vocab_size, self.eos_ids)  # structured output's masks
+        self.grammars = Grammars(tokenizer, runner, self.eos_ids)  # structured output's masks
         self.address = worker_address
         self.on_leave = on_leave  # called from this thread with the sequences that left (frees their holds)
         self.strategy = strategy

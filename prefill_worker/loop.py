@@ -107,7 +107,7 @@ class PrefillLoop(ModelLoop):
         self.cancels = cancels
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
-        self.grammars = Grammars(tokenizer, runner.vocab_size, self.eos_ids)  # structured output's masks
+        self.grammars = Grammars(tokenizer, runner, self.eos_ids)  # structured output's masks
         self.max_batched_tokens = max_batched_tokens
         self.prefill_chunk = prefill_chunk
         self.inbox: queue.Queue[Job | None] = queue.Queue()

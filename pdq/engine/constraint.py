@@ -12,12 +12,16 @@ from pdq.grammar import grammar
 
 
 class Grammars:
-    """A worker's side: its tokenizer as llguidance sees it, and the masks of a step's rows."""
+    """A worker's side: its tokenizer as llguidance sees it, and the masks of a step's rows.
+    `runner`: the model's (its vocabulary size), read when the first constrained request comes."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids):
-        self._source, self._eos = tokenizer, sorted(eos_ids)
+    def __init__(self, tokenizer, runner, eos_ids):
+        self._source, self._runner, self._eos = tokenizer, runner, sorted(eos_ids)
         self._tokenizer = None  # llguidance's view of it, built by the first constrained request
-        self.vocab_size = vocab_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self._runner.vocab_size
 
     @property
     def tokenizer(self):

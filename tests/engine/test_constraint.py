@@ -4,6 +4,7 @@ fresh matcher replays the tokens so far; the gateway's check names what does not
 
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}, 
 @pytest.fixture(scope="module")
 def grammars():
     tok = load_tokenizer(ensure_builtin("tiny"))
-    return Grammars(tok, tok.get_vocab_size(), {1}), tok
+    return Grammars(tok, SimpleNamespace(vocab_size=tok.get_vocab_size()), {1}), tok
 
 
 def generate(grammars, params, seed: int, limit: int = 64) -> tuple[list[int], bool]:

@@ -184,7 +184,7 @@ class DecodeLoop(ModelLoop):
             prompt = list(h.spec.prompt_token_ids)
             generated = list(h.generated_token_ids)
             seq = Sequence(rid, h.epoch, len(prompt), params,
-                           TextOutput(self.tokenizer, params.stop, prompt, generated), generated, h.spec.deadline_ms)
+                           TextOutput(self.tokenizer, params.stop, prompt, generated, params.min_tokens), generated, h.spec.deadline_ms)
             if params.json_schema or params.regex:
                 seq.matcher = self.grammars.matcher(params, generated)
             self.runner.rename(kv.key, rid)  # the K/V was received into the slot (kv_receive)
@@ -341,7 +341,8 @@ class DecodeLoop(ModelLoop):
         self.settle()
         params = [s.params for s in seqs]
         tokens = sample_each(self.grammars.mask(logits, [s.matcher for s in seqs]), params,
-                             [len(s.generated) for s in seqs], [(s.prompt, s.generated) for s in seqs])
+                             [len(s.generated) for s in seqs], [(s.prompt, s.generated) for s in seqs],
+                             [self.eos_ids] * len(seqs))
         records = logprob_records(logits, tokens, params)
         self.stats.steps += 1
         self.stats.seq_steps += len(seqs)

@@ -21,9 +21,10 @@ DEFAULT_CHAT_TEMPLATE = (
 ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_LOGPROBS = 20  # top tokens per position (vLLM's default --max-logprobs is 20)
 MAX_N = 16  # choices per request
+U32 = 2**32 - 1  # the proto's uint32 fields: the largest number they hold
 # fields refused unless neutral: name -> its neutral values (what the feature does when off)
 NOT_YET = {
-    "echo": (None, False), "suffix": (None, ""), "min_tokens": (None, 0), "tools": (None, []),
+    "echo": (None, False), "suffix": (None, ""), "tools": (None, []),
 }
 
 
@@ -59,7 +60,7 @@ def _number(body: dict, field: str, default: float, low: float, high: float) -> 
     return float(value)
 
 
-def _int(body: dict, field: str, default: int | None, low: int, high: int = 2**63 - 1) -> int | None:
+def _int(body: dict, field: str, default: int | None, low: int, high: int = U32) -> int | None:
     value = body.get(field)
     if value is None:
         return default
@@ -88,11 +89,16 @@ def _stop(body: dict) -> list[str]:
     raise _bad("stop", "a non-empty string or a list of them", stop)
 
 
+def is_token_id(t: Any) -> bool:
+    """A JSON value that is a token id the proto can carry (the gateway checks the vocabulary)."""
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= U32
+
+
 def _token_ids(body: dict, field: str) -> list[int]:
     value = body.get(field)
     if value is None:
         return []
-    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+    if isinstance(value, list) and all(is_token_id(t) for t in value):
         return value
     raise _bad(field, "a list of token ids", value)
 
@@ -106,7 +112,7 @@ def _logit_bias(body: dict) -> dict[int, float]:
         raise _bad("logit_bias", "an object of token id -> bias", value)
     out = {}
     for key, bias in value.items():
-        if not str(key).isdigit() or isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+        if not str(key).isdigit() or int(key) > U32 or isinstance(bias, bool) or not isinstance(bias, (int, float)) \
                 or not -100 <= bias <= 100:
             raise _bad("logit_bias", "token ids mapped to numbers in [-100, 100]", {key: bias})
         out[int(key)] = float(bias)
@@ -181,7 +187,7 @@ def _common(body: dict, served: str, tiers: tuple[str, ...], default_max_tokens:
                                      presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
                                      frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
                                      repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-6, 10.0),
-                                     logit_bias=_logit_bias(body))
+                                     logit_bias=_logit_bias(body), min_tokens=_int(body, "min_tokens", 0, 0))
     if seed is not None:
         sampling.seed = seed % 2**64
     request_id = body.get("request_id", "")
@@ -216,7 +222,7 @@ def completion(body: dict, served: str, tiers: tuple[str, ...]) -> Parsed:
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
         parsed.request.prompt = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(is_token_id(t) for t in prompt):
         parsed.request.prompt_token_ids.extend(prompt)
     elif isinstance(prompt, list) and len(prompt) > 1:
         raise ApiError(400, f"prompt: one prompt per request (got a batch of {len(prompt)}): send each on its own "

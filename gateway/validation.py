@@ -58,6 +58,8 @@ def resolve_sampling(s: gen_pb.SamplingParams, prompt_tokens: int, limits: Limit
         raise invalid("sampling.max_tokens", f"{out.max_tokens} plus the {prompt_tokens}-token prompt exceeds "
                                              f"max_model_len {limits.max_model_len}; use at most {room}",
                       "MAX_TOKENS_TOO_LARGE")
+    if out.min_tokens > out.max_tokens:
+        raise invalid("sampling.min_tokens", f"{out.min_tokens} is more than max_tokens ({out.max_tokens})")
     if not math.isfinite(out.temperature) or not 0 <= out.temperature <= 10:
         raise invalid("sampling.temperature", f"must be in [0, 10], got {out.temperature}")
     if not math.isfinite(out.top_p) or not 0 <= out.top_p <= 1:

@@ -40,7 +40,8 @@ def _generate(args: argparse.Namespace) -> int:
               seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, request_id=args.request_id,
               tier=args.tier, timeout_ms=args.timeout_ms, stream_interval=args.stream_interval,
               min_p=args.min_p, presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-              repetition_penalty=args.repetition_penalty, stop_token_ids=args.stop_token_id, logprobs=args.logprobs)
+              repetition_penalty=args.repetition_penalty, stop_token_ids=args.stop_token_id, logprobs=args.logprobs,
+              min_tokens=args.min_tokens)
     with Client(args.target, api_key=args.api_key, tls_ca=args.tls_ca) as client:
         try:
             if args.stream and not args.json:
@@ -142,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--presence-penalty", type=float, default=0.0)
     gen.add_argument("--frequency-penalty", type=float, default=0.0)
     gen.add_argument("--repetition-penalty", type=float, default=0.0, help="HF's; 0 = off")
+    gen.add_argument("--min-tokens", type=int, default=0,
+                     help="tokens to generate before EOS, a stop token or a stop string may end the output")
     gen.add_argument("--stop-token-id", type=int, action="append", default=[], help="token id that ends the output (repeatable)")
     gen.add_argument("--logprobs", type=int, default=None, metavar="N",
                      help="each token's log-probability and the N most likely (with --json)")

@@ -112,12 +112,13 @@ class Client(_Connection):
                 stream_interval: int = 0, stop_token_ids: list[int] | None = None, min_p: float = 0.0,
                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 0.0,
                 logit_bias: dict[int, float] | None = None, logprobs: int | None = None, json_schema: str = "",
-                regex: str = "") -> gen_pb.GenerateRequest:
+                regex: str = "", min_tokens: int = 0) -> gen_pb.GenerateRequest:
         sampling = gen_pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                          stop=stop or [], ignore_eos=ignore_eos, stop_token_ids=stop_token_ids or [],
                                          min_p=min_p, presence_penalty=presence_penalty,
                                          frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
-                                         logit_bias=logit_bias or {}, json_schema=json_schema, regex=regex)
+                                         logit_bias=logit_bias or {}, json_schema=json_schema, regex=regex,
+                                         min_tokens=min_tokens)
         if seed is not None:
             sampling.seed = seed
         if logprobs is not None:

@@ -13,4 +13,4 @@ def sampling_from_pb(p: gen_pb.SamplingParams) -> SamplingParams:
                           min_p=p.min_p, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                           repetition_penalty=p.repetition_penalty or 1.0, logit_bias=dict(p.logit_bias),
                           logprobs=p.logprobs if p.HasField("logprobs") else None,
-                          json_schema=p.json_schema, regex=p.regex)
+                          json_schema=p.json_schema, regex=p.regex, min_tokens=p.min_tokens)

@@ -1,7 +1,8 @@
 """One completion's text as it grows, with stop strings: what may be streamed now.
 
 Holds back text that might still become a stop string (and incomplete UTF-8), so a streamed
-delta is never taken back. Pure: tokenizer in, strings out.
+delta is never taken back. Before `min_tokens` tokens no stop string ends it, and one that
+starts in the text of those tokens never does (vLLM's rule). Pure: tokenizer in, strings out.
 """
 
 from pdq.model.detokenizer import IncrementalDetokenizer, StopChecker
@@ -9,19 +10,25 @@ from pdq.model.detokenizer import IncrementalDetokenizer, StopChecker
 
 class TextOutput:
     def __init__(self, tokenizer, stop: list[str] | tuple[str, ...] = (), prompt_ids: list[int] | None = None,
-                 generated: list[int] | tuple[int, ...] = ()):
+                 generated: list[int] | tuple[int, ...] = (), min_tokens: int = 0):
         self.detok = IncrementalDetokenizer(tokenizer, list(prompt_ids or []))
         self.stop = list(stop)
         self.checker = StopChecker(self.stop) if self.stop else None
         self.emitted = 0  # characters of detok.text already streamed
         self.stopped = False
+        self.min_tokens = min_tokens
+        self.tokens = 0  # tokens added
         for token in generated:  # replay tokens already streamed by an earlier hop
             self.add(token)
 
     def add(self, token_id: int) -> tuple[str, bool]:
         """Adds a token. -> (text to stream now, whether a stop string ended the completion)."""
         self.detok.add(token_id)
+        self.tokens += 1
         text = self.detok.text
+        if self.checker is not None and self.tokens < self.min_tokens:
+            self.checker.skip(text)  # no stop string yet, nor later one that starts in this text
+            return self._emit(text, len(text)), False
         if self.checker is not None:
             stopped, truncated = self.checker.check(text)
             if stopped:

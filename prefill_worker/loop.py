@@ -291,7 +291,8 @@ class PrefillLoop(ModelLoop):
                 except ValueError as exc:
                     matchers[i] = exc
         masked = self.grammars.mask(picked, [None if isinstance(m, Exception) else m for m in matchers])
-        tokens = sample_each(masked, params, [0] * len(complete), [(j.prompt, ()) for _, j in complete])
+        tokens = sample_each(masked, params, [0] * len(complete), [(j.prompt, ()) for _, j in complete],
+                             [self.eos_ids] * len(complete))
         tokens = [m if isinstance(m, Exception) else t for m, t in zip(matchers, tokens)]
         records = logprob_records(picked, tokens, params)
         items, results = [], []
@@ -299,7 +300,7 @@ class PrefillLoop(ModelLoop):
             if isinstance(token, Exception):  # this request's own: it alone ends
                 self._fail(job, f"sampling failed: {token}")
                 continue
-            text = TextOutput(self.tokenizer, p.stop, job.prompt)
+            text = TextOutput(self.tokenizer, p.stop, job.prompt, min_tokens=p.min_tokens)
             delta, stopped = text.add(token)
             complete_ = advance(matcher, token)
             reason = ("stop" if stopped else p.finish(token, self.eos_ids) or ("stop" if complete_ else "")

@@ -46,3 +46,21 @@ def test_streamed_text_equals_the_cut_full_text(text, stop):
         assert streamed == text[:min(hits)]
     else:
         assert streamed == text and not hits
+
+
+def test_no_stop_string_ends_the_text_before_min_tokens_nor_starts_in_it():
+    ids = TOKENIZER.encode("a, b, c, d", add_special_tokens=False).ids
+    head = len(TOKENIZER.encode("a, b", add_special_tokens=False).ids)  # the text "a, b" as tokens
+
+    def stream(min_tokens: int) -> tuple[str, bool]:
+        out, streamed = TextOutput(TOKENIZER, [","], min_tokens=min_tokens), []
+        for token in ids:
+            delta, stopped = out.add(token)
+            streamed.append(delta)
+            if stopped:
+                return "".join(streamed), True
+        return "".join(streamed) + out.flush(), False
+
+    assert stream(0) == ("a", True)
+    assert stream(head) == ("a, b", True)  # the commas in "a, b" are past; the next one stops it
+    assert stream(len(ids)) == ("a, b, c, d", False)

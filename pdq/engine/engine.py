@@ -185,7 +185,7 @@ class LLMEngine:
         if len(rows) != len(to_sample):
             logits = logits[rows]
         tokens = sample(logits, [s.params for s in seqs], [len(s.output) for s in seqs],
-                        [(s.prompt, s.output) for s in seqs])
+                        [(s.prompt, s.output) for s in seqs], [s.eos_token_ids for s in seqs])
         done = []
         for seq, token in zip(seqs, tokens):
             if seq.append(token):

@@ -12,7 +12,7 @@ a row that cannot be sampled costs only its own request.
 """
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +39,9 @@ class SamplingParams:
     logprobs: None, or the number of most likely tokens (0..20) whose log-probabilities come with
         each output token's own (`logprob_records`).
     json_schema, regex: structured output (`pdq.engine.constraint`; the workers apply it).
+    min_tokens: output tokens before an EOS (unless ignore_eos), a stop token id or a stop string
+        may end the output: until then their logits are -inf (`sample` needs the EOS ids) and the
+        caller does not match stop strings.
     """
 
     max_tokens: int = 16
@@ -57,6 +60,7 @@ class SamplingParams:
     logprobs: int | None = None
     json_schema: str = ""
     regex: str = ""
+    min_tokens: int = 0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -88,6 +92,9 @@ class SamplingParams:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not low <= v <= high:
                 raise ValueError(f"{name} must be in [{low}, {high}], got {v!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not all(_is_int(t) and t >= 0 and isinstance(b, (int, float)) and math.isfinite(b) and -100 <= b <= 100
@@ -100,9 +107,16 @@ class SamplingParams:
 
     @property
     def processed(self) -> bool:
-        """Whether its logits change before the pick: penalties or a bias."""
+        """Whether its logits may change before the pick: penalties, a bias or min_tokens."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-                    or self.logit_bias)
+                    or self.logit_bias or self.min_tokens)
+
+    def suppressed(self, step: int, eos_ids) -> list[int]:
+        """The tokens output token `step` may not be: while min_tokens is not reached, every
+        token that would end the output (its stop token ids, and EOS unless ignore_eos)."""
+        if step >= self.min_tokens:
+            return []
+        return sorted(self.stop_token_ids | (frozenset() if self.ignore_eos else frozenset(eos_ids)))
 
     def finish(self, token: int, eos_ids) -> str:
         """Why the output ends with `token` ("eos" for an EOS or a stop token id), or "" (it
@@ -131,12 +145,14 @@ History = tuple[Sequence[int], Sequence[int]]
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int],
-           histories: Sequence[History | None] | None = None) -> list[int]:
+           histories: Sequence[History | None] | None = None,
+           eos_ids: Sequence[Collection[int]] | None = None) -> list[int]:
     """Pick one token per row of `logits` [B, vocab].
 
     params[i] applies to row i; steps[i] is the index of the output token being sampled
-    (0 for the first); histories[i] its tokens, needed for a row with penalties. Rows with
-    penalties or a bias have their logits changed first (`processed`). Greedy rows cost one
+    (0 for the first); histories[i] its tokens, needed for a row with penalties; eos_ids[i] its
+    EOS tokens, what its min_tokens holds back (None: no row has min_tokens). Rows with penalties, a bias or min_tokens
+    have their logits changed first (`processed`). Greedy rows cost one
     batched argmax; the other rows are filtered (temperature, top-k, top-p, min-p) as one batch
     and drawn with the exponential-race trick (argmax of probs / Exp(1) noise), the noise of
     seeded rows from their own generator.
@@ -144,7 +160,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequen
     if len(params) != logits.shape[0] or len(steps) != logits.shape[0]:
         raise ValueError(f"sample: {logits.shape[0]} rows but {len(params)} params and {len(steps)} steps")
     if any(p.processed for p in params):
-        logits = _process(logits, params, histories)
+        logits = _process(logits, params, steps, histories, eos_ids)
     out = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
@@ -154,17 +170,20 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequen
 
 
 def sample_each(logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int],
-                histories: Sequence[History | None] | None = None) -> list[int | Exception]:
+                histories: Sequence[History | None] | None = None,
+                eos_ids: Sequence[Collection[int]] | None = None) -> list[int | Exception]:
     """`sample`, except that a row whose sampling raises fails alone: after the batch raised, each
     row is sampled by itself (a seeded row draws the same token alone as in a batch), and a row
     that still raises gets its exception in place of a token."""
     try:
-        return list(sample(logits, params, steps, histories))
+        return list(sample(logits, params, steps, histories, eos_ids))
     except Exception:
         out: list[int | Exception] = []
         for i in range(len(params)):
             try:
-                out += sample(logits[i:i + 1], [params[i]], [steps[i]], None if histories is None else [histories[i]])
+                out += sample(logits[i:i + 1], [params[i]], [steps[i]],
+                              None if histories is None else [histories[i]],
+                              None if eos_ids is None else [eos_ids[i]])
             except Exception as exc:
                 out.append(exc)
         return out
@@ -210,11 +229,13 @@ def _filter_top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -
     return torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x)
 
 
-def _process(logits: torch.Tensor, params: Sequence[SamplingParams],
-             histories: Sequence[History | None] | None) -> torch.Tensor:
+def _process(logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int],
+             histories: Sequence[History | None] | None,
+             eos_ids: Sequence[Collection[int]] | None) -> torch.Tensor:
     """A copy of `logits` (float) with each processed row's penalties and bias applied, as vLLM
     applies them: repetition (HF's: a seen token's positive logit divided by it, a negative one
-    multiplied), then presence and frequency over the output, then the bias."""
+    multiplied), then presence and frequency over the output, then the bias; last, the tokens
+    min_tokens holds back go to -inf."""
     x = logits.float().clone()
     vocab, dev = x.shape[-1], x.device
     for i, p in enumerate(params):
@@ -237,6 +258,9 @@ def _process(logits: torch.Tensor, params: Sequence[SamplingParams],
         if p.logit_bias:
             ids = torch.tensor([t for t, _ in p.logit_bias if t < vocab], dtype=torch.long, device=dev)
             row[ids] += torch.tensor([b for t, b in p.logit_bias if t < vocab], dtype=row.dtype, device=dev)
+        held = [t for t in p.suppressed(steps[i], () if eos_ids is None else eos_ids[i]) if t < vocab]
+        if held:
+            row[torch.tensor(held, dtype=torch.long, device=dev)] = float("-inf")
     return x
 
 

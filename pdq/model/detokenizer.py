@@ -132,17 +132,23 @@ class StopChecker:
         self.stop = list(dict.fromkeys(stop))
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
         self._searched = 0  # text[:_searched] held no stop string at the last call
+        self._floor = 0  # no stop string may start before this (skip)
 
     def check(self, text_so_far: str) -> tuple[bool, str]:
         """-> (stopped, text cut before the earliest stop string; unchanged if not stopped)."""
         if len(text_so_far) < self._searched:  # not an extension: search it all
-            self._searched = 0
-        start = max(0, self._searched - self.max_stop_len + 1)
+            self._searched = self._floor = 0
+        start = max(self._floor, self._searched - self.max_stop_len + 1)
         self._searched = len(text_so_far)
         hits = [i for s in self.stop if (i := text_so_far.find(s, start)) >= 0]
         if not hits:
             return False, text_so_far
         return True, text_so_far[: min(hits)]
+
+    def skip(self, text_so_far: str) -> None:
+        """No stop string may start within `text_so_far` (min_tokens): later checks search
+        only what comes after it."""
+        self._searched = self._floor = len(text_so_far)
 
     def safe_len(self, text: str) -> int:
         """Length of the prefix of ``text`` (holding no stop string) that can be streamed now:

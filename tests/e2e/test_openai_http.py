@@ -140,6 +140,24 @@ def test_stop_token_ids_and_logit_bias_through_both_doors(oa, client):
     assert http.choices[0].text == forced.text
 
 
+def test_min_tokens_holds_back_a_stop_token_through_both_doors(oa, client):
+    """The first greedy token made a stop token id ends the output at once; with min_tokens 4 it
+    is held back from the first four tokens (prefill's pick and decode's alike)."""
+    ref = client.generate(PROMPT_IDS, max_tokens=10, temperature=0.0, ignore_eos=True)
+    stop_at = ref.token_ids[0]
+    assert client.generate(PROMPT_IDS, max_tokens=10, temperature=0.0, ignore_eos=True,
+                           stop_token_ids=[stop_at]).token_ids == [stop_at]
+    got = client.generate(PROMPT_IDS, max_tokens=10, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_at],
+                          min_tokens=4)
+    assert len(got.token_ids) >= 4 and stop_at not in got.token_ids[:4]
+    assert got.finish_reason == "length" or got.token_ids[-1] == stop_at
+    http = oa.completions.create(model="builtin", prompt=PROMPT_IDS, max_tokens=10, temperature=0,
+                                 extra_body={"ignore_eos": True, "stop_token_ids": [stop_at], "min_tokens": 4})
+    assert http.choices[0].text == got.text
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        oa.completions.create(model="builtin", prompt=PROMPT_IDS, max_tokens=3, extra_body={"min_tokens": 4})
+
+
 def test_penalties_sample_as_the_engine_does(oa, client):
     """The service's greedy tokens with penalties are the in-process engine's with the same ones
     (the same built-in weights): the fields reached the workers, prefill and decode alike."""

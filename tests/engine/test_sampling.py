@@ -156,7 +156,7 @@ def test_repetition_penalty_divides_a_seen_positive_logit_and_multiplies_a_negat
     assert sample(x, [p], [0], [((), (8, 7))]) == [7]  # both seen: 2 vs 1.5
     assert sample(x, [SamplingParams(temperature=0)], [0], [((7,), ())]) == [7]  # off: unchanged
     from pdq.engine.sampling import _process
-    got = _process(x, [p], [((9,), ())])
+    got = _process(x, [p], [0], [((9,), ())], None)
     assert got[0, 9] == -2.0 and got[0, 7] == 4.0
 
 
@@ -189,3 +189,18 @@ def test_a_stop_token_id_ends_the_output_even_with_ignore_eos():
     p = SamplingParams(stop_token_ids=[7], ignore_eos=True)
     assert p.finish(7, {1}) == "eos" and p.finish(1, {1}) == "" and p.finish(3, {1}) == ""
     assert SamplingParams().finish(1, {1}) == "eos"
+
+
+def test_min_tokens_holds_back_eos_and_stop_token_ids_until_reached():
+    x = torch.zeros(1, V)
+    x[0, 3], x[0, 7], x[0, 9] = 10.0, 9.0, 8.0  # EOS (3) on top, then a stop token id (7)
+    p = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[7])
+    assert [sample(x, [p], [step], None, [{3}]) for step in (0, 1, 2)] == [[9], [9], [3]]
+    ignoring = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)  # EOS ends nothing: not held back
+    assert sample(x, [ignoring], [0], None, [{3}]) == [3]
+    seeded = SamplingParams(temperature=1.0, seed=4, min_tokens=1, stop_token_ids=[7])
+    assert all(sample(x, [SamplingParams(temperature=1.0, seed=s, min_tokens=1)], [0], None, [{3}]) != [3]
+               for s in range(50))
+    assert sample(x.repeat(2, 1), [seeded, p], [0, 5], None, [{3}, {3}])[1] == 3  # rows keep their own steps
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)

@@ -179,15 +179,21 @@ class DecodeLoop(ModelLoop):
                                attributes={**telemetry.request_attributes(h.spec), "pdq.attempt": h.epoch,
                                            "pdq.worker": self.address, "pdq.strategy": self.strategy.name,
                                            "pdq.resumed_tokens": len(h.generated_token_ids) - 1})
+        own = ""  # what is wrong with the request itself (it FAILS; another worker would fail it too)
         try:  # anything wrong here frees the slot and the hold: no KV leaks on a bad hand-off
             params = sampling_from_pb(h.spec.sampling)
             prompt = list(h.spec.prompt_token_ids)
             generated = list(h.generated_token_ids)
             seq = Sequence(rid, h.epoch, len(prompt), params,
-                           TextOutput(self.tokenizer, params.stop, prompt, generated, params.min_tokens), generated, h.spec.deadline_ms)
+                           TextOutput(self.tokenizer, params.stop, prompt, generated, params.min_tokens), generated,
+                           h.spec.deadline_ms)
             if params.json_schema or params.regex:
-                seq.matcher = self.grammars.matcher(params, generated)
-            self.runner.rename(kv.key, rid)  # the K/V was received into the slot (kv_receive)
+                try:
+                    seq.matcher = self.grammars.matcher(params, generated)
+                except ValueError as exc:
+                    own = f"structured output: {exc}"
+            if not own:
+                self.runner.rename(kv.key, rid)  # the K/V was received into the slot (kv_receive)
         except Exception as exc:
             log.error("cannot take KV of %s: %s", rid, exc)
             self.runner.free(kv.key)
@@ -195,6 +201,13 @@ class DecodeLoop(ModelLoop):
             self.on_leave([rid])
             # a failed attempt: retried on another worker after a backoff, FAILED once attempts are spent
             self.store.requeue(rid, h.epoch, f"decode worker could not load KV: {exc}", self.max_attempts)
+            return
+        if own:
+            log.error("request %s failed: %s", rid, own)
+            self.runner.free(kv.key)
+            self.store.end(rid, Ending.failed(own), epoch=h.epoch)
+            telemetry.end(span, "failed", own)
+            self.on_leave([rid])
             return
         seq.labels = (h.spec.tier, h.spec.tenant)
         seq.prompt = prompt

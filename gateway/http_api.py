@@ -20,7 +20,10 @@ import time
 import grpc
 from aiohttp import web
 
-from gateway.openai_request import ApiError, ChatTemplate, Parsed, chat, completion
+from gateway.chat_request import ChatTemplate, chat
+from gateway.chat_stream import ChatDeltas
+from gateway.openai_request import ApiError, Parsed, completion
+from gateway.tool_calls import ToolChoice, calls_of
 from pdq import metrics, telemetry
 from pdq.serving import StartupError
 from pdq.status import StatusError
@@ -155,11 +158,14 @@ class OpenAIDoor:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         parsed = completion(await self._body(request), self.served, self.service.limits.tiers)
-        return await self._serve(request, parsed, "text_completion", "cmpl-")
+        echo = ""
+        if parsed.echo:
+            echo = parsed.request.prompt or self.service.tokenizer.decode(list(parsed.request.prompt_token_ids))
+        return await self._serve(request, parsed, "text_completion", "cmpl-", echo)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        parsed, messages = chat(await self._body(request), self.served, self.service.limits.tiers)
-        text = self.template.render(messages)
+        req = chat(await self._body(request), self.served, self.service.limits.tiers)
+        parsed, text = req.parsed, self.template.render_request(req)
         ids = await asyncio.to_thread(lambda: self.service.tokenizer.encode(text, add_special_tokens=False).ids)
         limit = self.service.limits.max_model_len
         if len(ids) >= limit:
@@ -168,7 +174,7 @@ class OpenAIDoor:
         parsed.request.prompt_token_ids.extend(ids)
         if not parsed.request.sampling.max_tokens:  # as OpenAI's: whatever room the context leaves
             parsed.request.sampling.max_tokens = limit - len(ids)
-        return await self._serve(request, parsed, "chat.completion", "chatcmpl-")
+        return await self._serve(request, parsed, "chat.completion", "chatcmpl-", req.echo, req.tools)
 
     # -- the request's life ----------------------------------------------------------------
 
@@ -181,7 +187,9 @@ class OpenAIDoor:
             raise ApiError(400, "the body must be a JSON object")
         return body
 
-    async def _serve(self, request: web.Request, parsed: Parsed, kind: str, prefix: str) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, parsed: Parsed, kind: str, prefix: str, echo: str = "",
+                     tools: ToolChoice | None = None) -> web.StreamResponse:
+        """echo: text each choice starts with; tools: how a chat's output becomes tool calls."""
         call = HttpCall(request)
         principal = self.service.keys.authenticate(call)
         idempotency = request.headers.get("Idempotency-Key")
@@ -196,8 +204,8 @@ class OpenAIDoor:
                 rids = await self._submit(parsed, call, principal)
                 if not parsed.stream:
                     outs = await asyncio.gather(*(self.service.collect(rid, call) for rid in rids))
-                    return web.json_response(self._whole(outs, kind, prefix + rids[0]))
-                return await self._stream(request, call, rids, parsed, kind, prefix + rids[0])
+                    return web.json_response(self._whole(outs, kind, prefix + rids[0], echo, tools))
+                return await self._stream(request, call, rids, parsed, kind, prefix + rids[0], echo, tools)
         except StatusError as exc:
             telemetry.end(span, "refused", exc.message)
             span = None
@@ -258,22 +266,32 @@ class OpenAIDoor:
                 "top_logprobs": [{self._token(t.token_id): t.logprob for t in lp.top} for lp in lps],
                 "text_offset": offsets}
 
-    def _whole(self, outs: list[gen_pb.GenerateResponse], kind: str, cid: str) -> dict:
+    def _whole(self, outs: list[gen_pb.GenerateResponse], kind: str, cid: str, echo: str,
+               tools: ToolChoice | None) -> dict:
         chat_kind = kind == "chat.completion"
         choices = []
         for i, out in enumerate(outs):
             reason = FINISH.get(out.finish_reason, "stop")
             logprobs = self._logprobs(out.logprobs, chat_kind)
-            choices.append({"index": i, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
-                            "finish_reason": reason} if chat_kind
-                           else {"index": i, "text": out.text, "logprobs": logprobs, "finish_reason": reason})
+            if not chat_kind:
+                choices.append({"index": i, "text": echo + out.text, "logprobs": logprobs, "finish_reason": reason})
+                continue
+            message: dict = {"role": "assistant", "content": echo + out.text}
+            if tools is not None:
+                content, calls = calls_of(tools, out.text)
+                message["content"] = None if content is None else echo + content
+                if calls:
+                    message["tool_calls"] = calls
+                    reason = "tool_calls" if tools.mode in ("auto", "required") else reason
+            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
         return {"id": cid, "object": kind, "created": int(time.time()), "model": self.served, "choices": choices,
                 "usage": usage_json(outs[0].usage, sum(o.usage.completion_tokens for o in outs))}
 
     async def _stream(self, request: web.Request, call: HttpCall, rids: list[str], parsed: Parsed, kind: str,
-                      cid: str) -> web.StreamResponse:
+                      cid: str, echo: str, tools: ToolChoice | None) -> web.StreamResponse:
         """Server-sent events of the request's choices as their tokens come (each chunk one
-        choice's), then each one's finish, the usage if asked, and [DONE]."""
+        choice's; a chat choice's deltas from `ChatDeltas`), then each one's finish, the usage if
+        asked, and [DONE]."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         created, chat_kind = int(time.time()), kind == "chat.completion"
@@ -286,14 +304,21 @@ class OpenAIDoor:
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
 
         sent = [0] * len(rids)  # characters of text sent per choice (completions' text_offset)
-        first = [True] * len(rids)
+        deltas = [ChatDeltas(tools) for _ in rids] if chat_kind else []
 
-        def choice(i: int, text: str, reason: str | None, lps=()) -> dict:
+        async def text(i: int, text: str, reason: str | None, lps=()) -> None:
+            """Choice i's text (and its tokens' logprobs, with the first of its chunks)."""
             logprobs = self._logprobs(lps, chat_kind, sent[i])
-            if chat_kind:
-                delta = {"role": "assistant", "content": text} if first[i] else ({"content": text} if text else {})
-                return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-            return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
+            sent[i] += len(text)
+            if not chat_kind:
+                return await send([{"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}])
+            out = deltas[i].add(text) if text or reason is None else []
+            if reason is not None:
+                held, reason = deltas[i].end(reason)
+                out += held + [deltas[i].delta({})]  # the last chunk: its finish reason
+            for k, delta in enumerate(out or ([{}] if logprobs else [])):
+                await send([{"index": i, "delta": delta, "logprobs": logprobs if k == 0 else None,
+                             "finish_reason": reason if k == len(out) - 1 else None}])
 
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -309,6 +334,13 @@ class OpenAIDoor:
         tasks = [asyncio.create_task(follow(i, rid)) for i, rid in enumerate(rids)]
         usage, completion_tokens, left, failed = None, 0, len(rids), None
         try:
+            if echo:
+                for i in range(len(rids)):
+                    if chat_kind:
+                        await send([{"index": i, "delta": d, "logprobs": None, "finish_reason": None}
+                                    for d in deltas[i].start(echo)])
+                    else:
+                        await text(i, echo, None)
             while left:
                 i, msg = await queue.get()
                 if msg is None:
@@ -316,13 +348,11 @@ class OpenAIDoor:
                 elif isinstance(msg, StatusError):
                     failed = failed or msg
                 elif msg.HasField("usage") or msg.finish_reason:
-                    await send([choice(i, "", FINISH.get(msg.finish_reason, "stop"))])
+                    await text(i, "", FINISH.get(msg.finish_reason, "stop"))
                     usage = msg.usage
                     completion_tokens += msg.usage.completion_tokens
                 elif msg.HasField("index"):
-                    await send([choice(i, msg.text, None, msg.logprobs)])
-                    sent[i] += len(msg.text)
-                    first[i] = False
+                    await text(i, msg.text, None, msg.logprobs)
             if failed is not None:  # after the headers: the error as the stream's last event
                 err = from_status(failed)
                 await resp.write(b"data: " + json.dumps({"error": {"message": err.message, "type": err.kind,

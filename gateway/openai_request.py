@@ -1,11 +1,12 @@
-"""OpenAI-compatible request bodies -> pdq's `GenerateRequest`: the fields of `/v1/completions`
-and `/v1/chat/completions` as vLLM's server reads them, checked one by one (a wrong field is a
-400 naming it), and chat messages rendered through the model's chat template.
+"""OpenAI-compatible request bodies -> pdq's `GenerateRequest`: the fields both endpoints share
+and those of `/v1/completions`, as vLLM's server reads them, checked one by one (a wrong field is a
+400 naming it). Chat's own (messages, templates, tools) are in `gateway.chat_request`.
 
-Pure: no IO. A field pdq does not have yet is refused when set to anything but its neutral value
-(e.g. `n` other than 1), never silently ignored; fields that change nothing here (`user`) are.
+Pure: no IO. A field pdq does not serve (`suffix`, as vLLM) is refused when set to anything but
+its neutral value, never silently ignored; fields that change nothing here (`user`) are.
 """
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -13,19 +14,11 @@ from typing import Any
 from pdq.grammar import check
 from pdq.v1 import generation_pb2 as gen_pb
 
-# The chat template of a checkpoint without one (the built-in model's): role-tagged turns.
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_LOGPROBS = 20  # top tokens per position (vLLM's default --max-logprobs is 20)
 MAX_N = 16  # choices per request
 U32 = 2**32 - 1  # the proto's uint32 fields: the largest number they hold
 # fields refused unless neutral: name -> its neutral values (what the feature does when off)
-NOT_YET = {
-    "echo": (None, False), "suffix": (None, ""), "tools": (None, []),
-}
+NOT_YET = {"suffix": (None, "")}
 
 
 class ApiError(Exception):
@@ -45,6 +38,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     n: int = 1  # completions of the prompt (choices)
+    echo: bool = False  # completions: the prompt comes back before each choice's text
 
 
 def _bad(field: str, want: str, got: Any) -> ApiError:
@@ -217,6 +211,11 @@ def completion(body: dict, served: str, tiers: tuple[str, ...]) -> Parsed:
     logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
     if logprobs is not None:
         parsed.request.sampling.logprobs = logprobs
+    if _bool(body, "echo"):
+        if logprobs is not None:
+            raise ApiError(400, "echo: not with logprobs (this server does not compute the prompt's logprobs); "
+                                "leave one of them out", param="echo")
+        parsed = dataclasses.replace(parsed, echo=True)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -230,72 +229,3 @@ def completion(body: dict, served: str, tiers: tuple[str, ...]) -> Parsed:
     else:
         raise _bad("prompt", "a non-empty string or list of token ids", prompt)
     return parsed
-
-
-def messages_of(body: dict) -> list[dict]:
-    """The chat's messages, each {role, content: str} (content parts of type text joined)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise _bad("messages", "a non-empty list of {role, content}", messages)
-    out = []
-    for i, m in enumerate(messages):
-        field = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise _bad(f"{field}.role", f"one of {list(ROLES)}", m.get("role") if isinstance(m, dict) else m)
-        content = m.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise _bad(f"{field}.content", "a string or a list of {type: text, text} parts", content)
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise _bad(f"{field}.content", "a string or a list of {type: text, text} parts", content)
-        out.append({"role": m["role"], "content": content})
-    return out
-
-
-def chat(body: dict, served: str, tiers: tuple[str, ...]) -> tuple[Parsed, list[dict]]:
-    """A `/v1/chat/completions` body -> (its request without the prompt, its messages): the caller
-    renders the messages with the chat template and sets the prompt (and, when the body has no
-    max_tokens, the room left in the context)."""
-    parsed = _common(body, served, tiers, None)
-    top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
-    if _bool(body, "logprobs"):
-        parsed.request.sampling.logprobs = top or 0
-    elif top is not None:
-        raise ApiError(400, "top_logprobs: only with logprobs: true", param="top_logprobs")
-    return parsed, messages_of(body)
-
-
-class ChatTemplate:
-    """A checkpoint's chat template (`tokenizer_config.json`), rendered as `transformers` does:
-    Jinja2, sandboxed, with `messages`, `add_generation_prompt`, `bos_token`, `eos_token`."""
-
-    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = ""):
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message: str):
-            raise ApiError(400, f"messages: {message}", param="messages")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        self.template = env.from_string(source or DEFAULT_CHAT_TEMPLATE)
-        self.bos_token, self.eos_token = bos_token, eos_token
-
-    @classmethod
-    def from_config(cls, config: dict) -> "ChatTemplate":
-        """From a parsed tokenizer_config.json (a named list of templates: the "default" one)."""
-        source = config.get("chat_template")
-        if isinstance(source, list):
-            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-            source = named.get("default") or next(iter(named.values()), None)
-
-        def token(name: str) -> str:
-            value = config.get(name) or ""
-            return value.get("content", "") if isinstance(value, dict) else str(value)
-
-        return cls(source, token("bos_token"), token("eos_token"))
-
-    def render(self, messages: list[dict]) -> str:
-        return self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
-                                    eos_token=self.eos_token)

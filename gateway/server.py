@@ -314,7 +314,7 @@ def build_server(config: GatewayConfig) -> Server:
     door = None
     if config.http_port:
         from gateway.http_api import OpenAIDoor
-        from gateway.openai_request import ChatTemplate
+        from gateway.chat_request import ChatTemplate
 
         tok_config = model_dir / "tokenizer_config.json"
         template = ChatTemplate.from_config(json.loads(tok_config.read_text()) if tok_config.exists() else {})

@@ -55,3 +55,27 @@ def test_the_gateways_own_failures_to_follow_are_unavailable_with_where_to_resum
         assert error.message.endswith(how)
     assert resumable(ValueError("a bug"), how) is None  # not the gateway's to explain: the guard logs it
     assert resumable(StatusError(grpc.StatusCode.CANCELLED, "cancelled"), how) is None
+
+
+@pytest.mark.parametrize("code, status, kind", [
+    (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
+    (grpc.StatusCode.UNAUTHENTICATED, 401, "authentication_error"),
+    (grpc.StatusCode.PERMISSION_DENIED, 403, "permission_error"),
+    (grpc.StatusCode.NOT_FOUND, 404, "not_found_error"),
+    (grpc.StatusCode.ALREADY_EXISTS, 409, "conflict_error"),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error"),
+    (grpc.StatusCode.UNAVAILABLE, 503, "server_error"),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, 504, "server_error"),
+])
+def test_the_http_door_says_each_status_as_openai_does(code, status, kind):
+    """pdq's gRPC refusals -> the HTTP door's (the e2e tests reach 400-429, 503 and 504 through a
+    cluster; 403 has no generation path that raises it, so its mapping is checked here)."""
+    import json
+
+    from gateway.http_api import error_response, from_status
+
+    err = from_status(StatusError(code, "what to do", reason="WHY", field="f", retry_ms=2500))
+    assert (err.status, err.kind, err.code, err.param, err.message) == (status, kind, "WHY", "f", "what to do")
+    resp = error_response(err)
+    assert resp.status == status and json.loads(resp.body)["error"]["message"] == "what to do"
+    assert resp.headers.get("Retry-After") == ("3" if status in (429, 503) else None)

@@ -3,7 +3,8 @@ features pdq lacks refused unless neutral, chat templates rendered as transforme
 
 import pytest
 
-from gateway.openai_request import ApiError, ChatTemplate, chat, completion, messages_of
+from gateway.chat_request import ChatTemplate, chat, messages_of
+from gateway.openai_request import ApiError, completion
 
 TIERS = ("interactive", "batch")
 
@@ -54,11 +55,11 @@ def test_bad_completion_bodies_name_their_field(body, status, param):
 
 
 def test_chat_messages_and_their_errors():
-    parsed, messages = chat({"model": "m", "messages": [
+    req = chat({"model": "m", "messages": [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]}]}, "m", TIERS)
-    assert messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
-    assert parsed.request.sampling.max_tokens == 0  # the door fills in the room the context leaves
+    assert req.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    assert req.parsed.request.sampling.max_tokens == 0  # the door fills in the room the context leaves
     for bad, param in (([], "messages"), ([{"role": "user"}], "messages[0].content"),
                        ([{"role": "king", "content": "x"}], "messages[0].role"),
                        ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content")):
@@ -81,3 +82,24 @@ def test_chat_templates_render_as_transformers_does():
         strict.render([{"role": "system", "content": "x"}])
     with pytest.raises(Exception):  # the sandbox: no attribute access to Python internals
         ChatTemplate("{{ messages.__class__.__mro__ }}").render([])
+
+
+def test_echo_and_continuing_the_last_message():
+    assert completion({"model": "m", "prompt": "x", "echo": True}, "m", TIERS).echo
+    with pytest.raises(ApiError) as info:
+        completion({"model": "m", "prompt": "x", "echo": True, "logprobs": 1}, "m", TIERS)
+    assert info.value.param == "echo"
+    turns = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is"}]
+    cont = chat({"model": "m", "messages": turns, "add_generation_prompt": False, "continue_final_message": True,
+                 "echo": True}, "m", TIERS)
+    assert cont.echo == "The color is"  # the reply's role is the last message's: it comes back first
+    assert ChatTemplate(None).render_request(cont) == "<|user|>\nName a color.\n<|assistant|>\nThe color is"
+    assert chat({"model": "m", "messages": turns[:1], "echo": True}, "m", TIERS).echo == ""  # a user's: not echoed
+    for body, param in (({"continue_final_message": True}, "continue_final_message"),
+                        ({"add_generation_prompt": "yes"}, "add_generation_prompt")):
+        with pytest.raises(ApiError) as info:
+            chat({"model": "m", "messages": turns, **body}, "m", TIERS)
+        assert info.value.param == param
+    with pytest.raises(ApiError, match="last message must be the assistant's"):
+        chat({"model": "m", "messages": turns[:1], "add_generation_prompt": False, "continue_final_message": True},
+             "m", TIERS)

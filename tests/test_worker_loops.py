@@ -225,6 +225,23 @@ def test_a_decode_step_with_one_poisoned_row_fails_only_that_request(rig):
     assert sorted(rig.left) == sorted(rids) and rig.runner.free_tokens == rig.runner.capacity_tokens
 
 
+def test_tokens_that_leave_a_requests_constraint_fail_it_alone_at_the_decode_worker(rig):
+    """A hand-off whose tokens so far do not replay into its grammar is the request's own fault:
+    it FAILS saying why (not retried elsewhere as a worker's fault), its KV freed; the rest run."""
+    bad = rig.dispatch("bad", PROMPTS[0], 4, regex="[0-9]{3}")  # its first token was picked unconstrained
+    assert not rig.tokenizer.decode(list(bad.header.generated_token_ids)).isdigit()
+    rig.loop._arrive(bad)
+    rig.loop._arrive(rig.dispatch("fine", PROMPTS[1], 4))
+    failed = rig.record("bad")
+    assert failed["state"] == "FAILED" and "structured output" in failed["error"]
+    assert rig.left == ["bad"] and [s.rid for s in rig.loop.waiting] == ["fine"]
+    rig.loop._admit()
+    while rig.loop.running:
+        rig.loop._step()
+    rig.loop.settle()
+    assert rig.record("fine")["state"] == "COMPLETED" and rig.runner.free_tokens == rig.runner.capacity_tokens
+
+
 def test_a_prefill_pass_with_one_poisoned_row_fails_only_that_request(rig):
     prefill = PrefillLoop(rig.runner, rig.store, rig.cancels, rig.tokenizer, rig.eos, 256, 64)
     outcomes = {}

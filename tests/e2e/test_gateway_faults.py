@@ -13,12 +13,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import openai
 import pytest
 import redis
 from google.protobuf.descriptor import FieldDescriptor
 from grpc_status import rpc_status
 
-from pdq.redis_server import RedisServer
+from pdq.redis_server import RedisServer, free_port
 from pdq.up import Cluster
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import generation_pb2_grpc as gen_grpc
@@ -47,7 +48,7 @@ def redis_server_of_the_module():
 @pytest.fixture(scope="module")
 def bare(redis_server_of_the_module, auth_file):
     env = {"PDQ_AUTH_FILE": str(auth_file), "PDQ_REDIS_OUTAGE_S": str(OUTAGE_S)}
-    with Cluster(model="builtin", port=0, auth=False, prefill=0, decode=0,
+    with Cluster(model="builtin", port=0, auth=False, prefill=0, decode=0, http_port=free_port(),
                  redis_url=redis_server_of_the_module.url, extra_env=env) as cluster:
         yield cluster
 
@@ -197,6 +198,15 @@ def test_a_stream_pauses_through_a_short_outage_and_loses_nothing(bare, gen, sto
     assert [m.token_id for m in got if m.HasField("index")] == [5 + i for i in range(6)]
     assert got[-1].finish_reason == gen_pb.FINISH_REASON_LENGTH
     gen.Cancel(gen_pb.CancelRequest(request_id=rid), metadata=CLIENT)
+
+
+def test_the_http_door_answers_503_with_retry_after_while_redis_is_down(bare, redis_server_of_the_module):
+    with openai.OpenAI(base_url=bare.base_url, api_key=KEYS["acme"], max_retries=0, timeout=CALL_TIMEOUT_S) as oa:
+        with RedisDown(redis_server_of_the_module):
+            with pytest.raises(openai.APIStatusError) as err:
+                oa.completions.create(model="builtin", prompt="ride it out", max_tokens=2)
+        assert err.value.status_code == 503 and int(err.value.response.headers["Retry-After"]) >= 1
+        assert err.value.body["type"] == "server_error" and "Redis" in err.value.body["message"]
 
 
 def test_past_the_window_calls_end_unavailable_with_where_to_resume_and_the_request_goes_on(

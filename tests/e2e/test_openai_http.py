@@ -11,7 +11,7 @@ import urllib.request
 import openai
 import pytest
 
-from gateway.openai_request import ChatTemplate
+from gateway.chat_request import ChatTemplate
 from tests.e2e.conftest import KEYS
 
 
@@ -271,6 +271,57 @@ def test_structured_output_parses_and_validates_even_from_a_random_model(oa, cli
     assert streamed == regex  # the decode worker replays the first token into its own matcher
     grpc_side = client.generate("pick", max_tokens=64, temperature=1.0, seed=5, json_schema=json.dumps(STRUCT))
     assert json.loads(grpc_side.text)["color"] in ("red", "green")
+
+
+def test_echo_returns_the_prompt_before_the_completion(oa):
+    kw = dict(model="builtin", prompt="Echo me", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    plain = oa.completions.create(**kw).choices[0].text
+    assert oa.completions.create(echo=True, **kw).choices[0].text == "Echo me" + plain
+    assert "".join(c.choices[0].text for c in oa.completions.create(echo=True, stream=True, **kw)) == "Echo me" + plain
+    turns = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is"}]
+    got = oa.chat.completions.create(model="builtin", messages=turns, max_tokens=4, temperature=0,
+                                     extra_body={"ignore_eos": True, "echo": True, "add_generation_prompt": False,
+                                                 "continue_final_message": True})
+    assert got.choices[0].message.content.startswith("The color is")
+
+
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}, "days": {"type": "integer", "minimum": 1,
+                                                                                  "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object", "properties": {},
+                                                                          "additionalProperties": False}}}
+
+
+def test_tool_calls_named_required_and_auto_even_from_a_random_model(oa):
+    """A named function's arguments and "required" calls are constrained to the tools' schemas;
+    "auto" parses Hermes calls the model writes (here forced by a regex, as a trained model would)."""
+    messages = [{"role": "user", "content": "Weather in Oslo this week?"}]
+    kw = dict(model="builtin", messages=messages, tools=[WEATHER, CLOCK], max_tokens=64, temperature=1.0, seed=5)
+    named = oa.chat.completions.create(tool_choice={"type": "function", "function": {"name": "weather"}}, **kw)
+    call = named.choices[0].message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "weather" and call.type == "function" and call.id.startswith("call_")
+    assert args["city"] in ("Oslo", "Lima") and 1 <= args["days"] <= 7 and named.choices[0].message.content is None
+    streamed = list(oa.chat.completions.create(tool_choice={"type": "function", "function": {"name": "weather"}},
+                                               stream=True, **kw))
+    parts = [c.choices[0].delta.tool_calls[0] for c in streamed if c.choices and c.choices[0].delta.tool_calls]
+    assert parts[0].function.name == "weather" and parts[0].id.startswith("call_")
+    assert "".join(p.function.arguments for p in parts) == call.function.arguments  # seeded: the same call
+    required = oa.chat.completions.create(tool_choice="required", parallel_tool_calls=False, **kw).choices[0]
+    assert required.finish_reason == "tool_calls" and len(required.message.tool_calls) == 1
+    c = required.message.tool_calls[0]
+    assert c.function.name in ("weather", "clock") and isinstance(json.loads(c.function.arguments), dict)
+    forced = r'Checking\.<tool_call>\{"name": "clock", "arguments": \{\}\}</tool_call>'
+    auto = oa.chat.completions.create(extra_body={"guided_regex": forced}, **kw).choices[0]
+    assert auto.finish_reason == "tool_calls" and auto.message.content == "Checking."
+    assert [(c.function.name, c.function.arguments) for c in auto.message.tool_calls] == [("clock", "{}")]
+    chunks = list(oa.chat.completions.create(extra_body={"guided_regex": forced}, stream=True, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Checking."
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    with pytest.raises(openai.BadRequestError) as info:
+        oa.chat.completions.create(tool_choice={"type": "function", "function": {"name": "nope"}}, **kw)
+    assert info.value.body["param"] == "tool_choice"
 
 
 def test_a_schema_that_does_not_compile_is_a_400_naming_the_field(oa):

@@ -201,7 +201,8 @@ class OpenAIDoor:
                                attributes={"http.request.method": "POST", "url.path": request.path})
         try:
             with telemetry.use(span):
-                rids = await self._submit(parsed, call, principal)
+                # nobody watches a whole response's tokens arrive: the worker may write them in groups
+                rids = await self.service.submit_n(parsed.request, call, principal, interval=1 if parsed.stream else 16)
                 if not parsed.stream:
                     outs = await asyncio.gather(*(self.service.collect(rid, call) for rid in rids))
                     return web.json_response(self._whole(outs, kind, prefix + rids[0], echo, tools))
@@ -212,33 +213,6 @@ class OpenAIDoor:
             raise
         finally:
             telemetry.end(span)
-
-    async def _submit(self, parsed: Parsed, call: HttpCall, principal) -> list[str]:
-        """The request's `n` completions, each a request of its own (its prompt's prefill found in
-        the prefix cache after the first): choice i gets the seed plus i, and the client request
-        id "ID.i" (choice 0: ID itself)."""
-        interval = 1 if parsed.stream else 16  # nobody watches a whole response's tokens arrive
-        if parsed.n == 1:
-            return [(await self.service.submit(parsed.request, call, principal, interval=interval))[0]]
-        requests = []
-        for i in range(parsed.n):
-            one = gen_pb.GenerateRequest()
-            one.CopyFrom(parsed.request)
-            if i and one.request_id:
-                one.request_id = f"{one.request_id}.{i}"
-            if one.sampling.HasField("seed"):
-                one.sampling.seed = (one.sampling.seed + i) % 2**64
-            requests.append(one)
-        rids = [(await self.service.submit(requests[0], call, principal, interval=interval))[0]]
-        rest = await asyncio.gather(*(self.service.submit(r, call, principal, interval=interval)
-                                      for r in requests[1:]), return_exceptions=True)
-        failed = next((r for r in rest if isinstance(r, BaseException)), None)
-        rids += [r[0] for r in rest if not isinstance(r, BaseException)]
-        if failed is not None:  # all or nothing: the accepted ones are cancelled
-            await asyncio.gather(*(self.service.cancel(rid, "another choice of its request was refused")
-                                   for rid in rids), return_exceptions=True)
-            raise failed
-        return rids
 
     def _token(self, token_id: int) -> str:
         text = self._tokens.get(token_id)
@@ -320,20 +294,9 @@ class OpenAIDoor:
                 await send([{"index": i, "delta": delta, "logprobs": logprobs if k == 0 else None,
                              "finish_reason": reason if k == len(out) - 1 else None}])
 
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def follow(i: int, rid: str) -> None:
-            try:  # aclosing: this task cancelled (the client gone) closes the stream, which cancels the request
-                async with contextlib.aclosing(self.service.stream(rid, call)) as messages:
-                    async for msg in messages:
-                        await queue.put((i, msg))
-            except StatusError as exc:
-                await queue.put((i, exc))
-            await queue.put((i, None))
-
-        tasks = [asyncio.create_task(follow(i, rid)) for i, rid in enumerate(rids)]
-        usage, completion_tokens, left, failed = None, 0, len(rids), None
-        try:
+        usage, completion_tokens, failed = None, 0, None
+        # aclosing: this handler cancelled (the client gone) closes the streams, which cancels the requests
+        async with contextlib.aclosing(self.service.streams(rids, call)) as messages:
             if echo:
                 for i in range(len(rids)):
                     if chat_kind:
@@ -341,12 +304,11 @@ class OpenAIDoor:
                                     for d in deltas[i].start(echo)])
                     else:
                         await text(i, echo, None)
-            while left:
-                i, msg = await queue.get()
-                if msg is None:
-                    left -= 1
-                elif isinstance(msg, StatusError):
+            async for i, msg in messages:
+                if isinstance(msg, StatusError):
                     failed = failed or msg
+                elif isinstance(msg, Exception):  # a bug: the call ends with it (logged by the door)
+                    raise msg
                 elif msg.HasField("usage") or msg.finish_reason:
                     await text(i, "", FINISH.get(msg.finish_reason, "stop"))
                     usage = msg.usage
@@ -362,8 +324,4 @@ class OpenAIDoor:
                 await send([], usage_json(usage, completion_tokens))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
         return resp

@@ -11,11 +11,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.validation import MAX_N
 from pdq.grammar import check
 from pdq.v1 import generation_pb2 as gen_pb
 
 MAX_LOGPROBS = 20  # top tokens per position (vLLM's default --max-logprobs is 20)
-MAX_N = 16  # choices per request
 U32 = 2**32 - 1  # the proto's uint32 fields: the largest number they hold
 # fields refused unless neutral: name -> its neutral values (what the feature does when off)
 NOT_YET = {"suffix": (None, "")}
@@ -37,7 +37,6 @@ class Parsed:
     request: gen_pb.GenerateRequest
     stream: bool
     include_usage: bool
-    n: int = 1  # completions of the prompt (choices)
     echo: bool = False  # completions: the prompt comes back before each choice's text
 
 
@@ -201,7 +200,7 @@ def _common(body: dict, served: str, tiers: tuple[str, ...], default_max_tokens:
         raise ApiError(400, f"best_of: only equal to n ({n}) here: every completion is returned", param="best_of")
     timeout_ms = _int(body, "timeout_ms", 0, 0, 86_400_000)  # pdq's: the request's deadline, from its arrival
     return Parsed(gen_pb.GenerateRequest(sampling=sampling, request_id=request_id, tier=_tier(body, tiers),
-                                         timeout_ms=timeout_ms), stream, include_usage, n)
+                                         timeout_ms=timeout_ms, n=n), stream, include_usage)
 
 
 def completion(body: dict, served: str, tiers: tuple[str, ...]) -> Parsed:

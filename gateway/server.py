@@ -3,6 +3,7 @@
 request's output stream in Redis; it holds no queue state."""
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -97,6 +98,37 @@ class GenerationService(gen_grpc.GenerationServicer):
                 span.add_event("idempotent_retry", {"pdq.idempotency_key": request.request_id})
         return resp.request_id, resp.created
 
+    async def submit_n(self, request: gen_pb.GenerateRequest, context, principal: Principal,
+                       interval: int = 1) -> list[str]:
+        """The request's n completions (`request.n`, 0 = 1), each a request of its own: choice i
+        samples with the seed plus i and has the client request id "ID.i" (choice 0: ID itself).
+        All or nothing: when one is refused, those accepted are cancelled and the refusal raised.
+        The first goes first, so a prefill worker meets the rest with its prompt cached."""
+        n = max(1, request.n)
+        if n == 1:
+            return [(await self.submit(request, context, principal, interval=interval))[0]]
+        check_request(request, self.limits)  # a bad n (or any field) before choice 0 is in
+        requests = []
+        for i in range(n):
+            one = gen_pb.GenerateRequest()
+            one.CopyFrom(request)
+            one.n = 0
+            if i and one.request_id:
+                one.request_id = f"{one.request_id}.{i}"
+            if one.sampling.HasField("seed"):
+                one.sampling.seed = (one.sampling.seed + i) % 2**64
+            requests.append(one)
+        rids = [(await self.submit(requests[0], context, principal, interval=interval))[0]]
+        rest = await asyncio.gather(*(self.submit(r, context, principal, interval=interval) for r in requests[1:]),
+                                    return_exceptions=True)
+        failed = next((r for r in rest if isinstance(r, BaseException)), None)
+        rids += [r[0] for r in rest if not isinstance(r, BaseException)]
+        if failed is not None:
+            await asyncio.gather(*(self.cancel(rid, "another choice of its request was refused") for rid in rids),
+                                 return_exceptions=True)
+            raise failed
+        return rids
+
     async def resolve(self, principal: Principal, request_id: str) -> str:
         """The internal id of one of the caller's requests (by id or client request id)."""
         if not REQUEST_ID.match(request_id) and not INTERNAL_ID.match(request_id):
@@ -178,13 +210,54 @@ class GenerationService(gen_grpc.GenerationServicer):
         yield gen_pb.GenerateStreamResponse(request_id=rid, finish_reason=FINISH_REASONS.get(end.reason, 0),
                                             usage=usage, timings=timings)
 
+    async def streams(self, rids: list[str], context):
+        """The messages of several requests' streams as they come, as (choice, message); a
+        stream that fails yields (choice, its exception) and ends, the others go on. Closing
+        this generator closes every stream (a client gone cancels every choice)."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def follow(i: int, rid: str) -> None:
+            try:
+                async with contextlib.aclosing(self.stream(rid, context)) as messages:
+                    async for msg in messages:
+                        await queue.put((i, msg))
+            except Exception as exc:
+                await queue.put((i, exc))
+            await queue.put((i, None))
+
+        tasks = [asyncio.create_task(follow(i, rid)) for i, rid in enumerate(rids)]
+        left = len(rids)
+        try:
+            while left:
+                i, msg = await queue.get()
+                if msg is None:
+                    left -= 1
+                else:
+                    yield i, msg
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def collect_n(self, rids: list[str], context) -> list[gen_pb.GenerateResponse]:
+        """Every choice's whole result; one failing fails the call and cancels the others."""
+        if len(rids) == 1:
+            return [await self.collect(rids[0], context)]
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(self.collect(rid, context)) for rid in rids]
+        return [t.result() for t in tasks]
+
     # -- RPCs ------------------------------------------------------------------------------
 
     @rpc
     async def Generate(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext) -> gen_pb.GenerateResponse:
         # nobody watches a unary call's tokens arrive: the worker may write them in groups
-        rid, _ = await self.submit(request, context, self.keys.authenticate(context), interval=UNARY_STREAM_INTERVAL)
-        return await self.collect(rid, context)
+        rids = await self.submit_n(request, context, self.keys.authenticate(context), interval=UNARY_STREAM_INTERVAL)
+        try:
+            outs = await self.collect_n(rids, context)
+        except BaseExceptionGroup as group:  # a choice failed: its error is the call's
+            raise group.exceptions[0] from None
+        return outs[0] if len(outs) == 1 else merged(rids, outs)
 
     async def collect(self, rid: str, context: grpc.aio.ServicerContext) -> gen_pb.GenerateResponse:
         """A request's whole result, once it ended; the call ending first (its client gone)
@@ -215,12 +288,24 @@ class GenerationService(gen_grpc.GenerationServicer):
 
     @rpc
     async def GenerateStream(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        rid, _ = await self.submit(request, context, self.keys.authenticate(context))
-        async for msg in self.stream(rid, context):
-            yield msg
+        rids = await self.submit_n(request, context, self.keys.authenticate(context))
+        if len(rids) == 1:
+            async for msg in self.stream(rids[0], context):
+                yield msg
+            return
+        async with contextlib.aclosing(self.streams(rids, context)) as messages:
+            async for i, msg in messages:
+                if isinstance(msg, Exception):  # a choice failed: the call ends with its error
+                    raise msg
+                msg.choice = i
+                yield msg
 
     @rpc
     async def Submit(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext) -> gen_pb.SubmitResult:
+        if request.n > 1:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"n: Submit takes one completion (n 0 or 1), got "
+                              f"{request.n}: submit each choice as a request of its own (its own seed and request_id), "
+                              "or use Generate / GenerateStream", reason="INVALID_FIELD", field="n")
         rid, created = await self.submit(request, context, self.keys.authenticate(context), call_deadline=False)
         return gen_pb.SubmitResult(request_id=rid, created=created)
 
@@ -271,6 +356,17 @@ def raise_for_end(end) -> None:
     if code != grpc.StatusCode.OK:
         telemetry.event(end.state.value.lower(), {"pdq.reason": end.reason}, error=end.error or end.state.value)
         raise StatusError(code, end.error or f"request {end.state.value.lower()}")
+
+
+def merged(rids: list[str], outs: list[gen_pb.GenerateResponse]) -> gen_pb.GenerateResponse:
+    """n results as one response: choice 0's fields, every choice in `choices`, the usage of all."""
+    out = gen_pb.GenerateResponse()
+    out.CopyFrom(outs[0])
+    for i, (rid, one) in enumerate(zip(rids, outs)):
+        out.choices.add(index=i, request_id=rid, text=one.text, token_ids=one.token_ids,
+                        finish_reason=one.finish_reason, logprobs=one.logprobs)
+    out.usage.completion_tokens = sum(one.usage.completion_tokens for one in outs)
+    return out
 
 
 def note_usage(usage: gen_pb.Usage, end) -> None:

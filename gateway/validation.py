@@ -23,6 +23,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300
 MAX_LOGPROBS = 20
 MAX_TIMEOUT_MS = 24 * 3600 * 1000
+MAX_N = 16  # completions of one prompt (GenerateRequest.n)
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,8 @@ def check_request(req: gen_pb.GenerateRequest, limits: Limits) -> None:
         raise invalid("tier", f"must be one of {', '.join(limits.tiers)}, got {shown(req.tier)}")
     if req.timeout_ms > MAX_TIMEOUT_MS:
         raise invalid("timeout_ms", f"must be at most {MAX_TIMEOUT_MS} (24 h), got {req.timeout_ms}")
+    if req.n > MAX_N:
+        raise invalid("n", f"must be 0..{MAX_N} (completions of the prompt), got {req.n}")
     if req.stream_interval > MAX_STREAM_INTERVAL:
         raise invalid("stream_interval", f"must be 0..{MAX_STREAM_INTERVAL} (decode steps per write), "
                                          f"got {req.stream_interval}")

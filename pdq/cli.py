@@ -41,10 +41,10 @@ def _generate(args: argparse.Namespace) -> int:
               tier=args.tier, timeout_ms=args.timeout_ms, stream_interval=args.stream_interval,
               min_p=args.min_p, presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
               repetition_penalty=args.repetition_penalty, stop_token_ids=args.stop_token_id, logprobs=args.logprobs,
-              min_tokens=args.min_tokens)
+              min_tokens=args.min_tokens, n=args.n)
     with Client(args.target, api_key=args.api_key, tls_ca=args.tls_ca) as client:
         try:
-            if args.stream and not args.json:
+            if args.stream and not args.json and args.n <= 1:  # several choices: printed whole, one by one
                 for msg in client.generate_stream(args.prompt, **kw):
                     if msg.text:
                         sys.stdout.write(msg.text)
@@ -60,6 +60,9 @@ def _generate(args: argparse.Namespace) -> int:
             return 1
     if args.json:
         print(json.dumps(result.to_json()))
+    elif result.choices:
+        for i, choice in enumerate(result.choices):
+            print(f"[{i}] {choice.text}")
     else:
         print(result.text)
     return 0
@@ -143,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--presence-penalty", type=float, default=0.0)
     gen.add_argument("--frequency-penalty", type=float, default=0.0)
     gen.add_argument("--repetition-penalty", type=float, default=0.0, help="HF's; 0 = off")
+    gen.add_argument("-n", "--n", type=int, default=0, help="completions of the prompt (1..16; with --json all of them)")
     gen.add_argument("--min-tokens", type=int, default=0,
                      help="tokens to generate before EOS, a stop token or a stop string may end the output")
     gen.add_argument("--stop-token-id", type=int, action="append", default=[], help="token id that ends the output (repeatable)")

@@ -42,6 +42,7 @@ class Result:
     completion_tokens: int
     timings: dict = field(default_factory=dict)
     logprobs: list = field(default_factory=list)  # TokenLogprob per token, when asked for
+    choices: list["Result"] = field(default_factory=list)  # with n > 1: every completion (the above: choice 0)
 
     def to_json(self) -> dict:
         return {"request_id": self.request_id, "text": self.text, "token_ids": self.token_ids,
@@ -50,7 +51,8 @@ class Result:
                 "timings": self.timings,
                 **({"logprobs": [{"token_id": lp.token_id, "logprob": lp.logprob,
                                   "top": [{"token_id": t.token_id, "logprob": t.logprob} for t in lp.top]}
-                                 for lp in self.logprobs]} if self.logprobs else {})}
+                                 for lp in self.logprobs]} if self.logprobs else {}),
+                **({"choices": [c.to_json() for c in self.choices]} if self.choices else {})}
 
 
 def _timings(t: gen_pb.Timings) -> dict:
@@ -58,8 +60,11 @@ def _timings(t: gen_pb.Timings) -> dict:
 
 
 def _result(r: gen_pb.GenerateResponse) -> Result:
-    return Result(r.request_id, r.text, list(r.token_ids), finish_name(r.finish_reason),
-                  r.usage.prompt_tokens, r.usage.completion_tokens, _timings(r.timings), list(r.logprobs))
+    out = Result(r.request_id, r.text, list(r.token_ids), finish_name(r.finish_reason),
+                 r.usage.prompt_tokens, r.usage.completion_tokens, _timings(r.timings), list(r.logprobs))
+    out.choices = [Result(c.request_id, c.text, list(c.token_ids), finish_name(c.finish_reason), r.usage.prompt_tokens,
+                          len(c.token_ids), logprobs=list(c.logprobs)) for c in r.choices]
+    return out
 
 
 def connect(target: str, api_key: str | None, tls_ca: str | None, admin: bool = False,
@@ -112,7 +117,7 @@ class Client(_Connection):
                 stream_interval: int = 0, stop_token_ids: list[int] | None = None, min_p: float = 0.0,
                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 0.0,
                 logit_bias: dict[int, float] | None = None, logprobs: int | None = None, json_schema: str = "",
-                regex: str = "", min_tokens: int = 0) -> gen_pb.GenerateRequest:
+                regex: str = "", min_tokens: int = 0, n: int = 0) -> gen_pb.GenerateRequest:
         sampling = gen_pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                          stop=stop or [], ignore_eos=ignore_eos, stop_token_ids=stop_token_ids or [],
                                          min_p=min_p, presence_penalty=presence_penalty,
@@ -124,7 +129,7 @@ class Client(_Connection):
         if logprobs is not None:
             sampling.logprobs = logprobs
         req = gen_pb.GenerateRequest(sampling=sampling, request_id=request_id, tier=tier, timeout_ms=timeout_ms,
-                                     stream_interval=stream_interval)
+                                     stream_interval=stream_interval, n=n)
         if isinstance(prompt, str):
             req.prompt = prompt
         else:

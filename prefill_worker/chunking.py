@@ -16,3 +16,21 @@ def plan_chunks(remaining: list[int], max_batched_tokens: int, prefill_chunk: in
     if plan and plan[0] == 0:
         plan[0] = min(remaining[0], prefill_chunk)
     return plan
+
+
+def waits_for_shared_prefix(prompt: list[int], cached: int, computing: list[list[int]], block_size: int) -> bool:
+    """Whether a prompt not yet admitted should wait for a pass: one of the prompts this pass
+    computes (`computing`) will, once its blocks are written and named, hold more of this
+    prompt's leading full blocks than the prefix cache holds now (`cached` tokens). Waiting one
+    pass then skips their prefill (n choices of one prompt, a burst sharing a system prompt)
+    instead of computing the same blocks twice in one pass. Only blocks the cache could give
+    it count: full ones, before its last token."""
+    usable = (len(prompt) - 1) // block_size * block_size
+    start = cached - cached % block_size
+    for other in computing:
+        at = start
+        while at + block_size <= min(usable, len(other)) and prompt[at:at + block_size] == other[at:at + block_size]:
+            at += block_size
+        if at > start and prompt[:start] == other[:start]:
+            return True
+    return False

@@ -29,7 +29,7 @@ from pdq.request import State
 from pdq.store import RequestStore, StepItem, now_ms
 from pdq.v1 import internal_pb2 as pb
 from pdq.worker import IDLE_BEAT_S, ModelLoop, kv_reserve_tokens
-from prefill_worker.chunking import plan_chunks
+from prefill_worker.chunking import plan_chunks, waits_for_shared_prefix
 
 log = logging.getLogger("pdq.prefill")
 
@@ -196,12 +196,18 @@ class PrefillLoop(ModelLoop):
         admitted ones leave tokens of `budget` to run: its prompt's (the leading blocks the prefix
         cache holds are shared, and their prefill skipped, so a prompt is admitted only when a
         pass is about to run it: by then the prompts before it have named their blocks); for a
-        prompt whose decode worker is this process, room for every token it may generate too."""
-        admitted, pending = [], 0
+        prompt whose decode worker is this process, room for every token it may generate too.
+        A prompt whose leading blocks an admitted one is computing waits for them to be named
+        (`waits_for_shared_prefix`)."""
+        admitted, pending, computing = [], 0, []
+        share = self.runner.prefix_cache
         for job in jobs:
             if not job.admitted and pending >= budget:
                 continue
             if not job.admitted:
+                if share and computing and waits_for_shared_prefix(
+                        job.prompt, self.runner.cached_tokens(job.prompt), computing, self.runner.block_size):
+                    continue
                 local = self._local(job)
                 reserve = kv_reserve_tokens(job.item.spec, self.runner.max_seq_len) if local else 0
                 try:
@@ -213,6 +219,8 @@ class PrefillLoop(ModelLoop):
                     self.taken(job.rid)
             admitted.append(job)
             pending += len(job.prompt) - job.filled
+            if share and job.filled < len(job.prompt):
+                computing.append(job.prompt)
         return admitted
 
     def _pass(self, pending: list[Job]) -> list[Job]:

@@ -265,6 +265,30 @@ def test_a_prefill_pass_with_one_poisoned_row_fails_only_that_request(rig):
     assert rig.runner.free_tokens == rig.runner.capacity_tokens
 
 
+def test_prompts_sharing_blocks_with_one_being_prefilled_wait_a_pass_and_skip_them(rig):
+    """n choices of one prompt (or a burst sharing a system prompt) arriving together: the first
+    pass computes the shared blocks once; the others start past them the pass after."""
+    prefill = PrefillLoop(rig.runner, rig.store, rig.cancels, rig.tokenizer, rig.eos, 1024, 512)
+    system = [(7 * i) % 250 + 3 for i in range(100)]  # 6 full blocks of 16, then 4 tokens
+    outcomes, jobs = {}, []
+    for rid, tail in [("c0", [1]), ("c1", [1]), ("other", []), ("c2", [2, 2])]:
+        prompt = system + tail if rid != "other" else PROMPTS[1]
+        spec = pb.RequestSpec(request_id=rid, tenant="acme", tier="interactive", prompt_token_ids=prompt,
+                              sampling=gen_pb.SamplingParams(max_tokens=4, temperature=0))
+        rig.store.submit(spec)
+        (claimed,) = rig.store.claim([(rid, "decode-there")], "prefill-here")
+        jobs.append(Job(pb.PrefillItem(spec=spec, epoch=claimed.epoch, decode_address="elsewhere:1"),
+                        lambda outcome, rid=rid: outcomes.__setitem__(rid, outcome)))
+    live, chunks, chunk_jobs = prefill.plan(jobs, 1024)
+    assert [j.rid for j in chunk_jobs] == ["c0", "other"]  # c1 and c2 wait for c0's blocks
+    live = prefill.finish(live, chunks, chunk_jobs, rig.runner.prefill(chunks), time.perf_counter())
+    live, chunks, chunk_jobs = prefill.plan(live, 1024)
+    assert [(j.rid, c.start_pos, len(c.token_ids)) for j, c in zip(chunk_jobs, chunks)] == [
+        ("c1", 96, 5), ("c2", 96, 6)]
+    assert prefill.finish(live, chunks, chunk_jobs, rig.runner.prefill(chunks), time.perf_counter()) == []
+    assert {o.kind for o in outcomes.values()} == {"handoff"} and len(outcomes) == 4
+
+
 def test_a_request_with_a_seed_past_2_63_is_prefilled_with_the_rest(rig):
     """A seed >= 2**63 (a valid uint64) made the whole pass raise; now each seed samples."""
     prefill = PrefillLoop(rig.runner, rig.store, rig.cancels, rig.tokenizer, rig.eos, 256, 64)

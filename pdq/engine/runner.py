@@ -187,6 +187,11 @@ class ModelRunner:
     def blocks_for(self, tokens: int) -> int:
         return self.pool.blocks.blocks_for(tokens)
 
+    @property
+    def prefix_cache(self) -> bool:
+        """Whether full blocks are named and shared (automatic prefix caching)."""
+        return self.pool.blocks.prefix_cache
+
     def cached_tokens(self, tokens: Sequence[int]) -> int:
         """Leading tokens of a prompt that the prefix cache holds now (a lookup: nothing is held)."""
         return self.pool.cached_tokens(tokens)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdq/v1/generation.proto\x12\x06pdq.v1\"\xd6\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\r\n\x05min_p\x18\t \x01(\x02\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12\x39\n\nlogit_bias\x18\r \x03(\x0b\x32%.pdq.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x01\x88\x01\x01\x12\x13\n\x0bjson_schema\x18\x0f \x01(\t\x12\r\n\x05regex\x18\x10 \x01(\t\x12\x12\n\nmin_tokens\x18\x11 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"R\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x1f\n\x03top\x18\x03 \x03(\x0b\x32\x12.pdq.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xb4\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.pdq.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x0c\n\x04tier\x18\x05 \x01(\t\x12\x12\n\ntimeout_ms\x18\x06 \x01(\r\x12\x17\n\x0fstream_interval\x18\x07 \x01(\r\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"<\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x03 \x01(\x01\"\xdc\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x14.pdq.v1.FinishReason\x12\x1c\n\x05usage\x18\x05 \x01(\x0b\x32\r.pdq.v1.Usage\x12 \n\x07timings\x18\x06 \x01(\x0b\x32\x0f.pdq.v1.Timings\x12&\n\x08logprobs\x18\x07 \x03(\x0b\x32\x14.pdq.v1.TokenLogprob\"\x92\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\x05index\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08token_id\x18\x03 \x01(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12+\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x14.pdq.v1.FinishReason\x12\x1c\n\x05usage\x18\x06 \x01(\x0b\x32\r.pdq.v1.Usage\x12 \n\x07timings\x18\x07 \x01(\x0b\x32\x0f.pdq.v1.Timings\x12\x11\n\ttoken_ids\x18\x08 \x03(\r\x12&\n\x08logprobs\x18\t \x03(\x0b\x32\x14.pdq.v1.TokenLogprobB\x08\n\x06_index\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05state\x18\x01 \x01(\t\"3\n\x0cSubmitResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"7\n\x10GetResultRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07wait_ms\x18\x02 \x01(\r\"\x98\x01\n\x11GetResultResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12(\n\x06result\x18\x04 \x01(\x0b\x32\x18.pdq.v1.GenerateResponse\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x19\n\x11\x63lient_request_id\x18\x06 \x01(\t\"9\n\x13StreamResultRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r*\xc7\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x19\n\x15\x46INISH_REASON_TIMEOUT\x10\x05\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x06\x32\x9b\x03\n\nGeneration\x12=\n\x08Generate\x12\x17.pdq.v1.GenerateRequest\x1a\x18.pdq.v1.GenerateResponse\x12K\n\x0eGenerateStream\x12\x17.pdq.v1.GenerateRequest\x1a\x1e.pdq.v1.GenerateStreamResponse0\x01\x12\x37\n\x06\x43\x61ncel\x12\x15.pdq.v1.CancelRequest\x1a\x16.pdq.v1.CancelResponse\x12\x37\n\x06Submit\x12\x17.pdq.v1.GenerateRequest\x1a\x14.pdq.v1.SubmitResult\x12@\n\tGetResult\x12\x18.pdq.v1.GetResultRequest\x1a\x19.pdq.v1.GetResultResponse\x12M\n\x0cStreamResult\x12\x1b.pdq.v1.StreamResultRequest\x1a\x1e.pdq.v1.GenerateStreamResponse0\x01\x42\x1a\n\ndev.pdq.v1Z\x0cpdq/v1;pdqv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdq/v1/generation.proto\x12\x06pdq.v1\"\xd6\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\r\n\x05min_p\x18\t \x01(\x02\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12\x39\n\nlogit_bias\x18\r \x03(\x0b\x32%.pdq.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x01\x88\x01\x01\x12\x13\n\x0bjson_schema\x18\x0f \x01(\t\x12\r\n\x05regex\x18\x10 \x01(\t\x12\x12\n\nmin_tokens\x18\x11 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"R\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x1f\n\x03top\x18\x03 \x03(\x0b\x32\x12.pdq.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xbf\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.pdq.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x0c\n\x04tier\x18\x05 \x01(\t\x12\x12\n\ntimeout_ms\x18\x06 \x01(\r\x12\x17\n\x0fstream_interval\x18\x07 \x01(\r\x12\t\n\x01n\x18\x08 \x01(\r\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"<\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x03 \x01(\x01\"\xfd\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x14.pdq.v1.FinishReason\x12\x1c\n\x05usage\x18\x05 \x01(\x0b\x32\r.pdq.v1.Usage\x12 \n\x07timings\x18\x06 \x01(\x0b\x32\x0f.pdq.v1.Timings\x12&\n\x08logprobs\x18\x07 \x03(\x0b\x32\x14.pdq.v1.TokenLogprob\x12\x1f\n\x07\x63hoices\x18\x08 \x03(\x0b\x32\x0e.pdq.v1.Choice\"\xa1\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12+\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x14.pdq.v1.FinishReason\x12&\n\x08logprobs\x18\x06 \x03(\x0b\x32\x14.pdq.v1.TokenLogprob\"\xa2\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\x05index\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08token_id\x18\x03 \x01(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12+\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x14.pdq.v1.FinishReason\x12\x1c\n\x05usage\x18\x06 \x01(\x0b\x32\r.pdq.v1.Usage\x12 \n\x07timings\x18\x07 \x01(\x0b\x32\x0f.pdq.v1.Timings\x12\x11\n\ttoken_ids\x18\x08 \x03(\r\x12&\n\x08logprobs\x18\t \x03(\x0b\x32\x14.pdq.v1.TokenLogprob\x12\x0e\n\x06\x63hoice\x18\n \x01(\rB\x08\n\x06_index\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05state\x18\x01 \x01(\t\"3\n\x0cSubmitResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"7\n\x10GetResultRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07wait_ms\x18\x02 \x01(\r\"\x98\x01\n\x11GetResultResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12(\n\x06result\x18\x04 \x01(\x0b\x32\x18.pdq.v1.GenerateResponse\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x19\n\x11\x63lient_request_id\x18\x06 \x01(\t\"9\n\x13StreamResultRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r*\xc7\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x19\n\x15\x46INISH_REASON_TIMEOUT\x10\x05\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x06\x32\x9b\x03\n\nGeneration\x12=\n\x08Generate\x12\x17.pdq.v1.GenerateRequest\x1a\x18.pdq.v1.GenerateResponse\x12K\n\x0eGenerateStream\x12\x17.pdq.v1.GenerateRequest\x1a\x1e.pdq.v1.GenerateStreamResponse0\x01\x12\x37\n\x06\x43\x61ncel\x12\x15.pdq.v1.CancelRequest\x1a\x16.pdq.v1.CancelResponse\x12\x37\n\x06Submit\x12\x17.pdq.v1.GenerateRequest\x1a\x14.pdq.v1.SubmitResult\x12@\n\tGetResult\x12\x18.pdq.v1.GetResultRequest\x1a\x19.pdq.v1.GetResultResponse\x12M\n\x0cStreamResult\x12\x1b.pdq.v1.StreamResultRequest\x1a\x1e.pdq.v1.GenerateStreamResponse0\x01\x42\x1a\n\ndev.pdq.v1Z\x0cpdq/v1;pdqv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'\n\ndev.pdq.v1Z\014pdq/v1;pdqv1'
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1840
-  _globals['_FINISHREASON']._serialized_end=2039
+  _globals['_FINISHREASON']._serialized_start=2064
+  _globals['_FINISHREASON']._serialized_end=2263
   _globals['_SAMPLINGPARAMS']._serialized_start=36
   _globals['_SAMPLINGPARAMS']._serialized_end=506
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=436
@@ -45,27 +45,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOPLOGPROB']._serialized_start=592
   _globals['_TOPLOGPROB']._serialized_end=639
   _globals['_GENERATEREQUEST']._serialized_start=642
-  _globals['_GENERATEREQUEST']._serialized_end=822
-  _globals['_USAGE']._serialized_start=824
-  _globals['_USAGE']._serialized_end=881
-  _globals['_TIMINGS']._serialized_start=883
-  _globals['_TIMINGS']._serialized_end=943
-  _globals['_GENERATERESPONSE']._serialized_start=946
-  _globals['_GENERATERESPONSE']._serialized_end=1166
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1169
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1443
-  _globals['_CANCELREQUEST']._serialized_start=1445
-  _globals['_CANCELREQUEST']._serialized_end=1480
-  _globals['_CANCELRESPONSE']._serialized_start=1482
-  _globals['_CANCELRESPONSE']._serialized_end=1513
-  _globals['_SUBMITRESULT']._serialized_start=1515
-  _globals['_SUBMITRESULT']._serialized_end=1566
-  _globals['_GETRESULTREQUEST']._serialized_start=1568
-  _globals['_GETRESULTREQUEST']._serialized_end=1623
-  _globals['_GETRESULTRESPONSE']._serialized_start=1626
-  _globals['_GETRESULTRESPONSE']._serialized_end=1778
-  _globals['_STREAMRESULTREQUEST']._serialized_start=1780
-  _globals['_STREAMRESULTREQUEST']._serialized_end=1837
-  _globals['_GENERATION']._serialized_start=2042
-  _globals['_GENERATION']._serialized_end=2453
+  _globals['_GENERATEREQUEST']._serialized_end=833
+  _globals['_USAGE']._serialized_start=835
+  _globals['_USAGE']._serialized_end=892
+  _globals['_TIMINGS']._serialized_start=894
+  _globals['_TIMINGS']._serialized_end=954
+  _globals['_GENERATERESPONSE']._serialized_start=957
+  _globals['_GENERATERESPONSE']._serialized_end=1210
+  _globals['_CHOICE']._serialized_start=1213
+  _globals['_CHOICE']._serialized_end=1374
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1377
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1667
+  _globals['_CANCELREQUEST']._serialized_start=1669
+  _globals['_CANCELREQUEST']._serialized_end=1704
+  _globals['_CANCELRESPONSE']._serialized_start=1706
+  _globals['_CANCELRESPONSE']._serialized_end=1737
+  _globals['_SUBMITRESULT']._serialized_start=1739
+  _globals['_SUBMITRESULT']._serialized_end=1790
+  _globals['_GETRESULTREQUEST']._serialized_start=1792
+  _globals['_GETRESULTREQUEST']._serialized_end=1847
+  _globals['_GETRESULTRESPONSE']._serialized_start=1850
+  _globals['_GETRESULTRESPONSE']._serialized_end=2002
+  _globals['_STREAMRESULTREQUEST']._serialized_start=2004
+  _globals['_STREAMRESULTREQUEST']._serialized_end=2061
+  _globals['_GENERATION']._serialized_start=2266
+  _globals['_GENERATION']._serialized_end=2677
 # @@protoc_insertion_point(module_scope)

@@ -109,6 +109,7 @@ def test_the_decode_worker_writes_a_streamed_interval_of_tokens_at_once(client, 
     (dict(prompt="hi", request_id="bad id!"), "request_id"),
     (dict(prompt=[10**7]), "prompt_token_ids[0]"),
     (dict(prompt="hi", stream_interval=257), "stream_interval"),
+    (dict(prompt="hi", n=17), "n"),
 ])
 def test_invalid_requests_get_invalid_argument_naming_the_field(client, store_client, kwargs, field):
     before = store_client.dbsize()
@@ -143,6 +144,40 @@ def wait_state(store_client, rid: str, states: set[str], timeout_s: float = 10.0
             return state
         time.sleep(0.02)
     raise AssertionError(f"{rid} never reached {states}; last {state!r}")
+
+
+def test_n_completions_of_one_prompt_through_generate_and_generate_stream(client, store_client):
+    one = client.generate("choose", max_tokens=6, temperature=1.0, seed=21, ignore_eos=True)
+    got = client.generate("choose", max_tokens=6, temperature=1.0, seed=21, ignore_eos=True, n=3,
+                          request_id="n-choices")
+    assert [c.token_ids for c in got.choices][0] == one.token_ids == got.token_ids  # choice 0: the seed itself
+    assert len({tuple(c.token_ids) for c in got.choices}) > 1  # choice i samples with seed + i
+    assert got.completion_tokens == 18 and got.prompt_tokens == one.prompt_tokens
+    assert len({c.request_id for c in got.choices}) == 3
+    again = client.generate("choose", max_tokens=6, temperature=1.0, seed=21, ignore_eos=True, n=3,
+                            request_id="n-choices")  # a retry: the same requests (ID, ID.1, ID.2)
+    assert [c.request_id for c in again.choices] == [c.request_id for c in got.choices]
+    tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    ends = {}
+    for msg in client.generate_stream("choose", max_tokens=6, temperature=1.0, seed=21, ignore_eos=True, n=3):
+        tokens[msg.choice] += list(msg.token_ids)
+        if msg.finish_reason:
+            ends[msg.choice] = msg.usage.completion_tokens
+    assert [tokens[i] for i in range(3)] == [c.token_ids for c in got.choices] and ends == {0: 6, 1: 6, 2: 6}
+    with pytest.raises(grpc.RpcError) as err:
+        client.submit("choose", n=2)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("n:")
+
+
+def test_closing_a_stream_of_n_choices_cancels_every_one(client, store_client):
+    stream = client.generate_stream("walk away", max_tokens=1500, ignore_eos=True, n=2)
+    firsts = {}
+    while len(firsts) < 2:
+        msg = next(stream)
+        if not msg.HasField("index"):
+            firsts[msg.choice] = msg.request_id
+    stream.close()
+    assert [wait_state(store_client, rid, {"CANCELLED"}) for rid in firsts.values()] == ["CANCELLED"] * 2
 
 
 def test_cancel_rpc_ends_a_running_stream_with_cancelled(client, store_client):

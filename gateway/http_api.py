@@ -204,7 +204,7 @@ class OpenAIDoor:
                 # nobody watches a whole response's tokens arrive: the worker may write them in groups
                 rids = await self.service.submit_n(parsed.request, call, principal, interval=1 if parsed.stream else 16)
                 if not parsed.stream:
-                    outs = await asyncio.gather(*(self.service.collect(rid, call) for rid in rids))
+                    outs = await self.service.collect_n(rids, call)
                     return web.json_response(self._whole(outs, kind, prefix + rids[0], echo, tools))
                 return await self._stream(request, call, rids, parsed, kind, prefix + rids[0], echo, tools)
         except StatusError as exc:

@@ -240,11 +240,15 @@ class GenerationService(gen_grpc.GenerationServicer):
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def collect_n(self, rids: list[str], context) -> list[gen_pb.GenerateResponse]:
-        """Every choice's whole result; one failing fails the call and cancels the others."""
+        """Every choice's whole result; one failing fails the call (with its error) and cancels
+        the others."""
         if len(rids) == 1:
             return [await self.collect(rids[0], context)]
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(self.collect(rid, context)) for rid in rids]
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self.collect(rid, context)) for rid in rids]
+        except BaseExceptionGroup as failed:
+            raise failed.exceptions[0] from None
         return [t.result() for t in tasks]
 
     # -- RPCs ------------------------------------------------------------------------------
@@ -253,10 +257,7 @@ class GenerationService(gen_grpc.GenerationServicer):
     async def Generate(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext) -> gen_pb.GenerateResponse:
         # nobody watches a unary call's tokens arrive: the worker may write them in groups
         rids = await self.submit_n(request, context, self.keys.authenticate(context), interval=UNARY_STREAM_INTERVAL)
-        try:
-            outs = await self.collect_n(rids, context)
-        except BaseExceptionGroup as group:  # a choice failed: its error is the call's
-            raise group.exceptions[0] from None
+        outs = await self.collect_n(rids, context)
         return outs[0] if len(outs) == 1 else merged(rids, outs)
 
     async def collect(self, rid: str, context: grpc.aio.ServicerContext) -> gen_pb.GenerateResponse:

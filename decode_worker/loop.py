@@ -14,6 +14,7 @@ process down (`ModelLoop`), its sequences then resumed elsewhere. Only a failed 
 gives the running sequences back to the scheduler.
 """
 
+import concurrent.futures
 import logging
 import queue
 import time
@@ -33,7 +34,7 @@ from pdq.engine.sampling import SamplingParams, logprob_records, sample_each
 from pdq.faults import Faults
 from pdq.output_text import TextOutput
 from pdq.request import State
-from pdq.ending import FAILURE, LOST, Ending
+from pdq.ending import FAILURE, LOST, PREEMPTED, Ending
 from pdq.store import Moved, RequestStore, SentStep, StepItem, now_ms
 from pdq.worker import IDLE_BEAT_S, ModelLoop
 
@@ -63,6 +64,25 @@ class Sequence:
     def position(self) -> int:
         """Position of the last generated token, the one fed to the next step."""
         return self.prompt_len + len(self.generated) - 1
+
+
+@dataclass
+class PreemptAsk:
+    """Preempt one held sequence of one of `tiers` (best first): the lowest tier's newest.
+    `done` gets its request id, or "" when none runs here."""
+
+    tiers: tuple[str, ...]
+    reason: str
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+def preempt_victim(seqs: "list[Sequence]", tiers: tuple[str, ...]) -> "Sequence | None":
+    """Which sequence a preemption for `tiers` takes: of those of the listed tiers not finished,
+    the worst tier's, and of those the one that arrived last (it has the least to recompute
+    and the least time in)."""
+    rank = {t: i for i, t in enumerate(tiers)}
+    held = [s for s in seqs if not s.done and s.labels[0] in rank]
+    return max(held, key=lambda s: (rank[s.labels[0]], s.arrived), default=None)
 
 
 def take(inbox: queue.Queue, wait: float | None, handle: Callable[[Any], None]) -> bool:
@@ -107,7 +127,7 @@ class DecodeLoop(ModelLoop):
         self.prefilling = prefilling  # True while a request reserved here is being prefilled
         self.yield_to_prefill_ms = yield_to_prefill_ms  # then steps start at least this far apart
         self._last_step_end = 0.0
-        self.inbox: queue.Queue[Arrived | Discard | None] = queue.Queue()
+        self.inbox: queue.Queue[Arrived | Discard | PreemptAsk | None] = queue.Queue()
         self.waiting: list[Sequence] = []  # KV in the pool, not yet admitted
         self.running: dict[str, Sequence] = {}
         self.stats = LoopStats()
@@ -121,8 +141,9 @@ class DecodeLoop(ModelLoop):
         # fault injection (PDQ_FAULTS decode_step_delay_ms): every forward pass takes this much longer
         self.step_delay_s = Faults.from_env().get("decode_step_delay_ms") / 1000
 
-    def add(self, item: Arrived | Discard) -> None:
-        """A received hand-off to decode, or the slot of a failed one to free (see kv_receive)."""
+    def add(self, item: Arrived | Discard | PreemptAsk) -> None:
+        """A received hand-off to decode, the slot of a failed one to free (see kv_receive), or a
+        preemption to make."""
         self.inbox.put(item)
 
     def arrive(self, item: Arrived, moved: "Moved | bool | None" = None) -> None:
@@ -167,7 +188,10 @@ class DecodeLoop(ModelLoop):
         oldest = (time.monotonic() - self.waiting[0].arrived) * 1000
         return max(0.001, self.strategy.wait_hint_ms(oldest) / 1000)
 
-    def _arrive(self, kv: Arrived | Discard, moved: "Moved | bool | None" = None) -> None:
+    def _arrive(self, kv: Arrived | Discard | PreemptAsk, moved: "Moved | bool | None" = None) -> None:
+        if isinstance(kv, PreemptAsk):
+            self._preempt(kv)
+            return
         if isinstance(kv, Discard):
             self.runner.free(kv.key)
             if kv.done.set_running_or_notify_cancel():  # False: the waiter gave up (cancelled)
@@ -429,6 +453,31 @@ class DecodeLoop(ModelLoop):
         except redisconn.UNAVAILABLE_ERRORS as exc:
             log.warning("could not send a decode step (%s); it is applied when it settles", exc)
             return None
+
+    def _preempt(self, ask: PreemptAsk) -> None:
+        """Gives one sequence back to the queue by recompute (`PreemptAsk`): its tokens so far
+        written first (the last step's reply settled, its held interval flushed), then requeued
+        as preempted, and its seat and blocks freed. A later attempt resumes it from those tokens:
+        the client sees none twice and none missing."""
+        if not ask.done.set_running_or_notify_cancel():  # the caller gave up
+            return
+        try:
+            self.settle()  # the last step's reply first: who is still here, its tokens in Redis
+            seq = preempt_victim(self.waiting + list(self.running.values()), ask.tiers)
+            if seq is not None:
+                if seq.held:
+                    self.store.step(seq.held)
+                    seq.held.clear()
+                state = self.store.requeue(seq.rid, seq.epoch, ask.reason, self.max_attempts, PREEMPTED)
+                metrics.PREEMPTIONS.labels(seq.labels[0]).inc()
+                log.info("preempted %s (%s, %d tokens): %s -> %s", seq.rid, seq.labels[0], len(seq.generated),
+                         ask.reason, state or "stale")
+                self._end_span(seq, "preempted", reason=f"{ask.reason}: {state or 'stale'}")
+                self._leave(seq)
+        except BaseException as exc:
+            ask.done.set_exception(exc)
+            raise
+        ask.done.set_result(seq.rid if seq is not None else "")
 
     def _fail(self, seq: Sequence, error: str) -> None:
         """Ends one sequence FAILED (its own fault, e.g. its sampling raised); the rest go on."""

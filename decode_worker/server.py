@@ -25,7 +25,7 @@ from pdq.v1 import internal_pb2_grpc as pb_grpc
 from pdq.worker import Heartbeat, ModelThread, kv_info, load_runner, reclaim_previous_life, sync_store
 from decode_worker.colocated import ColocatedLoop
 from decode_worker.kv_receive import Arrived, Discard, BlockSink
-from decode_worker.loop import DecodeLoop
+from decode_worker.loop import DecodeLoop, PreemptAsk
 from decode_worker.strategy import Strategy
 from prefill_worker.loop import PrefillLoop
 from prefill_worker.server import PrefillService
@@ -35,6 +35,9 @@ log = logging.getLogger("pdq.decode")
 
 class NoReservation(Exception):
     """A hand-off for a request that holds no reservation here (FAILED_PRECONDITION)."""
+
+
+PREEMPT_WAIT_S = 10.0  # longest a Preempt call waits for the model loop
 
 
 class NotServing(NoReservation):
@@ -143,6 +146,21 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         if took:
             self.on_change()
         return out
+
+    async def Preempt(self, request: pb.PreemptRequest, context: grpc.aio.ServicerContext) -> pb.PreemptResponse:
+        """Has the model loop preempt one sequence of the given tiers (`DecodeLoop._preempt`),
+        between two steps; its seat and blocks are free when this answers."""
+        if not self.serving or not request.tiers:
+            return pb.PreemptResponse()
+        ask = PreemptAsk(tuple(request.tiers), request.reason or "preempted for a better tier")
+        self.loop.add(ask)
+        try:
+            rid = await asyncio.wait_for(asyncio.wrap_future(ask.done), PREEMPT_WAIT_S)
+        except asyncio.TimeoutError:  # the loop is stuck in a long step: it skips the ask if it has not begun it
+            ask.done.cancel()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the model loop did not get to the preemption "
+                                                             f"within {PREEMPT_WAIT_S:.0f} s")
+        return pb.PreemptResponse(request_id=rid)
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         with self._lock:

@@ -195,6 +195,7 @@ class SchedulerConfig(StoreConfig):
     order_policy: str = field(default="fcfs", metadata={"help": "inside a tenant: fcfs, sjf (shortest prompt+max_tokens) or edf (earliest deadline)"})
     default_weight: float = field(default=1.0, metadata={"help": "fair-share weight of a tenant without one in its policy"})
     reserve_slots: int = field(default=1, metadata={"help": "decode slots kept free for tenants below their fair share while others are active (0 = off)"})
+    preempt_lower_tiers: bool = field(default=False, metadata={"help": "a request finding every decode worker full has a running request of a lower tier preempted by recompute (it resumes later from its tokens)"})
     share_window_s: float = field(default=10.0, metadata={"help": "a tenant served this recently still counts as active for reserve_slots"})
     max_queued: int = field(default=10000, metadata={"help": "queued requests over all tenants"})
     max_queued_tokens: int = field(default=20_000_000, metadata={"help": "queued tokens (prompt + max_tokens) over all tenants"})

@@ -31,10 +31,12 @@ from pdq.request import State
 # Kinds of a given-back attempt (`RequestStore.requeue`): the request's own failure (a failed
 # hand-off, an error running it on a worker) or an attempt lost to infrastructure (its worker
 # died, shut down or lost Redis; its prefill lease expired). Only failures count towards
-# max_attempts; losses are bounded by `pdq.store.RetryLimits.max_lost`.
+# max_attempts; losses are bounded by `pdq.store.RetryLimits.max_lost`. A preempted attempt (a decode
+# worker made room for a better tier's request) counts towards neither.
 FAILURE = "failure"
 LOST = "lost"
-KINDS = (FAILURE, LOST)
+PREEMPTED = "preempted"
+KINDS = (FAILURE, LOST, PREEMPTED)
 
 
 @dataclass(frozen=True)

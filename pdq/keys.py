@@ -317,7 +317,8 @@ end
 -- hand-off, an error on a worker) counts towards max_attempts, puts the attempt's workers on the
 -- request's avoid list and holds it back backoff_ms (doubling per failure, at most
 -- backoff_max_ms: retry_at); kind 'lost' (infrastructure: its worker died or shut down, its lease
--- expired) counts towards max_lost only. Back to its old place in its tenant's queue under a new
+-- expired) counts towards max_lost only; kind 'preempted' (a decode worker made room for a better
+-- tier) counts nothing but 'preempted'. Back to its old place in its tenant's queue under a new
 -- epoch (so the old attempt's writes are rejected), or FAILED when its bound is reached. What it
 -- did is kept in 'requeued' (epoch|kind|outcome|error), so a replay of the same call can answer
 -- the same. lim: {max_attempts, max_lost, backoff_ms, backoff_max_ms}
@@ -325,7 +326,9 @@ local function requeue(id, err, now, kind, lim, ttl)
   local rk = key('req', id)
   local h = redis.call('HMGET', rk, 'epoch', 'tier', 'tenant', 'score', 'cost', 'lease_prefill', 'lease_decode')
   local outcome, why = 'QUEUED', err
-  if kind == 'lost' then
+  if kind == 'preempted' then
+    redis.call('HINCRBY', rk, 'preempted', 1)
+  elseif kind == 'lost' then
     local n = redis.call('HINCRBY', rk, 'lost', 1)
     if n >= tonumber(lim[2]) then
       outcome, why = 'FAILED', err .. ' (' .. n .. ' attempts lost to worker or Redis trouble: max_lost_attempts)'
@@ -450,7 +453,7 @@ end
 return out
 """
 
-# ARGV: prefix, id, epoch, now, max_attempts, error, ttl, kind ('failure' | 'lost'), max_lost,
+# ARGV: prefix, id, epoch, now, max_attempts, error, ttl, kind ('failure' | 'lost' | 'preempted'), max_lost,
 #       backoff_ms, backoff_max_ms
 # Gives back a failed or lost attempt (see requeue). -> 'QUEUED' | 'FAILED', or false when the
 # epoch is stale or the request is queued or ended.

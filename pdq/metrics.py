@@ -93,6 +93,8 @@ REJECTIONS = Counter("pdq_rejections", "Requests refused at the gateway, by reas
 CANCELLATIONS = Counter("pdq_cancellations", "Cancel requests, by source (client, disconnect, operator).", ("source",))
 TIMEOUTS = Counter("pdq_timeouts", "Requests ended by their deadline, by stage (gateway, queue, prefill, decode).",
                    ("stage",))
+PREEMPTIONS = Counter("pdq_preemptions", "Running sequences a decode worker preempted by recompute to make room for a "
+                      "better tier's request, by the preempted request's tier.", ("tier",))
 REQUEUES = Counter("pdq_requeues", "Attempts given back to the scheduler (retries, migrations), by stage and "
                    "outcome (QUEUED again, or FAILED with attempts spent).", ("stage", "outcome"))
 

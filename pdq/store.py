@@ -515,8 +515,8 @@ class RequestStore:
     def requeue(self, rid: str, epoch: int, error: str, max_attempts: int, kind: str = FAILURE) -> Any:
         """Gives back attempt `epoch` of a request: back in the queue, or FAILED when its bound
         is reached. kind FAILURE (the request's own: counts towards max_attempts, the attempt's
-        workers are avoided next time, after a backoff) or LOST (infrastructure: counts towards
-        retry.max_lost). -> new state name, or None when the epoch is stale or it ended."""
+        workers are avoided next time, after a backoff), LOST (infrastructure: counts towards
+        retry.max_lost) or PREEMPTED (made room for a better tier: counts nothing). -> new state name, or None when the epoch is stale or it ended."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         r = self.retry

@@ -29,6 +29,7 @@ from pdq.store import RequestStore, TenantBacklog, now_ms, spec_from_bytes
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 from scheduler.policies import (Candidate, DecodeSlots, DrainRate, Headroom, TenantQueue, TierQueue, below_share,
+                                preemptible_tiers,
                                 choose_decode_worker, fair_policy, form_batch, place_prefill, prefer_healthy,
                                 prefill_priority, schedule, tier_policy)
 from scheduler.retries import BatchOutcome, Retries
@@ -45,6 +46,11 @@ INFLIGHT_BATCHES_PER_PREFILL_WORKER = 2
 # Polling an empty queue every 100 ms took ~1% of a core (a Redis script each time) and woke
 # Redis and the scheduler 20 times a second, each time taking a core from the model's threads.
 IDLE_POLL_S = 1.0
+
+# After a preemption, no other until a round placed a request or this long passed: the freed seat
+# reaches the dispatcher with the worker's next heartbeat, and one seat is what the head asked for.
+PREEMPT_SETTLE_S = 2.0
+PREEMPT_CALL_S = 15.0  # a worker answers within its own wait for the model loop (10 s)
 
 
 @dataclass
@@ -96,6 +102,7 @@ class Dispatcher:
         self._next_retry_ms = 0  # when a request held back after a failure may go (0 = none held back)
         self._pokes = 0  # work queued since start (submits, requeues): did any come while a batch was placed?
         self._stopped = asyncio.Event()
+        self._preempted_at = 0.0  # monotonic time of the latest preemption (0: none since a round placed one)
         self._live: dict[str, list[WorkerInfo]] = {role: [] for role in ROLES}  # the registry as last read
         self.retries = Retries(config, store, self._release)
 
@@ -271,6 +278,9 @@ class Dispatcher:
             plans.append((cand, choice, under, self.headroom.keep_free(under, free, choice.free_slots)))
             choice.free_slots -= 1  # as if granted: the next candidates see it; the replies correct it
             running[cand.tenant] = running.get(cand.tenant, 0) + 1
+        if not plans and self.config.preempt_lower_tiers:
+            await self._preempt_for(batch[0], decode, sum(s.free_slots for s in slots))
+            return False
         replies = await self._reserve_round([(choice, cand, keep) for cand, choice, _, keep in plans])
         left: dict[str, int] = {}  # worker -> its own count of free slots after the round
         placed: list[tuple[Candidate, DecodeSlots, int, str]] = []
@@ -285,6 +295,7 @@ class Dispatcher:
             s.free_slots = left.get(s.worker_id, s.free_slots)
         if not placed:
             return False
+        self._preempted_at = 0.0
         batch_id = uuid.uuid4().hex[:12]
         claimed = await self.store.claim([(c.request_id, dw.worker_id) for c, dw, _, _ in placed], target_info.worker_id,
                                          target.address, int(self.config.prefill_lease_s * 1000),
@@ -337,6 +348,25 @@ class Dispatcher:
         cut = (seen > len(batch) or next(order, None) is not None
                or any(len(b.heads) >= size for backlogs in snapshot.values() for b in backlogs))
         return batch, cut
+
+    async def _preempt_for(self, head: Candidate, decode: list[WorkerInfo], free_slots: int) -> None:
+        """The head of the queue found no room: a decode worker preempts one running request of
+        a lower tier (`preemptible_tiers`), asked one worker after another until one has such a
+        request. At most one preemption until the freed seat is taken."""
+        tiers = preemptible_tiers(self.tiers, head.tier, free_slots)
+        if not tiers or time.monotonic() - self._preempted_at < PREEMPT_SETTLE_S:
+            return
+        request = pb.PreemptRequest(tiers=tiers, reason=f"preempted for a request of tier {head.tier}")
+        for w in decode:
+            try:
+                reply = await self._peer(w).stub.Preempt(request, timeout=PREEMPT_CALL_S)
+            except grpc.aio.AioRpcError as exc:
+                log.warning("preemption on %s failed: %s", w.worker_id, exc.details())
+                continue
+            if reply.request_id:
+                self._preempted_at = time.monotonic()
+                log.info("%s preempted %s for %s (tier %s)", w.worker_id, reply.request_id, head.request_id, head.tier)
+                return
 
     def _tier_rank(self, tier: str) -> int:
         return self.tiers.index(tier) if tier in self.tiers else len(self.tiers)

@@ -52,3 +52,29 @@ def test_a_prompt_waits_only_for_full_blocks_another_is_computing_that_the_cache
     assert not waits_for_shared_prefix(b, 0, [], 16)
     other = [5] * 16 + system[16:]  # agrees from block 1 on, not in block 0: nothing shareable
     assert not waits_for_shared_prefix(b, 16, [other], 16)
+
+
+def test_a_request_finding_no_seat_may_preempt_only_tiers_below_its_own():
+    from scheduler.policies import preemptible_tiers
+
+    tiers = ["interactive", "standard", "batch"]
+    assert preemptible_tiers(tiers, "interactive", 0) == ("standard", "batch")
+    assert preemptible_tiers(tiers, "standard", 0) == ("batch",)
+    assert preemptible_tiers(tiers, "batch", 0) == ()  # the worst tier preempts nobody
+    assert preemptible_tiers(tiers, "interactive", 1) == ()  # a free seat somewhere: no preemption
+    assert preemptible_tiers(tiers, "unknown", 0) == ()
+
+
+def test_the_victim_is_the_worst_tiers_newest_sequence():
+    from types import SimpleNamespace as S
+
+    from decode_worker.loop import preempt_victim
+
+    seqs = [S(rid="b-old", labels=("batch", "t"), arrived=1.0, done=False),
+            S(rid="s-new", labels=("standard", "t"), arrived=9.0, done=False),
+            S(rid="b-new", labels=("batch", "t"), arrived=5.0, done=False),
+            S(rid="b-done", labels=("batch", "t"), arrived=7.0, done=True),
+            S(rid="i", labels=("interactive", "t"), arrived=8.0, done=False)]
+    assert preempt_victim(seqs, ("standard", "batch")).rid == "b-new"
+    assert preempt_victim(seqs, ("standard",)).rid == "s-new"
+    assert preempt_victim(seqs[:1], ("standard",)) is None

@@ -119,6 +119,20 @@ class PrefillBatchResult(_message.Message):
     results: _containers.RepeatedCompositeFieldContainer[PrefillItemResult]
     def __init__(self, results: _Optional[_Iterable[_Union[PrefillItemResult, _Mapping]]] = ...) -> None: ...
 
+class PreemptRequest(_message.Message):
+    __slots__ = ("tiers", "reason")
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedScalarFieldContainer[str]
+    reason: str
+    def __init__(self, tiers: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class PreemptResponse(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "epoch", "tokens", "keep_free")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -259,6 +259,11 @@ class DecodeWorkerStub:
                 request_serializer=pdq_dot_v1_dot_internal__pb2.KVChunk.SerializeToString,
                 response_deserializer=pdq_dot_v1_dot_internal__pb2.PushKVResponse.FromString,
                 _registered_method=True)
+        self.Preempt = channel.unary_unary(
+                '/pdq.v1.DecodeWorker/Preempt',
+                request_serializer=pdq_dot_v1_dot_internal__pb2.PreemptRequest.SerializeToString,
+                response_deserializer=pdq_dot_v1_dot_internal__pb2.PreemptResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -304,6 +309,19 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Preempt(self, request, context):
+        """Preempts, by recompute, one running sequence of one of `tiers`: the one
+        of the lowest of those tiers (their order: best first) that arrived last.
+        Its tokens so far are kept; its request goes back to its place in the
+        queue (requeued as preempted: no attempt counted) and a later attempt
+        prefills its prompt plus those tokens and goes on. Its seat and KV blocks
+        are free when the call returns. The scheduler calls it for a request of a
+        better tier that finds every decode worker full (--preempt-lower-tiers).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -326,6 +344,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.PushKV,
                     request_deserializer=pdq_dot_v1_dot_internal__pb2.KVChunk.FromString,
                     response_serializer=pdq_dot_v1_dot_internal__pb2.PushKVResponse.SerializeToString,
+            ),
+            'Preempt': grpc.unary_unary_rpc_method_handler(
+                    servicer.Preempt,
+                    request_deserializer=pdq_dot_v1_dot_internal__pb2.PreemptRequest.FromString,
+                    response_serializer=pdq_dot_v1_dot_internal__pb2.PreemptResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -437,6 +460,33 @@ class DecodeWorker:
             '/pdq.v1.DecodeWorker/PushKV',
             pdq_dot_v1_dot_internal__pb2.KVChunk.SerializeToString,
             pdq_dot_v1_dot_internal__pb2.PushKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Preempt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdq.v1.DecodeWorker/Preempt',
+            pdq_dot_v1_dot_internal__pb2.PreemptRequest.SerializeToString,
+            pdq_dot_v1_dot_internal__pb2.PreemptResponse.FromString,
             options,
             channel_credentials,
             insecure,

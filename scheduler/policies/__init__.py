@@ -7,7 +7,7 @@ Order of choice when forming a batch, each layer chosen by name in SchedulerConf
 `plan.schedule` composes them; `batch.form_batch` cuts a batch from the order and
 `batch.place_prefill` / `batch.choose_decode_worker` place it (keeping a failed request away from
 the workers that failed it); `headroom` keeps the decode pool's last free slots for tenants below
-their fair share; `retry` tells a request's own failures from lost attempts and quarantines
+their fair share; `tiers.preemptible_tiers` says whom a request finding no room may preempt; `retry` tells a request's own failures from lost attempts and quarantines
 workers whose hand-offs keep failing; `liveness` tells the janitor which workers are dead.
 """
 
@@ -19,9 +19,9 @@ from scheduler.policies.liveness import HeartbeatWatch
 from scheduler.policies.order import ORDER_POLICIES
 from scheduler.policies.plan import TierQueue, schedule
 from scheduler.policies.retry import Quarantine, classify, prefer_healthy
-from scheduler.policies.tiers import AgingTiers, StrictTiers, tier_policy
+from scheduler.policies.tiers import AgingTiers, StrictTiers, preemptible_tiers, tier_policy
 
 __all__ = ["AgingTiers", "Candidate", "DecodeSlots", "DrainRate", "FAIR_POLICIES", "FIFO", "Headroom", "HeartbeatWatch",
            "ORDER_POLICIES", "Quarantine", "StrictTiers", "TenantQueue", "TierQueue", "VTC", "acceptable", "below_share",
            "choose_decode_worker", "classify", "fair_policy", "form_batch", "place_prefill", "prefer_healthy",
-           "prefill_priority", "resolve_tier", "retry_after_ms", "schedule", "tier_policy"]
+           "preemptible_tiers", "prefill_priority", "resolve_tier", "retry_after_ms", "schedule", "tier_policy"]

@@ -34,3 +34,13 @@ def tier_policy(name: str, aging_ms: int) -> StrictTiers | AgingTiers:
     if name == "aging":
         return AgingTiers(aging_ms)
     raise ValueError(f"unknown tier policy {name!r}")
+
+
+def preemptible_tiers(tiers: list[str], tier: str, free_slots: int) -> tuple[str, ...]:
+    """The tiers whose running sequences a request of `tier` (the head of a dispatch round that
+    placed nothing) may have preempted (--preempt-lower-tiers): those below its own, best first,
+    and only while no decode slot is free anywhere. A request of the worst tier preempts nobody,
+    so a preempted request never preempts back."""
+    if free_slots > 0 or tier not in tiers:
+        return ()
+    return tuple(tiers[tiers.index(tier) + 1:])

@@ -3,7 +3,10 @@
 The event loop thread (PushKV) takes the sequence's KV blocks when the header arrives, under a
 key of its own (never the request id: a failed attempt's blocks may still be waiting to be freed
 when the retry of the same request arrives): room for its prompt and every token it may still
-generate, so a running sequence never waits for a block. The chunks' bytes land in a staging
+generate, so a running sequence never waits for a block. The leading full blocks its prompt
+shares with blocks this pool holds (an earlier hand-off of the same system prompt) are shared,
+not copied: only the rest of the received K/V is written, so sequences with a common prefix hold
+it once here too. The chunks' bytes land in a staging
 buffer, copied into the blocks once the stream checked out, while the model thread decodes
 other sequences. Both outcomes go to the decode loop's inbox, so the blocks change hands only on
 the model thread: `Arrived` (all checks passed: the blocks are renamed to the request id and the
@@ -56,9 +59,11 @@ class BlockSink:
         if header.num_tokens > self.runner.max_seq_len:
             raise KVTransferError(f"{header.num_tokens} tokens exceed max_seq_len={self.runner.max_seq_len}")
         key = ("kv-in", header.spec.request_id, next(_receipts))
-        try:
-            self.runner.allocate(key, reserve_tokens=max(header.num_tokens + 1,
-                                                         kv_reserve_tokens(header.spec, self.runner.max_seq_len)))
+        tokens = list(header.spec.prompt_token_ids) + list(header.generated_token_ids[:-1])
+        self.tokens = tokens if len(tokens) == header.num_tokens else None
+        try:  # sharing the cached blocks that hold a prefix of its tokens (their K/V is not written again)
+            self.cached = self.runner.allocate(key, self.tokens or (), max(
+                header.num_tokens + 1, kv_reserve_tokens(header.spec, self.runner.max_seq_len)))
         except KVPoolFull as exc:
             raise KVTransferError(str(exc)) from None
         self.key = key
@@ -72,8 +77,7 @@ class BlockSink:
         scatter(self.header, offset // self.itemsize, tensor_of(data, self.dtype), self.buf)
 
     def close(self) -> Arrived:
-        h = self.header
-        tokens = list(h.spec.prompt_token_ids) + list(h.generated_token_ids[:-1])
-        self.runner.write_kv(self.key, self.buf, tokens if len(tokens) == h.num_tokens else None)
+        c = self.cached
+        self.runner.write_kv(self.key, self.buf[:, :, :, c:], self.tokens[c:] if self.tokens else None, start=c)
         self.buf = None
-        return Arrived(h, self.key)
+        return Arrived(self.header, self.key)

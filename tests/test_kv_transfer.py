@@ -123,3 +123,36 @@ def test_scatter_writes_only_the_sent_positions_of_a_pool_slot():
     for layer, (k, v) in enumerate(src):
         assert torch.equal(slot[layer, 0, :, :5], k) and torch.equal(slot[layer, 1, :, :5], v)
     assert torch.all(slot[:, :, :, 5:] == 7.0)
+
+
+def test_hand_offs_of_one_prefix_share_its_blocks_and_write_only_the_rest():
+    """A decode worker's sink: two hand-offs whose prompts share 48 tokens (three full blocks);
+    the second takes those blocks from the pool's prefix cache and writes only its own positions."""
+    from decode_worker.kv_receive import BlockSink
+    from pdq.engine.runner import ModelRunner
+    from pdq.model.builtin import build_model
+    from pdq.v1 import generation_pb2 as gen_pb
+
+    runner = ModelRunner(build_model("tiny"), kv_budget_tokens=512, max_seq_len=256)
+    shape = (runner.num_kv_heads, 50, runner.head_dim)
+    system = list(range(3, 51))  # 48 tokens
+
+    def hand_off(rid: str, tail: list[int], seed: int):
+        g = torch.Generator().manual_seed(seed)
+        kv = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(runner.num_layers)]
+        header = pb.KVHeader(spec=pb.RequestSpec(request_id=rid, prompt_token_ids=system + tail,
+                                                 sampling=gen_pb.SamplingParams(max_tokens=2)),
+                             epoch=1, generated_token_ids=[1])
+        assembler = kv_transfer.Assembler(sink=BlockSink(runner, admit=lambda h: None))
+        for frame in kv_transfer.encode_frames(header, kv):
+            assembler.add_frame(frame)
+        return kv, assembler.finish().key
+
+    first, _ = hand_off("s1", [7, 8], seed=1)
+    blocks_used = runner.usage().blocks_used
+    second, key = hand_off("s2", [9, 10], seed=2)
+    assert runner.pool.blocks.hit_tokens == 48  # the second found the first's three blocks
+    assert runner.usage().blocks_used == blocks_used + 1  # its own: one block for positions 48..51
+    for (k, v), (k1, v1), (k2, v2) in zip(runner.export_kv(key), first, second):
+        assert torch.equal(k[:, :48], k1[:, :48]) and torch.equal(v[:, :48], v1[:, :48])  # shared
+        assert torch.equal(k[:, 48:], k2[:, 48:]) and torch.equal(v[:, 48:], v2[:, 48:])  # its own

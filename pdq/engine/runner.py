@@ -357,13 +357,15 @@ class ModelRunner:
         return [(layer[0].contiguous(), layer[1].contiguous()) for layer in kv]
 
     @torch.inference_mode()
-    def write_kv(self, seq_id: Hashable, kv: torch.Tensor, tokens: Sequence[int] | None = None) -> None:
+    def write_kv(self, seq_id: Hashable, kv: torch.Tensor, tokens: Sequence[int] | None = None,
+                 start: int = 0) -> None:
         """Copies a received K/V [num_layers, 2, num_kv_heads, n, head_dim] (any device or dtype)
-        into positions [0, n) of `seq_id`'s blocks and sets its KV length to n. `tokens`: the
+        into positions [start, start + n) of `seq_id`'s blocks (start: the cached prefix its
+        allocation shared, a block boundary) and sets its KV length to start + n. `tokens`: the
         tokens of those positions, so their full blocks join the prefix cache. Safe from another
         thread while forward passes run on other sequences."""
         expected = (self.num_layers, 2, self.num_kv_heads, kv.shape[3], self.head_dim)
         if tuple(kv.shape) != expected:
             raise ValueError(f"write_kv: want K/V of shape {expected}, got {tuple(kv.shape)}")
-        self.pool.write(seq_id, kv, 0, tokens)
+        self.pool.write(seq_id, kv, start, tokens)
         self.pool.commit(seq_id)

@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: up test install protos clean bench
+.PHONY: up test install protos docs clean bench
 
 up: install
 	$(VENV)/bin/pdq up $(ARGS)
@@ -26,6 +26,9 @@ $(STAMP): pyproject.toml
 
 protos: install
 	$(PY) -m pdq.protogen
+
+docs: install
+	$(PY) -m pdq.configdoc
 
 bench: install
 	$(VENV)/bin/pdq bench $(ARGS)

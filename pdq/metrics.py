@@ -91,7 +91,7 @@ GENERATED_TOKENS = Counter("pdq_generated_tokens", "Tokens generated (the first 
 REJECTIONS = Counter("pdq_rejections", "Requests refused at the gateway, by reason "
                      "(validation reason such as PROMPT_TOO_LONG, UNAUTHENTICATED, QUEUE_FULL).", ("reason",))
 CANCELLATIONS = Counter("pdq_cancellations", "Cancel requests, by source (client, disconnect, operator).", ("source",))
-TIMEOUTS = Counter("pdq_timeouts", "Requests ended by their deadline, by stage (gateway, queue, prefill, decode).",
+TIMEOUTS = Counter("pdq_timeouts", "Requests ended by their deadline, by stage (gateway, scheduler, prefill, decode).",
                    ("stage",))
 PREEMPTIONS = Counter("pdq_preemptions", "Running sequences a decode worker preempted by recompute to make room for a "
                       "better tier's request, by the preempted request's tier.", ("tier",))

@@ -1,7 +1,8 @@
 """Iteration-level batch policy: which sequences run in the next step, and how many tokens each.
 
 Pure: takes plain data about sequences and free KV blocks, returns a `StepPlan`. No torch, no
-IO; the in-process `LLMEngine` and a decode worker's loop both drive it.
+IO; the in-process `LLMEngine` drives it (the workers' loops batch with `decode_worker.strategy`
+and `prefill_worker.chunking`).
 
 Policy (decode first, then chunked prefill, FCFS, under a per-step token budget):
 1. every running sequence with exactly one uncached token decodes it (1 token each);

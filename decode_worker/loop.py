@@ -372,9 +372,10 @@ class DecodeLoop(ModelLoop):
 
         Sequences that finish free their K/V before the send: sending wakes Redis, the gateway
         and the client, which then take a core from the model's threads, and the pool's
-        compaction copy (a parallel region) would wait for them (~1 ms a free here, against
-        ~0.3 ms before the send). Those that leave are told to `on_leave` in one call, after
-        the send, so the event loop wakes once a step, not once a sequence."""
+        compaction copy (a parallel region) would wait at its barrier for a thread they took
+        the core of; before the send the cores are the model's. Those that leave are told to
+        `on_leave` in one call, after the send, so the event loop wakes once a step, not once a
+        sequence."""
         self.settle()
         params = [s.params for s in seqs]
         tokens = sample_each(self.grammars.mask(logits, [s.matcher for s in seqs]), params,

@@ -9,7 +9,7 @@ thread uses. Under Linux's SCHED_BATCH a waking thread does not preempt a runnin
 when a core frees up (an OpenMP thread waiting at a barrier, the model thread waiting on
 Redis) or when the running thread's time slice ends. It keeps its full weight, so it is never
 starved, only later to run while the model keeps every core busy. `pdq up` starts its gateway, scheduler and Redis under it
-("batch"), and `pdq bench` runs its clients under it (BENCHMARKS.md has the measurements).
+("batch"), and `pdq bench` runs its clients under it.
 
 Policies are per thread on Linux and new threads inherit their creator's, so `apply` at a
 process's start (before it starts threads) covers the whole process. Elsewhere (no
@@ -101,8 +101,8 @@ def pin_model_threads(threads: int, parallel: Callable[[], None]) -> Pinned:
 
     Why: a forward pass runs a parallel region per operator on every core, and a control-plane
     process that wakes takes a core meanwhile. Unpinned, the kernel then often wakes the OpenMP
-    thread on the model thread's own core, where the two take turns until it moves one of them
-    (BENCHMARKS.md, session 9). Pinned, each keeps its core and waits there for it.
+    thread on the model thread's own core, where the two take turns until it moves one of them.
+    Pinned, each keeps its core and waits there for it.
 
     The OpenMP threads are found by what they do: `parallel` (a parallel torch op, run here for
     tens of milliseconds) makes them run at least half as long as the caller; the other threads of

@@ -5,16 +5,15 @@ chunk) with mmap and returns them to the system when freed, so every pass faults
 in again, page by page, and the kernel zeroes each page. In a virtual machine whose memory the
 host backs lazily (Firecracker, most cloud VMs with free page reporting), a page the guest
 touches for the first time, or again after the host reclaimed it, costs several microseconds
-more: measured here, a fresh process's first 1024-token prefill passes took 400-730 ms against
-~210 ms once its memory was its own. PyTorch's CPU performance guide suggests jemalloc or
+more, so a fresh process's first large passes (a 1024-token prefill) run far slower than the
+same passes once its memory is its own. PyTorch's CPU performance guide suggests jemalloc or
 tcmalloc for the same reason; `keep_freed_memory` gets the effect from glibc itself (mallopt):
 blocks come from the heap and stay mapped after free, so a process's footprint settles at its
 peak and later passes reuse the same pages. A model worker runs it before loading the model,
 then `ModelRunner.warm_up` faults in a full-size pass's buffers at start-up, and `reserve_heap`
 faults in room to spare: a burst's passes of other shapes (many chunks with masks, a full decode
-batch) grow the heap past the warm-up's peak, and on this VM a fresh page costs ~11 us, so a fresh
-worker's first two bursts of the mixed workload took ~23,000 page faults (~250 ms) and the third
-none (BENCHMARKS.md, session 12).
+batch) grow the heap past the warm-up's peak, and every fresh page they touched would cost a
+page fault on the first users' requests.
 """
 
 import ctypes
@@ -40,9 +39,9 @@ def _libc() -> ctypes.CDLL:
 def keep_freed_memory() -> bool:
     """Also puts every thread that has not allocated yet in glibc's main arena (M_ARENA_MAX 1):
     a thread's own arena grows in separate heaps of at most 64 MB, and memory that
-    `reserve_heap` left there was not reused by the passes that followed (a fresh worker still
-    took ~16,000 page faults in its first burst), while the main arena's was. Call it first
-    thing in a model process, before it starts threads; called again later it changes nothing
+    `reserve_heap` leaves there is not reused by the passes that follow (they fault fresh
+    pages in anyway), while the main arena's is. Call it first thing in a model process,
+    before it starts threads; called again later it changes nothing
     for threads that already allocated. -> True where glibc took the settings; False elsewhere
     (other libc, macOS, Windows), where nothing changes."""
     if not sys.platform.startswith("linux"):

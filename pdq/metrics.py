@@ -126,6 +126,8 @@ KV_TRANSFER_BYTES = Counter("pdq_kv_transfer_bytes", "KV cache bytes handed off.
 # -- scheduler ----------------------------------------------------------------------------------
 
 QUEUE_DEPTH = Gauge("pdq_queue_depth", "Queued requests.", REQUEST_LABELS)
+QUEUE_TOKENS = Gauge("pdq_queue_tokens", "Tokens of the queued requests (prompt + max_tokens): the work waiting, what "
+                     "prefill and decode capacity scale on.", REQUEST_LABELS)
 LIVE_WORKERS = Gauge("pdq_live_workers", "Workers with a fresh heartbeat.", ("role",))
 
 # -- gRPC (every process) -----------------------------------------------------------------------

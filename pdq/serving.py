@@ -26,10 +26,10 @@ GRPC_OPTIONS = [
 ]
 # Servers accept the clients' keepalive pings above (else they GOAWAY with too_many_pings).
 # gRPC core queues the calls that arrive faster than the asyncio server takes them (one per turn
-# of its event loop); by default it cancels them past 1,000 queued or 30 s queued: 4,000 streams
-# opened at once to a busy gateway lost 10-40% of them to a bare CANCELLED. The queue holds only
-# what the clients sent; a call waits there until taken, within its own deadline; past the hard
-# limit a call gets RESOURCE_EXHAUSTED.
+# of its event loop); by default it cancels them past 1,000 queued or 30 s queued, so a burst of
+# thousands of streams opened at once to a busy gateway would lose many to a bare CANCELLED.
+# The queue holds only what the clients sent; a call waits there until taken, within its own
+# deadline; past the hard limit a call gets RESOURCE_EXHAUSTED.
 SERVER_OPTIONS = GRPC_OPTIONS + [
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_ping_strikes", 0),

@@ -36,18 +36,19 @@ from pdq.supervisor import Child, RestartPolicy, Supervisor
 __all__ = ["Child", "Cluster", "RestartPolicy", "cpu_share_env", "run"]
 
 
-# Decode steps start at least this far apart while prefill runs on the same cores: measured on
-# the mixed workload (BENCHMARKS.md), TTFT p99 -20-28%, tokens/s the same within the noise,
-# ITL p99 ~250 ms instead of ~70 ms.
+# Decode steps start at least this far apart while prefill runs on the same cores: prefill gets
+# the cores, so the first token comes sooner, at the cost of inter-token latency (a running
+# request's next token may wait this long while a prompt is prefilled); the work is the same, in
+# another order, so throughput does not change.
 YIELD_TO_PREFILL_MS = "150"
 
 # How long an idle OpenMP thread spins before it sleeps (libgomp's GOMP_SPINCOUNT), for every
-# local worker and the benchmark's baselines. Measured on this 2-core machine (BENCHMARKS.md):
-# PASSIVE (sleep at once) makes a 2-thread forward wait for a sleeping thread at every parallel
-# region; libgomp's default (300,000 rounds) made the service ~11% faster than PASSIVE on the
-# mixed workload, but its spinning took the cores from everything else: a light tenant's p99
-# TTFT under a flood went from ~3x its TTFT alone to 6-11x. 10,000 rounds kept the tail (3.4-3.8x)
-# and made ~5% more tokens/s than PASSIVE.
+# local worker and the benchmark's baselines. On a small machine PASSIVE (sleep at once) makes a
+# forward pass wait for a sleeping thread at every parallel region, while libgomp's default
+# (300,000 rounds) keeps idle threads spinning on cores that the gateway, the scheduler and the
+# other workers need, so a light tenant's TTFT under a flood grows several-fold. 10,000 rounds
+# keeps the threads awake across the short gaps between a pass's parallel regions and lets them
+# sleep through the longer ones, which gives the cores back to the rest.
 OMP_SPIN_COUNT = "10000"
 
 
@@ -99,13 +100,13 @@ class Cluster:
     extra_env: dict = field(default_factory=dict)
     # Decode workers run this much nicer than the rest: when the machine's cores are all busy,
     # the scheduler, gateway and prefill (the time to first token) go first, decode steps wait.
-    # None: 5, and 0 for colocated workers (they prefill too; a nicer model process lost 8-10%
-    # of its tokens/s to the gateway's and the clients' bursts, BENCHMARKS.md).
+    # None: 5, and 0 for colocated workers (they prefill too, and a nicer model process would
+    # give its cores up to every burst of the gateway and the clients, losing throughput).
     decode_nice: int | None = field(default_factory=lambda: int(os.environ["PDQ_UP_DECODE_NICE"])
                                     if os.environ.get("PDQ_UP_DECODE_NICE") else None)
     # CPU policy (pdq.cpu) of the processes that do not run the model: Redis, the scheduler and
     # the gateway. "batch": they do not preempt the model's threads when they wake, and run when a
-    # core frees up (BENCHMARKS.md, session 7); "normal": as any process.
+    # core frees up (see pdq.cpu); "normal": as any process.
     control_policy: str = field(default_factory=lambda: os.environ.get("PDQ_UP_CONTROL_POLICY") or "batch")
     # /metrics ports: 0 = a free port per process; N = gateway N, scheduler N+1, prefill-i N+10+i,
     # decode-i N+20+i (what deploy/prometheus.yml scrapes); -1 = no metrics endpoints

@@ -27,9 +27,10 @@ class ModelThread:
     parallel region, and once it manages more threads than there are cores, its idle threads
     spin ~100 rounds instead of GOMP_SPINCOUNT before they sleep: each parallel region of a
     forward pass then waits for a sleeping thread to wake. A model loaded in one thread
-    (prepacking weights runs parallel regions) and run in another made decode steps ~20%
-    slower, with 15x the context switches (BENCHMARKS.md, session 7). Calls run one at a time,
-    in order; the thread is a daemon, as the loops' threads always were.
+    (prepacking weights runs parallel regions) and run in another would leave two pools on the
+    cores, so every decode step would pay those wake-ups and context switches; one thread for
+    both keeps one pool. Calls run one at a time, in order; the thread is a daemon, as the
+    loops' threads are.
     """
 
     def __init__(self, name: str = "model"):
@@ -131,8 +132,9 @@ def set_torch_threads(n: int) -> None:
     """torch.set_num_threads(n), with MKL's dynamic threading left on. torch turns it off there
     (so that Intel's OpenMP keeps its threads across MKL calls; torch's CPU wheels use GNU
     OpenMP, whose pool stays anyway), and MKL then runs every small matrix product (a decode
-    step's attention) on all threads: a decode worker with 1 thread (2 while nothing of its is
-    being prefilled) made the separate-worker service 5-7% slower (BENCHMARKS.md, session 12).
+    step's attention) on all threads, where splitting it costs more than it saves: that slows
+    every step of a decode worker that shares the cores with a prefill worker (1 thread, 2 while
+    nothing of its is being prefilled).
     Best effort: where torch carries no MKL, only the count changes. Call it from the thread
     that runs the model: torch sets its threads up in each thread at the first call there, and
     once a count was set that turns MKL's dynamic threading off again."""

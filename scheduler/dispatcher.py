@@ -427,25 +427,22 @@ class Dispatcher:
                                                   "pdq.tier": spec.tier, "pdq.attempt": item.epoch}))
 
     async def observe_queue(self) -> None:
-        """Refreshes the queue depth (per tier and tenant) and live worker gauges, at most once a second."""
+        """Refreshes the queue gauges (requests and tokens per tier and tenant, one Redis round
+        trip: the queue's own counters) and the live worker gauges, at most once a second."""
         if time.monotonic() - self._depth_at < 1.0:
             return
         self._depth_at = time.monotonic()
         await self._workers()  # refreshes the live worker gauges
-        client, keys = self.store.client, self.store.keys
-        labels = []
-        for tier in self.tiers:
-            labels += [(tier, t.decode() if isinstance(t, bytes) else t)
-                       for t in await client.zrange(keys.backlog(tier), 0, -1)]
-        pipe = client.pipeline(transaction=False)
-        for tier, tenant in labels:
-            pipe.zcard(keys.queue(tier, tenant))
-        depths = await pipe.execute() if labels else []
-        for (tier, tenant), depth in zip(labels, depths):
-            metrics.QUEUE_DEPTH.labels(tier, tenant).set(depth)
-        for gone in self._depth_labels - set(labels):
+        depth = await self.store.depth(self.tiers)
+        labels = set()
+        for tier, tenant, requests, tokens in depth:
+            metrics.QUEUE_DEPTH.labels(tier, tenant).set(requests)
+            metrics.QUEUE_TOKENS.labels(tier, tenant).set(tokens)
+            labels.add((tier, tenant))
+        for gone in self._depth_labels - labels:
             metrics.QUEUE_DEPTH.labels(*gone).set(0)
-        self._depth_labels = set(labels)
+            metrics.QUEUE_TOKENS.labels(*gone).set(0)
+        self._depth_labels = labels
 
     async def _run_batch(self, peer: _Peer, worker_id: str, batch: pb.PrefillBatch, reserved: list[DecodeSlots]) -> None:
         """Runs one batch on prefill worker `worker_id`; failed items go back to the queue

@@ -19,9 +19,9 @@ follows in this process run anywhere.
 OpenMP wait policy: the same as the workers `pdq up` starts: unless OMP_WAIT_POLICY or
 GOMP_SPINCOUNT is set, torch is loaded here with GOMP_SPINCOUNT=pdq.up.OMP_SPIN_COUNT (set
 only for the import: libgomp reads it when it loads, and clusters spawned later get theirs
-from `pdq up`), so both sides of a ratio run alike. Until session 5 the baselines ran with
-PASSIVE (idle threads sleep at once), as the workers then did; on this machine that made the
-engine 20-30% slower than with libgomp's default, which flattered the service's ratio to it.
+from `pdq up`), so both sides of a ratio run alike: under another policy a baseline would
+measure the policy too (under PASSIVE, where idle threads sleep at once, the engine runs
+markedly slower than when they spin, which would flatter the service's ratio to it).
 """
 
 import os

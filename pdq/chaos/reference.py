@@ -34,8 +34,8 @@ def _compute(model_dir: str, prompts: tuple[str, ...], longest: list[int]) -> li
     from pdq.engine import LLMEngine, SamplingParams
     from pdq.model.tokenizer import load_tokenizer
 
-    # one thread: a prompt alone is too small to share, and spinning threads on a busy machine
-    # made it several times slower
+    # one thread: a prompt alone is too small to share, and on a busy machine more threads
+    # would spin for cores that others hold and wait for each other at every parallel region
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(model_dir)
     engine = LLMEngine.from_pretrained(model_dir, kv_budget_tokens=4096, max_seq_len=512)

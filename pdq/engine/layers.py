@@ -12,10 +12,10 @@ from torch import nn
 def packed_rows(vendor: str) -> range:
     """Row counts for which oneDNN's prepacked GEMM beats torch's BLAS (MKL) path.
 
-    On an Intel AVX-512 Xeon (2 cores): 4..640 rows, up to ~1.4x faster; GEMV-like 1..3 rows
-    and large prefill batches were as fast or faster on MKL. On an AMD EPYC (Zen 4, 2 cores)
-    MKL takes a slow path at every size: prepacked is 1.3-6x faster at 1..8 rows (a decode
-    step at batch 2 took 17-19 ms against 11-12 ms at batch 8) and 1.1-1.5x at 256..2048.
+    On Intel (AVX-512) MKL is well tuned for GEMV-like products (1..3 rows) and for large
+    prefill batches, so only the sizes in between (4..640 rows) gain from skipping the weight's
+    re-packing. On other vendors (e.g. AMD EPYC) MKL takes a slow, generic path at every size,
+    so the prepacked path serves every row count, small decode batches most of all.
     """
     return range(4, 641) if vendor == "GenuineIntel" else range(1, 1 << 31)
 
@@ -40,7 +40,7 @@ class Linear(nn.Module):
 
     On CPU in float32, `prepack()` (call it after moving to the device) also keeps the
     weight in oneDNN's blocked layout: GEMMs then skip re-packing the weight on every call.
-    Which row counts take that path is `packed_rows()`, measured per CPU vendor. Costs a
+    Which row counts take that path is `packed_rows()`, chosen per CPU vendor. Costs a
     second copy of the weight in memory.
     """
 

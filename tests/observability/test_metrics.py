@@ -52,3 +52,28 @@ def test_histograms_move(traced_cluster, client):
     assert moved("pdq_batch_size_count", "decode-0", by=7, stage="decode")
     assert value(after["decode-0"], "pdq_kv_pool_capacity_tokens", stage="decode") > 0
     assert value(after["decode-0"], "pdq_decode_padding_ratio", strategy="continuous") == 0
+
+
+def test_the_queue_gauges_count_waiting_requests_and_their_tokens(traced_cluster, client):
+    """What an autoscaler reads (deploy/kubernetes/autoscaling.yaml): queued requests and tokens
+    (prompt + max_tokens) per tier and tenant, on the scheduler."""
+    from pdq.client import OperatorClient
+
+    labels = {"tier": "batch", "tenant": "default"}
+    with OperatorClient(traced_cluster.target) as op:
+        op.pause(tier="batch")
+        try:
+            rids = [client.submit([5, 6, 7, 8], max_tokens=12, tier="batch") for _ in range(3)]
+            deadline = time.monotonic() + 10
+            while True:  # the scheduler refreshes its queue gauges once a second
+                got = scrape(next(c for c in traced_cluster.children if c.name == "scheduler")
+                             .metrics_url(traced_cluster.host))
+                if value(got, "pdq_queue_depth", **labels) == 3 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            assert value(got, "pdq_queue_depth", **labels) == 3
+            assert value(got, "pdq_queue_tokens", **labels) == 3 * (4 + 12)
+        finally:
+            op.pause(tier="batch", resume=True)
+    for rid in rids:
+        assert client.get_result(rid, wait_ms=30_000).state == "COMPLETED"

@@ -73,6 +73,8 @@ when none is), so idle time banks no credit.
 
 from dataclasses import dataclass
 
+from pdq.request import TERMINAL
+
 
 @dataclass(frozen=True)
 class Keys:
@@ -173,10 +175,11 @@ class Keys:
 
 
 # The shared part of every script: key names (mirroring Keys), the queue, fair-share counters,
-# leases and the one way a request ends. ARGV[1] is always the prefix.
+# leases and the one way a request ends. ARGV[1] is always the prefix. The terminal states come
+# from `pdq.request.State` (tests/test_keys_states.py checks every state name the scripts use).
 _LIB = """
 local P = ARGV[1]
-local TERMINAL = {COMPLETED=true, CANCELLED=true, TIMED_OUT=true, FAILED=true, REJECTED=true}
+local TERMINAL = {""" + ", ".join(f"{s.value}=true" for s in sorted(TERMINAL)) + """}
 
 local function key(...) return table.concat({P, ...}, ':') end
 local function num(x, default) return tonumber(x) or default end

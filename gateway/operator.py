@@ -8,11 +8,12 @@ through the scheduler like `Generation.Cancel`, so workers drop the request at t
 import dataclasses
 import math
 import re
+from typing import TYPE_CHECKING
 
 import grpc
 
 from gateway.auth import KeyRing, Principal
-from gateway.server import GenerationService, rpc
+from gateway.errors import rpc
 from gateway.validation import MAX_TIMEOUT_MS, invalid, shown
 from pdq import metrics
 from pdq.config import GatewayConfig
@@ -23,6 +24,9 @@ from pdq.status import StatusError
 from pdq.store import RequestStore, TenantPolicy, now_ms
 from pdq.v1 import operator_pb2 as op_pb
 from pdq.v1 import operator_pb2_grpc as op_grpc
+
+if TYPE_CHECKING:  # the service it cancels through; gateway.server builds both
+    from gateway.server import GenerationService
 
 NAME = re.compile(r"^[^\s\x00-\x1f]{1,128}$")  # tenant and worker names: 1..128 visible characters
 MAX_PAGE_SIZE = 1000
@@ -85,7 +89,7 @@ def check_policy(p: op_pb.TenantPolicy, tiers: list[str]) -> TenantPolicy:
 
 
 class OperatorService(op_grpc.OperatorServicer):
-    def __init__(self, config: GatewayConfig, store: RequestStore, generation: GenerationService, keys: KeyRing):
+    def __init__(self, config: GatewayConfig, store: RequestStore, generation: "GenerationService", keys: KeyRing):
         self.config = config
         self.store = store
         self.generation = generation  # its request-id resolution and cancel path

@@ -16,9 +16,10 @@ import grpc
 from gateway.auth import KeyRing, Principal
 from gateway.errors import raise_resumable, resumable, rpc, scheduler_error
 from gateway.follower import FollowerUnavailable, OutputFollower
+from gateway.operator import OperatorService
 from gateway.results import Collected, Event, follow, response, usage_and_timings
 from gateway.validation import REQUEST_ID, Limits, build_spec, check_request, shown
-from pdq import metrics, mtls, telemetry
+from pdq import metrics, mtls, telemetry, telemetry_grpc
 from pdq.config import GatewayConfig
 from pdq.ending import Ending
 from pdq.model.tokenizer import load_tokenizer
@@ -388,7 +389,6 @@ def model_limits(config: GatewayConfig, model_dir: Path, tokenizer) -> Limits:
 
 def build_server(config: GatewayConfig) -> Server:
     """Builds the gateway: public API on config.port, a channel to the scheduler, Redis for results."""
-    from gateway.operator import OperatorService
     from pdq.model.loader import resolve_model
 
     model_dir = resolve_model(config.model)
@@ -400,7 +400,7 @@ def build_server(config: GatewayConfig) -> Server:
     client = config.redis()
     store = RequestStore(client, config.key_prefix)
     channel = mtls.aio_channel(config.scheduler_address, mtls.InternalTLS.from_config(config), GRPC_OPTIONS,
-                               interceptors=telemetry.client_interceptors())
+                               interceptors=telemetry_grpc.client_interceptors())
     service = GenerationService(config, store, pb_grpc.SchedulerStub(channel), tokenizer, limits, keys)
     server = Server(config.host, config.port, [gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name,
                                                op_pb.DESCRIPTOR.services_by_name["Operator"].full_name],

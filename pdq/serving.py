@@ -46,10 +46,10 @@ class Server:
                  mtls: "InternalTLS | None" = None):
         """tls: (certificate chain PEM path, private key PEM path) to serve TLS instead of plaintext;
         mtls: serve mutual TLS (an internal role's port, `pdq.mtls`)."""
-        from pdq import telemetry
+        from pdq import telemetry_grpc
 
         self.ready = False  # True from the end of start() to the beginning of stop(): see pdq.rpc_guard
-        interceptors = [*telemetry.server_interceptors(), GuardInterceptor(lambda: self.ready)]
+        interceptors = [*telemetry_grpc.server_interceptors(), GuardInterceptor(lambda: self.ready)]
         self.grpc = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)

@@ -250,21 +250,3 @@ def content_attributes(prompt: str = "", output: str | None = None) -> dict[str,
     if output is not None:
         attrs["gen_ai.output.messages"] = json.dumps([{"role": "assistant", "parts": [{"type": "text", "content": output}]}])
     return attrs
-
-
-# -- gRPC (the interceptors live in pdq.telemetry_grpc) -----------------------------------------
-
-def server_interceptors() -> list:
-    """Interceptors of every pdq gRPC server (RPC metrics always; spans when tracing is on)."""
-    from pdq.telemetry_grpc import ServerInterceptor
-
-    return [ServerInterceptor(_enabled)]
-
-
-def client_interceptors() -> list | None:
-    """Interceptors of pdq's internal channels: context propagation when tracing is on."""
-    if not _enabled:
-        return None
-    from pdq.telemetry_grpc import context_injectors
-
-    return context_injectors()

@@ -207,3 +207,13 @@ class _InjectStreamStream(grpc.aio.StreamStreamClientInterceptor):
 
 def context_injectors() -> list:
     return [_InjectUnaryUnary(), _InjectUnaryStream(), _InjectStreamUnary(), _InjectStreamStream()]
+
+
+def server_interceptors() -> list:
+    """Interceptors of every pdq gRPC server (RPC metrics always; spans when tracing is on)."""
+    return [ServerInterceptor(telemetry.enabled())]
+
+
+def client_interceptors() -> list | None:
+    """Interceptors of pdq's internal channels: context propagation when tracing is on."""
+    return context_injectors() if telemetry.enabled() else None

@@ -6,7 +6,7 @@ import time
 
 import grpc
 
-from pdq import kv_tcp, kv_transfer, metrics, mtls, telemetry
+from pdq import kv_tcp, kv_transfer, metrics, mtls, telemetry, telemetry_grpc
 from pdq.cancel_listener import CancelListener
 from pdq.config import PrefillConfig
 from pdq.faults import Faults
@@ -45,7 +45,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
     def _decode_stub(self, address: str) -> pb_grpc.DecodeWorkerStub:
         if address not in self._channels:
             self._channels[address] = mtls.aio_channel(address, self._tls, GRPC_OPTIONS,
-                                                        interceptors=telemetry.client_interceptors())
+                                                        interceptors=telemetry_grpc.client_interceptors())
         return pb_grpc.DecodeWorkerStub(self._channels[address])
 
     def _push_kv(self, address: str):

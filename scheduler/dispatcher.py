@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdq import metrics, mtls, redisconn, telemetry
+from pdq import metrics, mtls, redisconn, telemetry, telemetry_grpc
 from pdq.config import SchedulerConfig
 from pdq.liveness import Liveness
 from pdq.registry import ROLES, WorkerInfo, live_workers
@@ -139,7 +139,7 @@ class Dispatcher:
         peer = self._peers.get(info.worker_id)
         if peer is None or peer.address != info.address:
             channel = mtls.aio_channel(info.address, self._tls, GRPC_OPTIONS,
-                                       interceptors=telemetry.client_interceptors())
+                                       interceptors=telemetry_grpc.client_interceptors())
             stub = (pb_grpc.PrefillWorkerStub if info.role == "prefill" else pb_grpc.DecodeWorkerStub)(channel)
             peer = self._peers[info.worker_id] = _Peer(info.address, channel, stub)
         return peer

@@ -4,7 +4,7 @@ histogram the decode loop feeds once per step."""
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.exposition import generate_latest
 
-from pdq import metrics, telemetry
+from pdq import metrics, telemetry, telemetry_grpc
 
 
 def test_tracing_is_on_only_with_an_exporter(monkeypatch):
@@ -28,7 +28,7 @@ def test_off_means_no_spans_and_no_interceptors():
     assert not telemetry.enabled()  # no exporter configured in the test process
     assert telemetry.start("x", "00-" + "a" * 32 + "-" + "b" * 16 + "-01") is None
     assert telemetry.current() is None
-    assert telemetry.client_interceptors() is None
+    assert telemetry_grpc.client_interceptors() is None
     telemetry.end(None, "event", "error")  # no-ops
     telemetry.add_event(None, "event")
 

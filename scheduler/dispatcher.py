@@ -28,10 +28,9 @@ from pdq.serving import GRPC_OPTIONS
 from pdq.store import RequestStore, TenantBacklog, now_ms, spec_from_bytes
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
-from scheduler.policies import (Candidate, DecodeSlots, DrainRate, Headroom, TenantQueue, TierQueue, below_share,
-                                preemptible_tiers,
-                                choose_decode_worker, fair_policy, form_batch, place_prefill, prefer_healthy,
-                                prefill_priority, schedule, tier_policy)
+from scheduler.policies import (Candidate, DecodeSlots, DrainRate, Headroom, TenantQueue, TierQueue,
+                                choose_decode_worker, fair_policy, form_batch, place_prefill, place_round,
+                                preemptible_tiers, prefer_healthy, prefill_priority, schedule, tier_policy)
 from scheduler.retries import BatchOutcome, Retries
 
 log = logging.getLogger("pdq.scheduler")
@@ -264,27 +263,16 @@ class Dispatcher:
         else:
             running, active = await self._competition()
         weights = {t: self._weights.get(t, self.config.default_weight) for t in active | {c.tenant for c in batch}}
-        plans: list[tuple[Candidate, DecodeSlots, bool, int]] = []  # (candidate, worker, below share, keep_free)
-        for cand in batch:
-            free = sum(s.free_slots for s in slots)
-            if free <= 0:
-                break
-            if not self.headroom.allows(cand.tenant, free, capacity, running, weights, active):
-                continue  # the last free slots wait for a tenant below its share
-            choice = choose_decode_worker(slots, target_info.address, cand.avoid)
-            if choice is None:
-                continue  # the decode workers it accepts are full: it waits for one
-            under = below_share(cand.tenant, capacity, running, weights, active)
-            plans.append((cand, choice, under, self.headroom.keep_free(under, free, choice.free_slots)))
-            choice.free_slots -= 1  # as if granted: the next candidates see it; the replies correct it
-            running[cand.tenant] = running.get(cand.tenant, 0) + 1
+        plans = place_round(batch, slots, target_info.address, self.headroom, capacity, running, weights, active,
+                            choose_decode_worker)
         if not plans and self.config.preempt_lower_tiers:
             await self._preempt_for(batch[0], decode, sum(s.free_slots for s in slots))
             return False
-        replies = await self._reserve_round([(choice, cand, keep) for cand, choice, _, keep in plans])
+        replies = await self._reserve_round([(p.worker, p.candidate, p.keep_free) for p in plans])
         left: dict[str, int] = {}  # worker -> its own count of free slots after the round
         placed: list[tuple[Candidate, DecodeSlots, int, str]] = []
-        for (cand, choice, under, _), (kv_address, worker_free) in zip(plans, replies):
+        for plan, (kv_address, worker_free) in zip(plans, replies):
+            cand, choice, under = plan.candidate, plan.worker, plan.under_share
             left[choice.worker_id] = min(left.get(choice.worker_id, worker_free), worker_free)
             if kv_address is None:
                 running[cand.tenant] -= 1

@@ -13,7 +13,7 @@ workers whose hand-offs keep failing; `liveness` tells the janitor which workers
 
 from scheduler.policies.admission import DrainRate, resolve_tier, retry_after_ms
 from scheduler.policies.batch import Candidate, DecodeSlots, acceptable, choose_decode_worker, form_batch, place_prefill
-from scheduler.policies.headroom import Headroom, below_share, prefill_priority
+from scheduler.policies.headroom import Headroom, Placement, below_share, place_round, prefill_priority
 from scheduler.policies.fair import FAIR_POLICIES, FIFO, VTC, TenantQueue, fair_policy
 from scheduler.policies.liveness import HeartbeatWatch
 from scheduler.policies.order import ORDER_POLICIES
@@ -22,6 +22,6 @@ from scheduler.policies.retry import Quarantine, classify, prefer_healthy
 from scheduler.policies.tiers import AgingTiers, StrictTiers, preemptible_tiers, tier_policy
 
 __all__ = ["AgingTiers", "Candidate", "DecodeSlots", "DrainRate", "FAIR_POLICIES", "FIFO", "Headroom", "HeartbeatWatch",
-           "ORDER_POLICIES", "Quarantine", "StrictTiers", "TenantQueue", "TierQueue", "VTC", "acceptable", "below_share",
-           "choose_decode_worker", "classify", "fair_policy", "form_batch", "place_prefill", "prefer_healthy",
+           "ORDER_POLICIES", "Placement", "Quarantine", "StrictTiers", "TenantQueue", "TierQueue", "VTC", "acceptable", "below_share",
+           "choose_decode_worker", "classify", "fair_policy", "form_batch", "place_prefill", "place_round", "prefer_healthy",
            "preemptible_tiers", "prefill_priority", "resolve_tier", "retry_after_ms", "schedule", "tier_policy"]

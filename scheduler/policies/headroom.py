@@ -13,6 +13,7 @@ urgent prompts it holds.
 """
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -54,3 +55,40 @@ def prefill_priority(tier_rank: int, under_share: bool) -> int:
     """A request's prefill urgency, lower first (`PrefillItem.priority`): by tier, then tenants
     below their fair share of decode slots before those at or above it."""
     return 2 * tier_rank + (0 if under_share else 1)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One request of a dispatch round, placed: its decode worker, whether its tenant is below
+    its fair share, and the `keep_free` its reservation carries."""
+
+    candidate: Any
+    worker: Any
+    under_share: bool
+    keep_free: int
+
+
+def place_round(batch: list, slots: list, prefill_address: str, headroom: Headroom, capacity: int,
+                running: dict[str, int], weights: dict[str, float], active: set[str], choose) -> list[Placement]:
+    """Which requests of a dispatch round get a decode seat, and where (pure: plain data in,
+    placements out). In batch order, while any slot is free: a request its headroom refuses waits
+    (the last free slots are for tenants below their share); else `choose(slots,
+    prefill_address, candidate.avoid)` picks its worker (None: the workers it accepts are full, it
+    waits). Each placement counts as granted for the requests after it: its worker's
+    `free_slots` goes down by one and its tenant's `running` up by one (both updated in place;
+    the reservation replies correct them)."""
+    out = []
+    for cand in batch:
+        free = sum(s.free_slots for s in slots)
+        if free <= 0:
+            break
+        if not headroom.allows(cand.tenant, free, capacity, running, weights, active):
+            continue
+        choice = choose(slots, prefill_address, cand.avoid)
+        if choice is None:
+            continue
+        under = below_share(cand.tenant, capacity, running, weights, active)
+        out.append(Placement(cand, choice, under, headroom.keep_free(under, free, choice.free_slots)))
+        choice.free_slots -= 1
+        running[cand.tenant] = running.get(cand.tenant, 0) + 1
+    return out

@@ -31,6 +31,7 @@ from pdq.cancel_listener import CancelListener
 from pdq.convert import sampling_from_pb
 from pdq.engine.constraint import Grammars, advance
 from pdq.engine.sampling import SamplingParams, logprob_records, sample_each
+from pdq.engine.sequence import end_reason
 from pdq.faults import Faults
 from pdq.output_text import TextOutput
 from pdq.request import State
@@ -398,9 +399,8 @@ class DecodeLoop(ModelLoop):
                 continue
             delta, stopped = seq.text.add(token)
             complete = advance(seq.matcher, token)
-            reason = ("stop" if stopped else seq.params.finish(token, self.eos_ids) or ("stop" if complete else "")
-                      or ("length" if len(seq.generated) >= seq.params.max_tokens
-                          or seq.position + 1 >= self.runner.max_seq_len else ""))
+            reason = end_reason(seq.params, token, self.eos_ids, len(seq.generated), seq.position,
+                                self.runner.max_seq_len, stopped, complete)
             if reason and reason != "stop":
                 delta += seq.text.flush()
             index = len(seq.generated) - 1

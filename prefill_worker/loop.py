@@ -23,6 +23,7 @@ from pdq.engine.blocks import KVPoolFull
 from pdq.engine.constraint import Grammars, advance
 from pdq.engine.runner import PrefillItem as ChunkItem
 from pdq.engine.sampling import SamplingParams, logprob_records, sample_each
+from pdq.engine.sequence import end_reason
 from pdq.output_text import TextOutput
 from pdq.ending import Ending
 from pdq.request import State
@@ -311,8 +312,7 @@ class PrefillLoop(ModelLoop):
             text = TextOutput(self.tokenizer, p.stop, job.prompt, min_tokens=p.min_tokens)
             delta, stopped = text.add(token)
             complete_ = advance(matcher, token)
-            reason = ("stop" if stopped else p.finish(token, self.eos_ids) or ("stop" if complete_ else "")
-                      or ("length" if p.max_tokens <= 1 else ""))
+            reason = end_reason(p, token, self.eos_ids, 1, len(job.prompt), self.runner.max_seq_len, stopped, complete_)
             if reason and reason != "stop":
                 delta += text.flush()
             items.append(StepItem(job.rid, job.item.epoch, 0, token, delta,

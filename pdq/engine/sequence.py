@@ -7,6 +7,23 @@ from pdq.engine.batch_policy import SeqView
 from pdq.engine.sampling import SamplingParams
 
 
+def end_reason(params: SamplingParams, token: int, eos_ids, generated: int, position: int, max_seq_len: int,
+               stopped: bool = False, complete: bool = False) -> str:
+    """Why an output ends with `token`, its `generated`-th token, at KV position `position`; ""
+    while it goes on. "stop": a stop string matched (`stopped`, matched on text by the caller) or
+    the structured output is complete (`complete`); "eos": an EOS token (unless ignore_eos) or a
+    stop token id; "length": max_tokens reached, or no room is left in the context. The one rule
+    of every worker's step (prefill's first token, decode's others)."""
+    if stopped:
+        return "stop"
+    reason = params.finish(token, eos_ids)
+    if reason:
+        return reason
+    if complete:
+        return "stop"
+    return "length" if generated >= params.max_tokens or position + 1 >= max_seq_len else ""
+
+
 @dataclass
 class Sequence:
     """prompt + output tokens; `num_cached` of them have K/V in the pool.

@@ -204,3 +204,16 @@ def test_min_tokens_holds_back_eos_and_stop_token_ids_until_reached():
     assert sample(x.repeat(2, 1), [seeded, p], [0, 5], None, [{3}, {3}])[1] == 3  # rows keep their own steps
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=4, min_tokens=5)
+
+
+def test_the_end_reason_of_a_step():
+    from pdq.engine.sequence import end_reason
+
+    p = SamplingParams(max_tokens=4, stop_token_ids=[9])
+    assert end_reason(p, 5, {2}, 1, 10, 100) == ""
+    assert end_reason(p, 2, {2}, 1, 10, 100) == "eos" and end_reason(p, 9, {2}, 1, 10, 100) == "eos"
+    assert end_reason(p, 5, {2}, 4, 13, 100) == "length"  # max_tokens
+    assert end_reason(p, 5, {2}, 2, 99, 100) == "length"  # the context is full
+    assert end_reason(p, 2, {2}, 4, 13, 100, stopped=True) == "stop"  # a stop string first
+    assert end_reason(p, 5, {2}, 4, 13, 100, complete=True) == "stop"  # the grammar's end before length
+    assert end_reason(SamplingParams(max_tokens=4, ignore_eos=True), 2, {2}, 1, 10, 100) == ""

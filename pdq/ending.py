@@ -1,6 +1,6 @@
 """How a request ends: every path, and how each reaches the one writer of terminal states.
 
-A request ends exactly once. The Lua function `finish` (`pdq.keys`, in `_LIB`) is the only code
+A request ends exactly once. The Lua function `finish` (`pdq/lua/lib.lua`) is the only code
 that writes a terminal state: it records the state, closes the output stream with its end entry,
 frees the queue entry, leases, deadline and held sets, settles the tenant's charge, sets expiry
 and (unless a worker ends its own attempt in its step) tells the workers on the cancel channel.

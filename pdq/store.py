@@ -1,4 +1,4 @@
-"""The request store: typed calls to the Lua scripts in `pdq.keys`.
+"""The request store: typed calls to the Lua scripts (`pdq/lua/`, loaded by `pdq.keys`).
 
 Works with a sync `redis.Redis` (workers, whose model loop is a thread) and with a
 `redis.asyncio.Redis` (gateway, scheduler): every method returns its result, or an awaitable of

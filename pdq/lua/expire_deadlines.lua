@@ -1,0 +1,14 @@
+-- ARGV: prefix, now, limit, ttl
+-- Ends live requests whose deadline has passed, in any state. -> how many it looked at
+-- Replay: the requests the first run ended left the deadline set: it finds only what came due
+-- since (a sweep's answer counts what that run did).
+local due = redis.call('ZRANGEBYSCORE', key('deadlines'), '-inf', ARGV[2], 'LIMIT', 0, ARGV[3])
+for _, id in ipairs(due) do
+  local state = redis.call('HGET', key('req', id), 'state')
+  if state and not TERMINAL[state] then
+    finish(id, 'TIMED_OUT', 'timeout', 'deadline exceeded', ARGV[2], ARGV[4])
+  else
+    redis.call('ZREM', key('deadlines'), id)
+  end
+end
+return #due

@@ -1,0 +1,18 @@
+-- ARGV: prefix, now, max_attempts, ttl, limit, max_lost
+-- Gives back requests whose prefill lease expired (claimed, never handed off: e.g. the scheduler
+-- died before sending the batch, or a worker dropped it): lost attempts. -> {requeued, failed}
+-- Replay: the first run took them off the lease set: nothing left to do, {0, 0}.
+local requeued, failed = 0, 0
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', key('leases'), '-inf', ARGV[2], 'LIMIT', 0, ARGV[5])) do
+  local s = redis.call('HGET', key('req', id), 'state')
+  if s == 'PREFILLING' or s == 'TRANSFERRING' then
+    if requeue(id, 'prefill lease expired', ARGV[2], 'lost', {ARGV[3], ARGV[6], 0, 0}, ARGV[4]) == 'QUEUED' then
+      requeued = requeued + 1
+    else
+      failed = failed + 1
+    end
+  else
+    redis.call('ZREM', key('leases'), id)
+  end
+end
+return {requeued, failed}

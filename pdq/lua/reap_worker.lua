@@ -1,0 +1,22 @@
+-- ARGV: prefix, worker id, now, max_attempts, ttl, max_lost
+-- A worker stopped heartbeating: every current attempt it takes part in is lost (requeue kind
+-- 'lost'; a prefill worker's only while the request is still in its hands). -> {requeued, failed}
+-- Replay: the first run emptied the worker's held set: nothing left to do, {0, 0}.
+local w = ARGV[2]
+local held = key('held', w)
+local requeued, failed = 0, 0
+for _, id in ipairs(redis.call('SMEMBERS', held)) do
+  local h = redis.call('HMGET', key('req', id), 'state', 'lease_prefill', 'lease_decode')
+  local s = h[1]
+  if s and not TERMINAL[s] and s ~= 'QUEUED'
+      and (h[3] == w or (h[2] == w and (s == 'PREFILLING' or s == 'TRANSFERRING'))) then
+    if requeue(id, 'worker ' .. w .. ' stopped heartbeating', ARGV[3], 'lost',
+               {ARGV[4], ARGV[6], 0, 0}, ARGV[5]) == 'QUEUED' then
+      requeued = requeued + 1
+    else
+      failed = failed + 1
+    end
+  end
+end
+redis.call('DEL', held)
+return {requeued, failed}

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.openai_request import MAX_LOGPROBS, ApiError, Parsed, _bad, _common, _int
+from gateway.openai_request import MAX_LOGPROBS, ApiError, Parsed, _bad, _bool, _common, _int
 from gateway.tool_calls import ToolChoice, tool_choice
 from pdq.grammar import check
 
@@ -34,15 +34,6 @@ class ChatRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the reply goes on from the last (assistant) message
     echo: str = ""  # text each choice's content starts with (vLLM's echo: the last message's, same role)
-
-
-def _flag(body: dict, field: str, default: bool) -> bool:
-    value = body.get(field)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise _bad(field, "true or false", value)
-    return value
 
 
 def _tool_calls(field: str, calls: Any) -> list[dict]:
@@ -104,7 +95,7 @@ def chat(body: dict, served: str, tiers: tuple[str, ...]) -> ChatRequest:
     the room left in the context). A tool choice that constrains the output sets its schema."""
     parsed = _common(body, served, tiers, None)
     top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
-    if _flag(body, "logprobs", False):
+    if _bool(body, "logprobs", False):
         parsed.request.sampling.logprobs = top or 0
     elif top is not None:
         raise ApiError(400, "top_logprobs: only with logprobs: true", param="top_logprobs")
@@ -121,8 +112,8 @@ def chat(body: dict, served: str, tiers: tuple[str, ...]) -> ChatRequest:
         error = check(sampling.json_schema, "")
         if error:
             raise ApiError(400, f"tools: a function's parameters do not compile: {error}", param="tools")
-    generation = _flag(body, "add_generation_prompt", True)
-    cont = _flag(body, "continue_final_message", False)
+    generation = _bool(body, "add_generation_prompt", True)
+    cont = _bool(body, "continue_final_message", False)
     if generation and cont:
         raise ApiError(400, "continue_final_message: set add_generation_prompt to false with it",
                        param="continue_final_message")
@@ -130,7 +121,7 @@ def chat(body: dict, served: str, tiers: tuple[str, ...]) -> ChatRequest:
         raise ApiError(400, "continue_final_message: the last message must be the assistant's to continue",
                        param="continue_final_message")
     role = "assistant" if generation else messages[-1]["role"]
-    echo = messages[-1]["content"] if _flag(body, "echo", False) and messages[-1]["role"] == role else ""
+    echo = messages[-1]["content"] if _bool(body, "echo", False) and messages[-1]["role"] == role else ""
     return ChatRequest(parsed, messages, tools, generation, cont, echo)
 
 

@@ -62,10 +62,10 @@ def _int(body: dict, field: str, default: int | None, low: int, high: int = U32)
     return value
 
 
-def _bool(body: dict, field: str) -> bool:
-    value = body.get(field, False)
+def _bool(body: dict, field: str, default: bool = False) -> bool:
+    value = body.get(field)
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):
         raise _bad(field, "true or false", value)
     return value

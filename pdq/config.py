@@ -52,13 +52,18 @@ def _convert(kind: Any, text: str) -> Any:
     return text
 
 
+def field_default(f: dataclasses.Field) -> Any:
+    """A config field's default value."""
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """Adds one flag per field of dataclass `cls`; unset flags fall back to env, then default."""
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         helptext = f.metadata.get("help", "")
         env = "PDQ_" + f.name.upper()
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = field_default(f)
         parser.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper(),
                             help=f"{helptext} (env {env}; default {default!r})")
         if f.type in (bool, "bool") and default is True:  # --no-X: the same as --X false

@@ -8,7 +8,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from pdq.config import DecodeConfig, GatewayConfig, PrefillConfig, SchedulerConfig, StoreConfig, WorkerConfig
+from pdq.config import (DecodeConfig, GatewayConfig, PrefillConfig, SchedulerConfig, StoreConfig, WorkerConfig,
+                        field_default)
 
 PATH = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
@@ -47,7 +48,7 @@ OTHER = {
 
 
 def _default(f: dataclasses.Field) -> str:
-    value = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    value = field_default(f)
     if isinstance(value, bool):
         return "true" if value else "false"
     if value == "":

@@ -207,7 +207,7 @@ class PrefillLoop(ModelLoop):
                 continue
             if not job.admitted:
                 if share and computing and waits_for_shared_prefix(
-                        job.prompt, self.runner.cached_tokens(job.prompt), computing, self.runner.block_size):
+                        job.prompt, lambda: self.runner.cached_tokens(job.prompt), computing, self.runner.block_size):
                     continue
                 local = self._local(job)
                 reserve = kv_reserve_tokens(job.item.spec, self.runner.max_seq_len) if local else 0

@@ -49,7 +49,9 @@ IDLE_POLL_S = 1.0
 # After a preemption, no other until a round placed a request or this long passed: the freed seat
 # reaches the dispatcher with the worker's next heartbeat, and one seat is what the head asked for.
 PREEMPT_SETTLE_S = 2.0
-PREEMPT_CALL_S = 15.0  # a worker answers within its own wait for the model loop (10 s)
+# How long the dispatch loop waits for a worker's preemption (one model step, normally): past it the
+# call is cancelled, and so is the preemption if the model loop has not begun it.
+PREEMPT_CALL_S = 3.0
 
 
 @dataclass

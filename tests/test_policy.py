@@ -43,15 +43,15 @@ def test_plan_chunks_bounds(remaining, budget, chunk):
 def test_a_prompt_waits_only_for_full_blocks_another_is_computing_that_the_cache_lacks():
     system = list(range(100, 164))  # four blocks of 16
     a, b = system + [1, 2, 3], system + [7, 8]
-    assert waits_for_shared_prefix(b, 0, [a], 16)  # a computes the four blocks b would compute again
-    assert not waits_for_shared_prefix(b, 64, [a], 16)  # the cache holds them already
-    assert waits_for_shared_prefix(b, 32, [a], 16)  # two of four held: the other two are worth the wait
-    assert not waits_for_shared_prefix(b, 0, [[9] + a], 16)  # shifted: no block in common
-    assert not waits_for_shared_prefix(system[:16], 0, [system], 16)  # its one full block holds its last token
-    assert waits_for_shared_prefix(system[:17], 0, [system], 16)
-    assert not waits_for_shared_prefix(b, 0, [], 16)
+    assert waits_for_shared_prefix(b, lambda: 0, [a], 16)  # a computes the four blocks b would compute again
+    assert not waits_for_shared_prefix(b, lambda: 64, [a], 16)  # the cache holds them already
+    assert waits_for_shared_prefix(b, lambda: 32, [a], 16)  # two of four held: the other two are worth the wait
+    assert not waits_for_shared_prefix(b, lambda: 0, [[9] + a], 16)  # shifted: no block in common
+    assert not waits_for_shared_prefix(system[:16], lambda: 0, [system], 16)  # its one full block holds its last token
+    assert waits_for_shared_prefix(system[:17], lambda: 0, [system], 16)
+    assert not waits_for_shared_prefix(b, lambda: 0, [], 16)
     other = [5] * 16 + system[16:]  # agrees from block 1 on, not in block 0: nothing shareable
-    assert not waits_for_shared_prefix(b, 16, [other], 16)
+    assert not waits_for_shared_prefix(b, lambda: 16, [other], 16)
 
 
 def test_a_request_finding_no_seat_may_preempt_only_tiers_below_its_own():

@@ -105,11 +105,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    @property
-    def processed(self) -> bool:
-        """Whether its logits may change before the pick: penalties, a bias or min_tokens."""
+    def processed(self, step: int) -> bool:
+        """Whether output token `step`'s logits change before the pick: penalties, a bias, or
+        min_tokens not reached yet."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or step < self.min_tokens)
 
     def suppressed(self, step: int, eos_ids) -> list[int]:
         """The tokens output token `step` may not be: while min_tokens is not reached, every
@@ -151,15 +151,16 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequen
 
     params[i] applies to row i; steps[i] is the index of the output token being sampled
     (0 for the first); histories[i] its tokens, needed for a row with penalties; eos_ids[i] its
-    EOS tokens, what its min_tokens holds back (None: no row has min_tokens). Rows with penalties, a bias or min_tokens
-    have their logits changed first (`processed`). Greedy rows cost one
+    EOS tokens, what its min_tokens holds back (None: no row has min_tokens). Rows with
+    penalties, a bias or min_tokens not reached have their logits changed first (`processed`),
+    in a copy made only then. Greedy rows cost one
     batched argmax; the other rows are filtered (temperature, top-k, top-p, min-p) as one batch
     and drawn with the exponential-race trick (argmax of probs / Exp(1) noise), the noise of
     seeded rows from their own generator.
     """
     if len(params) != logits.shape[0] or len(steps) != logits.shape[0]:
         raise ValueError(f"sample: {logits.shape[0]} rows but {len(params)} params and {len(steps)} steps")
-    if any(p.processed for p in params):
+    if any(p.processed(step) for p, step in zip(params, steps)):
         logits = _process(logits, params, steps, histories, eos_ids)
     out = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -239,7 +240,7 @@ def _process(logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequ
     x = logits.float().clone()
     vocab, dev = x.shape[-1], x.device
     for i, p in enumerate(params):
-        if not p.processed:
+        if not p.processed(steps[i]):
             continue
         row = x[i]
         if p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty:

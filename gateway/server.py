@@ -18,19 +18,19 @@ from gateway.errors import raise_resumable, resumable, rpc, scheduler_error
 from gateway.follower import FollowerUnavailable, OutputFollower
 from gateway.operator import OperatorService
 from gateway.results import Collected, Event, follow, response, usage_and_timings
+from gateway.schedulers import Schedulers
 from gateway.validation import REQUEST_ID, Limits, build_spec, check_request, shown
-from pdq import metrics, mtls, telemetry, telemetry_grpc
+from pdq import metrics, mtls, telemetry
 from pdq.config import GatewayConfig
 from pdq.ending import Ending
 from pdq.model.tokenizer import load_tokenizer
 from pdq.request import FINISH_REASONS, STATUS_OF_STATE, State
-from pdq.serving import GRPC_OPTIONS, Server
+from pdq.serving import Server
 from pdq.status import StatusError
 from pdq.store import RequestStore, TenantPolicy
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import generation_pb2_grpc as gen_grpc
 from pdq.v1 import internal_pb2 as pb
-from pdq.v1 import internal_pb2_grpc as pb_grpc
 from pdq.v1 import operator_pb2 as op_pb
 from pdq.v1 import operator_pb2_grpc as op_grpc
 
@@ -50,7 +50,7 @@ SCHEDULER_MARGIN_S = 5.0
 
 
 class GenerationService(gen_grpc.GenerationServicer):
-    def __init__(self, config: GatewayConfig, store: RequestStore, scheduler: pb_grpc.SchedulerStub,
+    def __init__(self, config: GatewayConfig, store: RequestStore, scheduler: Schedulers,
                  tokenizer, limits: Limits, keys: KeyRing):
         self.config = config
         self.store = store
@@ -388,7 +388,7 @@ def model_limits(config: GatewayConfig, model_dir: Path, tokenizer) -> Limits:
 
 
 def build_server(config: GatewayConfig) -> Server:
-    """Builds the gateway: public API on config.port, a channel to the scheduler, Redis for results."""
+    """Builds the gateway: public API on config.port, channels to the scheduler replicas, Redis for results."""
     from pdq.model.loader import resolve_model
 
     model_dir = resolve_model(config.model)
@@ -399,9 +399,8 @@ def build_server(config: GatewayConfig) -> Server:
         log.warning("no --auth-file: running open, every caller is tenant 'default' with the admin role")
     client = config.redis()
     store = RequestStore(client, config.key_prefix)
-    channel = mtls.aio_channel(config.scheduler_address, mtls.InternalTLS.from_config(config), GRPC_OPTIONS,
-                               interceptors=telemetry_grpc.client_interceptors())
-    service = GenerationService(config, store, pb_grpc.SchedulerStub(channel), tokenizer, limits, keys)
+    schedulers = Schedulers(config.scheduler_addresses, mtls.InternalTLS.from_config(config))
+    service = GenerationService(config, store, schedulers, tokenizer, limits, keys)
     server = Server(config.host, config.port, [gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name,
                                                op_pb.DESCRIPTOR.services_by_name["Operator"].full_name],
                     tls=(config.tls_cert, config.tls_key) if config.tls_cert else None)
@@ -431,7 +430,7 @@ def build_server(config: GatewayConfig) -> Server:
             await door.stop()
         if service.follower is not None:
             await service.follower.close()
-        await channel.close()
+        await schedulers.close()
         await client.aclose()
 
     server.on_start.append(start)

@@ -26,9 +26,13 @@ def _up(args: argparse.Namespace) -> int:
         print("pdq up: --prefill starts prefill-only workers, which only --separate has (colocated workers "
               "prefill themselves); add --separate, or leave --prefill out", file=sys.stderr)
         return 2
+    if args.schedulers < 1:
+        print(f"pdq up: --schedulers must be at least 1, got {args.schedulers}", file=sys.stderr)
+        return 2
     env = {"PDQ_KV_TRANSPORT": args.kv_transport} if args.kv_transport else {}
     prefill = 1 if args.prefill is None else args.prefill
-    return run(Cluster(prefill=prefill, decode=args.decode, model=args.model, redis_url=args.redis_url,
+    return run(Cluster(prefill=prefill, decode=args.decode, schedulers=args.schedulers, model=args.model,
+                       redis_url=args.redis_url,
                        port=args.port, durable=args.durable, mtls=args.mtls, colocate=args.colocate,
                        control_policy=args.control_policy, extra_env=env, http_port=args.http_port))
 
@@ -112,10 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill", type=int, default=None, help="prefill workers, with --separate (default 1)")
     up.add_argument("--decode", type=int, default=1,
                     help="decode workers (default 1); colocated, each also prefills")
+    up.add_argument("--schedulers", type=int, default=1,
+                    help="scheduler replicas (default 1): one dispatches under a lease in Redis, the others serve "
+                         "submits and take over within a couple of seconds when it dies")
     up.add_argument("--control-policy", choices=cpu.POLICIES, default=os.environ.get("PDQ_UP_CONTROL_POLICY") or "batch",
                     help=UP_CONTROL_POLICY_HELP)
     up.add_argument("--model", default=os.environ.get("PDQ_MODEL", "builtin"),
-                    help="builtin (= builtin:small), builtin:tiny, builtin:1b (for a GPU), or a Hugging Face checkpoint dir")
+                    help="builtin (= builtin:small), builtin:tiny, builtin:1b (for a GPU), null[:STEP_MS] (no model "
+                         "compute: measures the control plane), or a Hugging Face checkpoint dir")
     up.add_argument("--redis-url", default=os.environ.get("PDQ_UP_REDIS_URL"),
                     help="use this Redis instead of starting a private one")
     up.add_argument("--port", type=int, default=50051, help="gateway port (default 50051; 0 = any free)")

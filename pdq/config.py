@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pdq.memory import DEFAULT_HEAP_RESERVE_MB
+from pdq.redis_url import check_redis_url
 
 T = TypeVar("T")
 
@@ -96,7 +97,10 @@ def _positive(name: str, value: float) -> None:
 class StoreConfig:
     """Where the shared state lives."""
 
-    redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={"help": "Redis URL"})
+    redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={
+        "help": "Redis URL: redis://, rediss:// or unix:// (one server), or redis+sentinel://[[user]:password@]"
+                "host[:port][,host[:port]...]/service[/db] (the primary Redis Sentinel names, followed through "
+                "failovers)"})
     redis_max_connections: int = field(default=64, metadata={"help": "most Redis connections of this process's pool "
                                                                      "(a call finding all busy waits for one)"})
     redis_outage_s: float = field(default=30.0, metadata={
@@ -125,8 +129,7 @@ class StoreConfig:
         "help": "name internal certificates carry (subjectAltName), checked instead of the dialled address"})
 
     def __post_init__(self) -> None:
-        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        check_redis_url(self.redis_url)
         _positive("max_attempts", self.max_attempts)
         _positive("max_lost_attempts", self.max_lost_attempts)
         if not 0 <= self.retry_backoff_ms <= self.retry_backoff_max_ms:
@@ -165,8 +168,10 @@ class StoreConfig:
 class GatewayConfig(StoreConfig):
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=50051, metadata={"help": "port of the public API (0 = any free port)"})
-    scheduler_address: str = field(default="127.0.0.1:50052", metadata={"help": "scheduler host:port"})
-    model: str = field(default="builtin", metadata={"help": "builtin, builtin:SIZE or a checkpoint dir (for the tokenizer)"})
+    scheduler_address: str = field(default="127.0.0.1:50052", metadata={
+        "help": "scheduler host:port, or several comma-separated (the replicas of `pdq scheduler`: calls go to the one "
+                "that answered last, and to the next when it is unreachable)"})
+    model: str = field(default="builtin", metadata={"help": "builtin, builtin:SIZE, null[:STEP_MS] or a checkpoint dir (for the tokenizer)"})
     max_model_len: int = field(default=2048, metadata={"help": "prompt + max_tokens limit, capped by the model"})
     default_max_tokens: int = field(default=16, metadata={"help": "max_tokens when a request sets none"})
     auth_file: str = field(default="", metadata={"help": "API key file (YAML or JSON); empty = open, tenant 'default'"})
@@ -186,6 +191,14 @@ class GatewayConfig(StoreConfig):
         _positive("default_max_tokens", self.default_max_tokens)
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together")
+        for address in self.scheduler_addresses:
+            if not address or ":" not in address:
+                raise ValueError(f"scheduler_address: each address must be host:port, got {self.scheduler_address!r}")
+
+    @property
+    def scheduler_addresses(self) -> list[str]:
+        """The scheduler replicas, in the order the gateway tries them."""
+        return [a.strip() for a in self.scheduler_address.split(",")]
 
 
 @dataclass(frozen=True)
@@ -219,13 +232,19 @@ class SchedulerConfig(StoreConfig):
                                                                       "slots, finished batches and requeues wake it at once)"})
     result_ttl_s: int = field(default=3600, metadata={"help": "how long finished requests stay in Redis"})
     grace_s: float = field(default=5.0, metadata={"help": "seconds to finish calls on shutdown"})
+    scheduler_id: str = field(default="", metadata={"help": "unique scheduler name for the dispatch lease (default "
+                                                            "scheduler-hostname-pid); a restarted scheduler with the "
+                                                            "same name takes its lease back at once"})
+    leader_lease_s: float = field(default=2.0, metadata={
+        "help": "the dispatch lease: every scheduler serves submits, one at a time dispatches and sweeps; it renews "
+                "its lease every quarter of this, and a standby takes over this long after the leader stops renewing"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("max_batch_size", "max_batched_tokens", "aging_ms", "default_weight", "max_queued",
                      "max_queued_tokens", "tenant_max_queued", "tenant_max_queued_tokens", "retry_after_min_ms",
                      "prefill_lease_s", "dispatch_interval_ms", "result_ttl_s",
-                     "share_window_s", "quarantine_after", "quarantine_s"):
+                     "share_window_s", "quarantine_after", "quarantine_s", "leader_lease_s"):
             _positive(name, getattr(self, name))
         if self.reserve_slots < 0:
             raise ValueError(f"reserve_slots must be >= 0, got {self.reserve_slots}")
@@ -238,6 +257,11 @@ class SchedulerConfig(StoreConfig):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
 
+    @property
+    def leader_id(self) -> str:
+        """This scheduler's name in the dispatch lease."""
+        return self.scheduler_id or f"scheduler-{socket.gethostname()}-{os.getpid()}"
+
 
 @dataclass(frozen=True)
 class WorkerConfig(StoreConfig):
@@ -247,7 +271,7 @@ class WorkerConfig(StoreConfig):
     port: int = field(default=0, metadata={"help": "port to listen on (0 = any free port)"})
     advertise_address: str = field(default="", metadata={"help": "host:port other hosts reach this worker at (default host:port)"})
     worker_id: str = field(default="", metadata={"help": "unique worker name (default role-hostname-pid)"})
-    model: str = field(default="builtin", metadata={"help": "builtin, builtin:SIZE or a checkpoint dir"})
+    model: str = field(default="builtin", metadata={"help": "builtin, builtin:SIZE, a checkpoint dir, or null[:STEP_MS]: no compute, tokens chosen from each row's token and position, STEP_MS ms per forward pass (pdq.model.null; default 0), to measure the serving path alone"})
     device: str = field(default="", metadata={"help": "cpu, cuda, cuda:N (default: cuda when present)"})
     dtype: str = field(default="", metadata={"help": "float32, float16, bfloat16 (default: float32 on cpu, bfloat16 on cuda)"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = torch default)"})

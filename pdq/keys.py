@@ -22,6 +22,10 @@ Layout (prefix `p`, default "pdq"):
   p:leases                zset   ids in PREFILLING/TRANSFERRING, score = prefill lease expiry (ms)
   p:held:{worker}         set    ids of the current attempts a worker takes part in (prefill or decode)
   p:seq                   int    arrival sequence counter
+  p:leader                string "{epoch} {scheduler id}": the dispatch lease (scheduler.leader); expires
+                                 leader_lease_s after its holder's last renewal
+  p:leader:epoch          int    the latest leader epoch: a leader's claims and sweeps carry theirs, and
+                                 a script refuses one that is not the latest ('FENCED')
   p:tenant:{name}         hash   tenant policy: weight, tier (best allowed), max_queued, max_queued_tokens
   p:tenants               set    tenants with a policy
   p:index                 zset   every request id by arrival seq (ListRequests, newest first); an
@@ -41,7 +45,8 @@ Layout (prefix `p`, default "pdq"):
   p:heartbeats            pubsub channel: ids of workers that just heartbeat (e.g. a KV slot freed),
                           while requests are queued
   p:deadline              pubsub channel: "{id} {deadline_ms}" when an operator moved a deadline
-  p:queued                pubsub channel: ids of requests put back in the queue (a requeue), or ""
+  p:queued                pubsub channel: ids of requests put back in the queue (a requeue) or queued by a
+                          standby scheduler's submit, or ""
                           when an operator resumed a queue: wakes a scheduler whose queue was empty
 
 Record fields: id, spec (RequestSpec protobuf bytes), tenant, tier, state, epoch, seq, score,
@@ -118,6 +123,14 @@ class Keys:
         return f"{self.prefix}:held:{worker_id}"
 
     @property
+    def leader(self) -> str:
+        return f"{self.prefix}:leader"
+
+    @property
+    def leader_epoch(self) -> str:
+        return f"{self.prefix}:leader:epoch"
+
+    @property
     def seq(self) -> str:
         return f"{self.prefix}:seq"
 
@@ -184,5 +197,5 @@ _LIB = ("local TERMINAL = {" + ", ".join(f"{s.value}=true" for s in sorted(TERMI
         + (_LUA / "lib.lua").read_text())
 SCRIPT_NAMES = ("submit", "claim", "requeue", "transition", "step", "finish", "expire_deadlines", "reap_worker",
                 "expire_leases", "snapshot", "cancel_tenant", "set_deadline", "list_requests", "heartbeat",
-                "workers", "handoffs", "quarantine")
+                "workers", "handoffs", "quarantine", "lead", "resign")
 SCRIPTS = {name: _LIB + (_LUA / f"{name}.lua").read_text() for name in SCRIPT_NAMES}

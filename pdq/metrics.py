@@ -129,6 +129,8 @@ QUEUE_DEPTH = Gauge("pdq_queue_depth", "Queued requests.", REQUEST_LABELS)
 QUEUE_TOKENS = Gauge("pdq_queue_tokens", "Tokens of the queued requests (prompt + max_tokens): the work waiting, what "
                      "prefill and decode capacity scale on.", REQUEST_LABELS)
 LIVE_WORKERS = Gauge("pdq_live_workers", "Workers with a fresh heartbeat.", ("role",))
+SCHEDULER_LEADER = Gauge("pdq_scheduler_leader", "1 while this scheduler holds the dispatch lease (it dispatches "
+                         "and sweeps), 0 on standby (it serves submits and cancels).")
 
 # -- gRPC (every process) -----------------------------------------------------------------------
 

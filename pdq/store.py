@@ -35,6 +35,20 @@ def _then(value: Any, fn: Callable[[Any], Any]) -> Any:
     return fn(value)
 
 
+class Deposed(Exception):
+    """A leading scheduler's write was refused: another scheduler has been elected since
+    (`scheduler.leader`); nothing was written."""
+
+
+def _fenced(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Parses a fenced script's answer: 'FENCED' raises Deposed, anything else goes to fn."""
+    def parse(r: Any) -> Any:
+        if r in (b"FENCED", "FENCED"):
+            raise Deposed("another scheduler leads now: this one's write was refused")
+        return fn(r)
+    return parse
+
+
 def _str(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -338,24 +352,27 @@ class RequestStore:
         return _then(self._run("snapshot", [max_tenants, max_heads, now_ms(), *tiers]), parse)
 
     def claim(self, placed: list[tuple[str, str]], worker_id: str, address: str = "", lease_ms: int = 60_000,
-              default_weight: float = 1.0, token: str = "") -> Any:
+              default_weight: float = 1.0, token: str = "", fence: int = 0) -> Any:
         """Moves queued requests to PREFILLING on prefill worker `worker_id` (at `address`), each
         leased to it and to its decode worker: `placed` is [(request id, decode worker id)].
         The prefill lease runs `lease_ms`. Charges each tenant's counter. `token` names this
         claim (the batch id; default: a fresh one): a replay of the call answers the same
-        epochs and specs. -> [Claimed]"""
+        epochs and specs. `fence`: the leader epoch it is made under (0: unfenced); Deposed
+        when another scheduler leads. -> [Claimed]"""
         now = now_ms()
-        args: list[Any] = [now, worker_id, address, now + lease_ms, default_weight, token or uuid.uuid4().hex[:16]]
+        args: list[Any] = [now, worker_id, address, now + lease_ms, default_weight, token or uuid.uuid4().hex[:16],
+                           fence]
         for rid, decode_id in placed:
             args += [rid, decode_id]
 
         def parse(r: list) -> list[Claimed]:
             return [Claimed(rid, int(ep), spec or None) for (rid, _), (ep, spec) in zip(placed, r)]
-        return _then(self._run("claim", args), parse)
+        return _then(self._run("claim", args), _fenced(parse))
 
-    def expire_deadlines(self, limit: int = 256) -> Any:
-        """Ends (TIMED_OUT) live requests past their deadline. -> how many were due."""
-        return _then(self._run("expire_deadlines", [now_ms(), limit, self.result_ttl_s]), int)
+    def expire_deadlines(self, limit: int = 256, fence: int = 0) -> Any:
+        """Ends (TIMED_OUT) live requests past their deadline. -> how many were due.
+        `fence`: as for claim."""
+        return _then(self._run("expire_deadlines", [now_ms(), limit, self.result_ttl_s, fence]), _fenced(int))
 
     def next_deadline_ms(self) -> Any:
         """The earliest deadline (Unix ms) of a live request, or None."""
@@ -363,16 +380,29 @@ class RequestStore:
             return int(rows[0][1]) if rows else None
         return _then(self.client.zrange(self.keys.deadlines, 0, 0, withscores=True), first)
 
-    def reap_worker(self, worker_id: str, max_attempts: int) -> Any:
+    def reap_worker(self, worker_id: str, max_attempts: int, fence: int = 0) -> Any:
         """Gives back the attempts of a worker that stopped heartbeating: lost attempts (they
-        count towards `retry.max_lost`, not max_attempts). -> (requeued, failed)"""
-        args = [worker_id, now_ms(), max_attempts, self.result_ttl_s, self.retry.max_lost]
-        return _then(self._run("reap_worker", args), lambda r: (int(r[0]), int(r[1])))
+        count towards `retry.max_lost`, not max_attempts). `fence`: as for claim.
+        -> (requeued, failed)"""
+        args = [worker_id, now_ms(), max_attempts, self.result_ttl_s, self.retry.max_lost, fence]
+        return _then(self._run("reap_worker", args), _fenced(lambda r: (int(r[0]), int(r[1]))))
 
-    def expire_leases(self, max_attempts: int, limit: int = 256) -> Any:
-        """Gives back requests whose prefill lease expired: lost attempts. -> (requeued, failed)"""
-        args = [now_ms(), max_attempts, self.result_ttl_s, limit, self.retry.max_lost]
-        return _then(self._run("expire_leases", args), lambda r: (int(r[0]), int(r[1])))
+    def expire_leases(self, max_attempts: int, limit: int = 256, fence: int = 0) -> Any:
+        """Gives back requests whose prefill lease expired: lost attempts. `fence`: as for
+        claim. -> (requeued, failed)"""
+        args = [now_ms(), max_attempts, self.result_ttl_s, limit, self.retry.max_lost, fence]
+        return _then(self._run("expire_leases", args), _fenced(lambda r: (int(r[0]), int(r[1]))))
+
+    # -- who dispatches: the scheduler's lease (scheduler.leader) ----------------------------
+
+    def lead(self, scheduler_id: str, lease_ms: int) -> Any:
+        """Takes or renews the dispatch lease for `scheduler_id`, for `lease_ms`.
+        -> (epoch it leads under, holder id); epoch 0 while another scheduler holds it."""
+        return _then(self._run("lead", [scheduler_id, lease_ms]), lambda r: (int(r[0]), _str(r[1])))
+
+    def resign(self, scheduler_id: str) -> Any:
+        """Frees the dispatch lease if `scheduler_id` holds it. -> whether it did."""
+        return _then(self._run("resign", [scheduler_id]), lambda r: bool(int(r)))
 
     def handoffs(self, event: str, outcomes: list[tuple[str, str, bool]]) -> Any:
         """Counts KV hand-off outcomes, in order: (worker id, the other side's id, ok) each, a
@@ -474,6 +504,11 @@ class RequestStore:
         pipe.srem(self.keys.paused, *members)
         pipe.publish(self.keys.queued_channel, "")
         return _then(pipe.execute(), lambda replies: replies[0])
+
+    def announce(self, request_id: str) -> Any:
+        """Tells the leading scheduler that `request_id` was queued by another one (a standby's
+        submit): the queued channel wakes its dispatch loop."""
+        return self.client.publish(self.keys.queued_channel, request_id)
 
     def paused(self) -> Any:
         """-> (paused tiers, paused tenants), sorted."""

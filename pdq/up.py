@@ -1,6 +1,7 @@
 """`pdq up`: a whole cluster on one machine, for development and demos.
 
-Starts a private Redis server (unless --redis-url is given), the scheduler, N prefill workers,
+Starts a private Redis server (unless --redis-url is given), the scheduler (or several: one
+leads, the others stand by), N prefill workers,
 M decode workers (or, colocated, M workers serving both roles) and the gateway as separate
 processes, waits until every one reports SERVING on grpc.health.v1, then supervises them (a
 process that exits is started again the same way: same port, same worker id; pdq.supervisor)
@@ -87,6 +88,9 @@ def say(*parts: object) -> None:
 class Cluster:
     prefill: int = 1
     decode: int = 1
+    # Scheduler replicas: "scheduler", "scheduler-1", ...; the first to start leads (dispatches),
+    # the others serve submits and take over when it dies (scheduler.leader).
+    schedulers: int = 1
     model: str = "builtin"
     redis_url: str | None = None
     port: int = 50051
@@ -168,15 +172,22 @@ class Cluster:
             if self.auth:
                 auth_file, self.client_key, self.admin_key = write_dev_keys(self.port)
                 env["PDQ_AUTH_FILE"] = str(auth_file)
-            sched_port = free_port(self.host)
-            self._spawn("scheduler", "scheduler", sched_port, env, metrics_offset=1)
+            sched_ports = []
+            for i in range(self.schedulers):  # the first is up (and leads) before the next starts
+                sched_ports.append(free_port(self.host))
+                name = "scheduler" if i == 0 else f"scheduler-{i}"
+                self._spawn(name, "scheduler", sched_ports[-1], env, ["--scheduler-id", f"{name}-{os.getpid()}"],
+                            metrics_offset=1 + i)
+                if i == 0 and self.schedulers > 1:
+                    self._wait_child(self.children[-1], time.monotonic() + timeout_s, timeout_s)
             for i in range(prefill):
                 self._spawn(f"prefill-{i}", "prefill_worker", free_port(self.host), env,
                             ["--worker-id", f"prefill-{i}-{os.getpid()}"], metrics_offset=10 + i)
             for i in range(self.decode):
                 self._spawn(f"decode-{i}", "decode_worker", free_port(self.host), env,
                             ["--worker-id", f"decode-{i}-{os.getpid()}"], metrics_offset=20 + i)
-            self._spawn("gateway", "gateway", self.port, env, ["--scheduler-address", f"{self.host}:{sched_port}",
+            self._spawn("gateway", "gateway", self.port, env, ["--scheduler-address",
+                                                                 ",".join(f"{self.host}:{p}" for p in sched_ports),
                                                                  "--http-port", str(self.http_port),
                                                                  "--served-model-name", self.model],
                         metrics_offset=0)
@@ -239,7 +250,8 @@ class Cluster:
         return next((c for c in self.children if c.process.poll() is not None), None)
 
     def child(self, name: str) -> Child:
-        """The process called `name`: "gateway", "scheduler", "prefill-0", "decode-1", ...,
+        """The process called `name`: "gateway", "scheduler" (and "scheduler-1", ... with
+        several), "prefill-0", "decode-1", ...,
         or "redis" (the private Redis server)."""
         for child in ([self.redis_child] if self.redis_child else []) + self.children:
             if child.name == name:

@@ -76,11 +76,16 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                                                    "pdq.attempt": item.epoch, "pdq.batch_id": request.batch_id,
                                                    "pdq.worker": self.config.name("prefill")})
             self.loop.submit(Job(item, done, span=span, more_coming=request.more_coming))
-        try:
-            results = await asyncio.gather(*(self._finish(item, fut) for item, fut in zip(request.items, futures)))
-        finally:
-            telemetry.end(batch)
-        return pb.PrefillBatchResult(results=results)
+        async def finish_all() -> list[pb.PrefillItemResult]:
+            try:
+                return await asyncio.gather(*(self._finish(item, fut) for item, fut in zip(request.items, futures)))
+            finally:
+                telemetry.end(batch)
+        # Shielded: a scheduler that dies (or stops) with the batch under way cancels this call, but its
+        # requests still get their hand-offs; only the answer is lost (failed items wait for their lease).
+        task = asyncio.ensure_future(finish_all())
+        task.add_done_callback(_log_unseen_error)
+        return pb.PrefillBatchResult(results=await asyncio.shield(task))
 
     async def _finish(self, item: pb.PrefillItem, fut: asyncio.Future) -> pb.PrefillItemResult:
         outcome: Outcome = await fut
@@ -209,3 +214,9 @@ def build_server(config: PrefillConfig) -> Server:
     server.on_start.append(start)
     server.on_stop.append(stop)
     return server
+
+
+def _log_unseen_error(task: asyncio.Future) -> None:
+    """Logs a shielded batch's error: after its caller left, nobody else sees it."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("prefill batch failed: %r", task.exception())

@@ -25,12 +25,13 @@ from pdq.config import SchedulerConfig
 from pdq.liveness import Liveness
 from pdq.registry import ROLES, WorkerInfo, live_workers
 from pdq.serving import GRPC_OPTIONS
-from pdq.store import RequestStore, TenantBacklog, now_ms, spec_from_bytes
+from pdq.store import Deposed, RequestStore, TenantBacklog, now_ms, spec_from_bytes
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 from scheduler.policies import (Candidate, DecodeSlots, DrainRate, Headroom, TenantQueue, TierQueue,
                                 choose_decode_worker, fair_policy, form_batch, place_prefill, place_round,
                                 preemptible_tiers, prefer_healthy, prefill_priority, schedule, tier_policy)
+from scheduler.leader import Leadership, Sole
 from scheduler.retries import BatchOutcome, Retries
 
 log = logging.getLogger("pdq.scheduler")
@@ -79,9 +80,10 @@ def to_tier_queues(snapshot: dict[str, list[TenantBacklog]], tiers: list[str],
 
 
 class Dispatcher:
-    def __init__(self, config: SchedulerConfig, store: RequestStore):
+    def __init__(self, config: SchedulerConfig, store: RequestStore, leader: Leadership | Sole | None = None):
         self.config = config
         self.store = store
+        self.leader = leader or Sole()  # rounds run only while it leads; its epoch fences the claims
         self.wake = asyncio.Event()
         self.drain = DrainRate()  # tokens dispatched per second, for retry hints
         self.tiers = config.tier_names
@@ -154,7 +156,10 @@ class Dispatcher:
 
     def _wait_s(self, interval: float) -> float:
         """How long to wait for a poke: the poll period (longer with the queue empty), cut short
-        when a request held back after a failure may go."""
+        when a request held back after a failure may go. On standby: the idle poll (taking the
+        lease pokes the loop)."""
+        if not self.leader.leading:
+            return max(interval, IDLE_POLL_S)
         wait = max(interval, IDLE_POLL_S) if self._queue_empty else interval
         if self._next_retry_ms:
             wait = min(wait, max(0.0, (self._next_retry_ms - now_ms()) / 1000))
@@ -172,6 +177,8 @@ class Dispatcher:
                 self.wake.clear()
                 if self._stopping:
                     break
+                if not self.leader.leading:
+                    continue
                 try:
                     while await self.dispatch_once():
                         pass
@@ -287,9 +294,16 @@ class Dispatcher:
             return False
         self._preempted_at = 0.0
         batch_id = uuid.uuid4().hex[:12]
-        claimed = await self.store.claim([(c.request_id, dw.worker_id) for c, dw, _, _ in placed], target_info.worker_id,
-                                         target.address, int(self.config.prefill_lease_s * 1000),
-                                         self.config.default_weight, token=batch_id)
+        try:
+            claimed = await self.store.claim([(c.request_id, dw.worker_id) for c, dw, _, _ in placed],
+                                             target_info.worker_id, target.address,
+                                             int(self.config.prefill_lease_s * 1000), self.config.default_weight,
+                                             token=batch_id, fence=self.leader.epoch)
+        except Deposed:  # another scheduler leads: it dispatches these
+            self.leader.deposed()
+            for cand, dw, _, _ in placed:
+                await self._release(dw, cand.request_id)
+            return False
         items, reserved = [], []
         for (cand, dw, priority, kv_address), got in zip(placed, claimed):
             if got.epoch == 0 or got.spec is None:  # cancelled or ended meanwhile
@@ -433,6 +447,14 @@ class Dispatcher:
             metrics.QUEUE_DEPTH.labels(*gone).set(0)
             metrics.QUEUE_TOKENS.labels(*gone).set(0)
         self._depth_labels = labels
+
+    def stand_by(self) -> None:
+        """This scheduler no longer leads: its queue gauges go to 0 (the leader's count)."""
+        for labels in self._depth_labels:
+            metrics.QUEUE_DEPTH.labels(*labels).set(0)
+            metrics.QUEUE_TOKENS.labels(*labels).set(0)
+        self._depth_labels = set()
+        self._depth_at = 0.0
 
     async def _run_batch(self, peer: _Peer, worker_id: str, batch: pb.PrefillBatch, reserved: list[DecodeSlots]) -> None:
         """Runs one batch on prefill worker `worker_id`; failed items go back to the queue

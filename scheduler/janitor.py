@@ -25,7 +25,8 @@ from pdq import metrics, redisconn
 from pdq.config import SchedulerConfig
 from pdq.liveness import Liveness
 from pdq.registry import forget, heartbeats
-from pdq.store import RequestStore, now_ms
+from pdq.store import Deposed, RequestStore, now_ms
+from scheduler.leader import Leadership, Sole
 from scheduler.policies import HeartbeatWatch
 
 log = logging.getLogger("pdq.scheduler")
@@ -46,9 +47,11 @@ def sleep_s(next_deadline_ms: int | None, now_ms_: int, until_reap_s: float) -> 
 
 
 class Janitor:
-    def __init__(self, config: SchedulerConfig, store: RequestStore, on_requeue: Callable[[], None]):
+    def __init__(self, config: SchedulerConfig, store: RequestStore, on_requeue: Callable[[], None],
+                 leader: Leadership | Sole | None = None):
         self.config = config
         self.store = store
+        self.leader = leader or Sole()  # it sweeps only while this leads; its epoch fences the sweeps
         self.on_requeue = on_requeue  # wakes the dispatcher
         self._task: asyncio.Task | None = None
         self._stopping = asyncio.Event()
@@ -65,6 +68,13 @@ class Janitor:
         self._stopping.set()
         if self._task:
             await self._task
+
+    def lead(self) -> None:
+        """This scheduler took the lease: observe the workers afresh (a standby saw none of their
+        heartbeats) and sweep at once."""
+        self.watch = HeartbeatWatch(self.config.worker_timeout_s, self.config.worker_timeout_s / 2)
+        self._last_reap = 0.0
+        self._poke.set()
 
     def poke(self, deadline_ms: int = 0) -> None:
         """A deadline was set or moved: look again (it may be earlier than the one slept for).
@@ -84,10 +94,16 @@ class Janitor:
         while not self._stopping.is_set():
             self._poke.clear()
             try:
-                await self.sweep()
-                until_reap = self._last_reap + self.config.worker_timeout_s / 4 - time.monotonic()
-                wait = sleep_s(await self.store.next_deadline_ms(), now_ms(), until_reap)
+                if self.leader.leading:
+                    await self.sweep()
+                    until_reap = self._last_reap + self.config.worker_timeout_s / 4 - time.monotonic()
+                    wait = sleep_s(await self.store.next_deadline_ms(), now_ms(), until_reap)
+                else:  # on standby: taking the lease pokes it
+                    wait = MAX_SLEEP_S
                 live.beat()
+            except Deposed:  # another scheduler leads: it sweeps
+                self.leader.deposed()
+                wait = MAX_SLEEP_S
             except Exception as exc:  # keep sweeping; Redis may come back
                 if not redisconn.unavailable(exc):
                     log.exception("janitor sweep failed")
@@ -106,7 +122,7 @@ class Janitor:
     async def sweep(self) -> None:
         """One pass: deadlines always, workers and leases when their period has come."""
         while True:
-            due = await self.store.expire_deadlines(256)
+            due = await self.store.expire_deadlines(256, fence=self.leader.epoch)
             metrics.TIMEOUTS.labels("scheduler").inc(due)
             if due < 256:
                 break
@@ -125,7 +141,7 @@ class Janitor:
                                   redisconn.OUTAGES.last_failure)
         for wid in dead:
             role = beats[wid][0]
-            r, f = await self.store.reap_worker(wid, attempts)
+            r, f = await self.store.reap_worker(wid, attempts, fence=self.leader.epoch)
             metrics.REQUEUES.labels("worker_lost", "QUEUED").inc(r)
             metrics.REQUEUES.labels("worker_lost", "FAILED").inc(f)
             await forget(client, keys, wid, role)
@@ -133,7 +149,7 @@ class Janitor:
             log.warning("%s worker %s stopped heartbeating: %d request(s) requeued, %d failed", role, wid, r, f)
             requeued, failed = requeued + r, failed + f
         while self.watch.settled(time.monotonic()):
-            r, f = await self.store.expire_leases(attempts, 256)
+            r, f = await self.store.expire_leases(attempts, 256, fence=self.leader.epoch)
             metrics.REQUEUES.labels("lease_expired", "QUEUED").inc(r)
             metrics.REQUEUES.labels("lease_expired", "FAILED").inc(f)
             if r or f:

@@ -25,6 +25,7 @@ from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 from scheduler.dispatcher import Dispatcher
 from scheduler.janitor import Janitor
+from scheduler.leader import Leadership
 from scheduler.policies import ORDER_POLICIES, resolve_tier, retry_after_ms
 
 log = logging.getLogger("pdq.scheduler")
@@ -89,9 +90,12 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         telemetry.end(span, "idempotent_retry" if got.kind == "existing" else None,
                       attributes={"pdq.enqueue.result": got.kind})
         if got.kind == "created":
-            self.dispatcher.poke()
-            if spec.deadline_ms:
-                self.dispatcher.on_deadline(spec.deadline_ms)
+            if self.dispatcher.leader.leading:
+                self.dispatcher.poke()
+                if spec.deadline_ms:
+                    self.dispatcher.on_deadline(spec.deadline_ms)
+            else:  # the leader hears of it on the queued channel (and sweeps its deadline within a second)
+                await self.store.announce(spec.request_id)
         return pb.SubmitResponse(request_id=got.request_id, created=got.kind == "created")
 
     async def Cancel(self, request: pb.InternalCancelRequest, context: grpc.aio.ServicerContext) -> pb.InternalCancelResponse:
@@ -120,11 +124,21 @@ def _explain(reason: str) -> str:
 
 
 def build_server(config: SchedulerConfig) -> Server:
-    """Builds (does not start) the scheduler: gRPC server, Redis store, dispatcher, janitor."""
+    """Builds (does not start) the scheduler: gRPC server, Redis store, its side of the election
+    (`scheduler.leader`), and the dispatcher and janitor that run while it leads."""
     client = config.redis()
     store = RequestStore(client, config.key_prefix, config.result_ttl_s, RetryLimits.of(config))
-    dispatcher = Dispatcher(config, store)
-    janitor = Janitor(config, store, dispatcher.poke)
+
+    def on_change(leading: bool) -> None:
+        if leading:
+            dispatcher.poke(queued=False)
+            janitor.lead()
+        else:
+            dispatcher.stand_by()
+
+    leader = Leadership(store, config.leader_id, config.leader_lease_s, on_change)
+    dispatcher = Dispatcher(config, store, leader)
+    janitor = Janitor(config, store, dispatcher.poke, leader)
     dispatcher.on_deadline = janitor.poke
     server = Server(config.host, config.port, [pb.DESCRIPTOR.services_by_name["Scheduler"].full_name],
                     mtls=InternalTLS.from_config(config))
@@ -135,16 +149,21 @@ def build_server(config: SchedulerConfig) -> Server:
         load = await store.load()
         if load.get("n"):
             log.info("resuming: %d request(s) queued (%d tokens)", load["n"], load.get("tokens", 0))
+        if not await leader.try_lead():
+            log.info("scheduler %s on standby: %s leads", leader.id, leader.holder)
+        leader.start()
         janitor.start()
         dispatcher.start()
 
     async def close() -> None:
         await janitor.stop()
         await dispatcher.stop()
+        await leader.stop()  # resigns after its last round: a standby takes over at once
         await client.aclose()
 
     server.on_start.append(start)
     server.on_stop.append(close)
     server.dispatcher = dispatcher  # type: ignore[attr-defined]
     server.janitor = janitor  # type: ignore[attr-defined]
+    server.leader = leader  # type: ignore[attr-defined]
     return server

@@ -107,6 +107,8 @@ CASES: list[tuple[str, Callable[[RequestStore], Any], Callable[[RequestStore], A
     ("workers", beating, lambda s: s.workers(("prefill", "decode"), 0), "same"),
     ("handoffs", lambda s: None, failed_handoffs, "same"),
     ("quarantine", failed_handoffs, lambda s: s.quarantine("p1", now_ms() + 30_000, "3 failed", 0), 0),
+    ("lead", lambda s: None, lambda s: s.lead("sched-a", 60_000), "same"),
+    ("resign", lambda s: s.lead("sched-a", 60_000), lambda s: s.resign("sched-a"), 0),
 ]
 
 

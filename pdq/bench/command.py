@@ -197,6 +197,10 @@ def run(args: argparse.Namespace) -> int:
         from pdq.bench.scheduler import run as run_scheduler
 
         return run_scheduler(args)
+    if getattr(args, "capacity", False):
+        from pdq.bench.capacity import run as run_capacity
+
+        return run_capacity(args)
     if getattr(args, "handoff", False):
         from pdq.bench.handoff import run as run_handoff
 

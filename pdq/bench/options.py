@@ -38,6 +38,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help="measure the scheduler's goals instead: tenant shares, a light tenant's TTFT under a "
                             "flood, cancel and deadline latencies (spawns its own cluster; --model, --requests, "
                             "--env, --json apply)")
+    where.add_argument("--capacity", action="store_true",
+                       help="measure control-plane capacity instead: step open-loop arrivals of short requests up "
+                            "until latency breaks, per --capacity-max-tokens; report the best sustained requests/s "
+                            "and streamed tokens/s, each process's CPU (the bottleneck) and Redis's own rate "
+                            "(spawns its own cluster; best with --model null; --model, --env, --stream-interval, "
+                            "--seed, --json and the cluster flags apply)")
+    cap = p.add_argument_group("--capacity sweeps (pdq.bench.capacity_policy)")
+    cap.add_argument("--capacity-max-tokens", default="8,128",
+                     help="one sweep per value: the max_tokens of every request (default 8,128: submits, then "
+                          "streamed tokens)")
+    cap.add_argument("--capacity-prompt-tokens", type=int, default=8, help="prompt tokens per request (default 8)")
+    cap.add_argument("--capacity-start", type=float, default=50.0, help="first offered rate, requests/s (default 50)")
+    cap.add_argument("--capacity-factor", type=float, default=1.5, help="rate multiplier per step (default 1.5)")
+    cap.add_argument("--capacity-step-s", type=float, default=3.0, help="seconds of arrivals per step (default 3)")
+    cap.add_argument("--capacity-p99-ms", type=float, default=500.0,
+                     help="latency breaks past this p99 submit->done, in ms (default 500), plus "
+                          "--capacity-token-ms per output token after the first; also on any error, or when "
+                          "completed requests/s fall >10%% below the offered rate")
+    cap.add_argument("--capacity-token-ms", type=float, default=10.0,
+                     help="ms per output token after the first added to the p99 bound (default 10)")
     where.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                        help="extra environment of every spawned process, e.g. PDQ_STRATEGY_BATCH_SIZE=8 (repeatable)")
     up = p.add_argument_group("the spawned cluster (as `pdq up`)")
@@ -50,8 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--control-policy", choices=cpu.POLICIES, default=os.environ.get("PDQ_UP_CONTROL_POLICY") or "batch",
                     help=UP_CONTROL_POLICY_HELP)
     up.add_argument("--model", default=os.environ.get("PDQ_MODEL", "builtin"),
-                    help="builtin, builtin:tiny, builtin:small, builtin:1b (for a GPU) or a checkpoint dir; with --target, the model the "
-                         "cluster serves (its vocabulary makes the prompts)")
+                    help="builtin, builtin:tiny, builtin:small, builtin:1b (for a GPU), null or null:STEP_MS (no compute: "
+                         "pdq.model.null) or a checkpoint dir; with --target, the model the cluster serves (its "
+                         "vocabulary makes the prompts)")
     up.add_argument("--redis-url", default=os.environ.get("PDQ_UP_REDIS_URL"),
                     help="use this Redis instead of starting a private one")
     load = p.add_argument_group("workload and load")

@@ -155,10 +155,11 @@ class RedisRole(Role):
 
 
 class ChaosCluster:
-    """Redis, the scheduler, 2 prefill and 2 decode workers and the gateway (P/D disaggregated)."""
+    """Redis, 2 schedulers (one leads, one stands by), 2 prefill and 2 decode workers and the
+    gateway (P/D disaggregated)."""
 
     def __init__(self, out: Path, model_dir: str, clock, prefill: int = 2, decode: int = 2,
-                 extra_env: dict | None = None):
+                 extra_env: dict | None = None, schedulers: int = 2):
         self.out = out
         self.clock = clock  # seconds since the run started
         logs = out / "logs"
@@ -168,9 +169,10 @@ class ChaosCluster:
         env.update(ROLE_ENV, PDQ_REDIS_URL=self.redis.url, PDQ_MODEL=model_dir, **(extra_env or {}))
         py = [sys.executable, "-m"]
         common = ["--host", HOST]
-        sched_port, gw_port = free_port(HOST), free_port(HOST)
-        roles = [Role("scheduler", sched_port, py + ["scheduler", *common, "--port", str(sched_port)], env,
-                      logs / "scheduler.log")]
+        sched_ports, gw_port = [free_port(HOST) for _ in range(schedulers)], free_port(HOST)
+        roles = [Role(f"scheduler-{i}", port, py + ["scheduler", *common, "--port", str(port),
+                                                    "--scheduler-id", f"chaos-scheduler-{i}"], env,
+                      logs / f"scheduler-{i}.log") for i, port in enumerate(sched_ports)]
         for i in range(prefill):
             port = free_port(HOST)
             roles.append(Role(f"prefill-{i}", port, py + ["prefill_worker", *common, "--port", str(port),
@@ -183,7 +185,8 @@ class ChaosCluster:
                                                          "--max-batch-size", str(DECODE_SLOTS)],
                               env, logs / f"decode-{i}.log"))
         roles.append(Role("gateway", gw_port, py + ["gateway", *common, "--port", str(gw_port),
-                                                    "--scheduler-address", f"{HOST}:{sched_port}"],
+                                                    "--scheduler-address",
+                                                    ",".join(f"{HOST}:{port}" for port in sched_ports)],
                           env, logs / "gateway.log"))
         self.roles = roles
         self.exits: list[Exit] = []
@@ -202,6 +205,15 @@ class ChaosCluster:
 
     def of_role(self, role: str) -> list[Role]:
         return [r for r in self.roles if r.role == role]
+
+    async def leader(self) -> str:
+        """The id of the scheduler holding the dispatch lease ("" when none does)."""
+        client = aioredis.Redis(host=HOST, port=self.redis.port)
+        try:
+            held = await client.get("pdq:leader")
+        finally:
+            await client.aclose()
+        return held.decode().split(" ", 1)[1] if held else ""
 
     async def start(self, timeout_s: float = 300.0) -> None:
         self.redis.start(self.clock())

@@ -13,8 +13,10 @@ Faults strike one at a time, in schedule order, each among requests in flight:
 
 So every fault lands among requests in flight, however fast or slow the machine is.
 
-- kill_prefill / kill_decode / kill_scheduler / kill_gateway: SIGKILL, then a restart under the
-  same id and ports after `delay_s`;
+- kill_prefill / kill_decode / kill_gateway: SIGKILL, then a restart under the same id and
+  ports after `delay_s`;
+- kill_scheduler: SIGKILL of the leading scheduler; once the standby leads (its takeover time
+  noted), a restart under the same id and port after `delay_s` (as a standby);
 - redis_restart: SIGKILL of Redis, down `delay_s`, restarted on its AOF;
 - conn_drop: CLIENT KILL TYPE normal and TYPE pubsub: every client connection dropped, Redis up;
 - kv_corrupt: SIGUSR1 to a SERVING prefill worker, whose next KV hand-off is corrupted
@@ -128,6 +130,8 @@ class Injector:
 
     async def _strike(self, fault: FaultPlan) -> Struck:
         kind = fault.kind
+        if kind == "kill_scheduler" and len(self.cluster.of_role("scheduler")) > 1:
+            return await self._kill_leader(fault)
         if kind.startswith("kill_"):
             role = kind.removeprefix("kill_")
             targets = self.cluster.of_role(role)
@@ -147,6 +151,26 @@ class Injector:
         role.start(self.clock())  # on the event loop's thread: see pdq.chaos.cluster
         struck.restarted_t = round(self.clock(), 2)
         struck.detail = f"down {struck.restarted_t - struck.t:.2f}s"
+        return struck
+
+    async def _kill_leader(self, fault: FaultPlan) -> Struck:
+        """SIGKILL of the scheduler that leads; its restart waits until a standby leads."""
+        schedulers = self.cluster.of_role("scheduler")
+        held = await self.cluster.leader()
+        role = next((r for r in schedulers if f"chaos-{r.name}" == held), schedulers[fault.target % len(schedulers)])
+        struck = Struck(fault.kind, role.name, fault.trigger, round(self.clock(), 2))
+        await role.kill()
+        give_up = self.clock() + HEAL_TIMEOUT_S
+        while (now := await self.cluster.leader()) in ("", held) and self.clock() < give_up:
+            await asyncio.sleep(0.05)
+        took_over = self.clock() - struck.t
+        await asyncio.sleep(fault.delay_s)
+        role.start(self.clock())
+        struck.restarted_t = round(self.clock(), 2)
+        if now in ("", held):
+            self.unhealed.append(f"t={struck.t:.1f}s: no other scheduler led within {HEAL_TIMEOUT_S:.0f}s "
+                                 f"of the leader's death")
+        struck.detail = f"the leader ({held or 'none'}); {now} led {took_over:.2f}s later"
         return struck
 
     async def _drop_connections(self, fault: FaultPlan) -> Struck:

@@ -19,6 +19,8 @@ from pdq.engine.cuda_graphs import DecodeGraphs
 from pdq.engine.kv_pool import DEFAULT_BLOCK_SIZE, KVPool, KVUsage
 from pdq.engine.llama import LlamaModel
 from pdq.model.arch import ModelSpec
+from pdq.model.null import NullCheckpoint, null_step_ms
+from pdq.model.null_forward import NullForward
 
 
 @dataclass(frozen=True)
@@ -90,11 +92,15 @@ class ModelRunner:
         spec.check_max_seq_len(max_seq_len)
         self.device = torch.device(device) if device is not None else default_device()
         self.dtype = dtype or default_dtype(self.device, getattr(config, "dtype", None))
-        state = {
-            name: t.detach().to(device=self.device, dtype=self.dtype if t.is_floating_point() else t.dtype)
-            for name, t in model.state_dict().items()
-        }
-        self.model = LlamaModel.from_hf(state, config, max_seq_len).to(self.device).prepack()
+        step_ms = null_step_ms(config)
+        if step_ms is not None:  # pdq.model.null: the same steps and KV pool, no weights, no compute
+            self.model = NullForward(spec.vocab_size, step_ms / 1000, self.device)
+        else:
+            state = {
+                name: t.detach().to(device=self.device, dtype=self.dtype if t.is_floating_point() else t.dtype)
+                for name, t in model.state_dict().items()
+            }
+            self.model = LlamaModel.from_hf(state, config, max_seq_len).to(self.device).prepack()
         self.spec = spec
         self.pool = KVPool(
             num_layers=spec.num_layers,
@@ -111,7 +117,8 @@ class ModelRunner:
         self.decode_kernel = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.available()
         # on a GPU, decode-only steps replay CUDA graphs (PDQ_CUDA_GRAPHS=0: always eager)
         self.graphs = None
-        if self.device.type == "cuda" and os.environ.get("PDQ_CUDA_GRAPHS", "1") not in ("0", "false"):
+        if (self.device.type == "cuda" and step_ms is None
+                and os.environ.get("PDQ_CUDA_GRAPHS", "1") not in ("0", "false")):
             self.graphs = DecodeGraphs(self.model, self.pool.kv, num_kv_heads=spec.num_kv_heads,
                                        block_size=block_size, scratch_block=self.pool.scratch_block,
                                        max_width=self.blocks_for(max_seq_len))
@@ -127,8 +134,12 @@ class ModelRunner:
         dtype: torch.dtype | None = None,
         **pool,
     ) -> "ModelRunner":
-        """Load a local HF checkpoint directory (`pdq.model.arch` lists the families). The config is
-        checked before the weights load. `pool`: `block_size`, `prefix_cache`."""
+        """Load a local HF checkpoint directory (`pdq.model.arch` lists the families; a null
+        model's dir, `pdq.model.null`, has no weights to load). The config is checked before the
+        weights load. `pool`: `block_size`, `prefix_cache`."""
+        if NullCheckpoint.is_null_dir(path):
+            return cls(NullCheckpoint(path), kv_budget_tokens=kv_budget_tokens, max_seq_len=max_seq_len,
+                       device=device, dtype=dtype, **pool)
         from transformers import AutoConfig, AutoModelForCausalLM
 
         ModelSpec.from_hf_config(AutoConfig.from_pretrained(path)).check_max_seq_len(max_seq_len)  # before the weights

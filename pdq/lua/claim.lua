@@ -1,13 +1,18 @@
 -- ARGV: prefix, now, prefill worker id, prefill address, lease expiry (ms), default weight, token
--- (this call's: the batch id), then per request: id, decode worker id
+-- (this call's: the batch id), leader epoch (lib.lua `deposed`), then per request: id, decode
+-- worker id
 -- Moves each still-QUEUED request to PREFILLING under a new epoch, leased to both workers, and
--- charges its tenant. -> per request {epoch, spec}, {0, ''} where it was no longer queued
+-- charges its tenant. -> per request {epoch, spec}, {0, ''} where it was no longer queued;
+-- 'FENCED' (nothing claimed) when the leader epoch is not the latest
 -- Replay: a request this call already claimed is PREFILLING with this call's token on its record
 -- ('claim'): the replay answers its epoch and spec again and changes nothing (its reply was lost,
 -- so no worker has it yet). Without the token a replayed claim would see the requests no longer
 -- queued, and the dispatcher would drop them until their lease expired.
+if deposed(ARGV[8]) then
+  return FENCED
+end
 local out = {}
-for i = 8, #ARGV, 2 do
+for i = 9, #ARGV, 2 do
   local id, decode = ARGV[i], ARGV[i + 1]
   local rk = key('req', id)
   local h = redis.call('HMGET', rk, 'state', 'tier', 'tenant', 'cost', 'claim', 'epoch')

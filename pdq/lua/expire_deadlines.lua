@@ -1,7 +1,11 @@
--- ARGV: prefix, now, limit, ttl
--- Ends live requests whose deadline has passed, in any state. -> how many it looked at
+-- ARGV: prefix, now, limit, ttl, leader epoch (lib.lua `deposed`)
+-- Ends live requests whose deadline has passed, in any state. -> how many it looked at, or
+-- 'FENCED' (nothing done) when the leader epoch is not the latest
 -- Replay: the requests the first run ended left the deadline set: it finds only what came due
 -- since (a sweep's answer counts what that run did).
+if deposed(ARGV[5]) then
+  return FENCED
+end
 local due = redis.call('ZRANGEBYSCORE', key('deadlines'), '-inf', ARGV[2], 'LIMIT', 0, ARGV[3])
 for _, id in ipairs(due) do
   local state = redis.call('HGET', key('req', id), 'state')

@@ -1,7 +1,11 @@
--- ARGV: prefix, now, max_attempts, ttl, limit, max_lost
+-- ARGV: prefix, now, max_attempts, ttl, limit, max_lost, leader epoch (lib.lua `deposed`)
 -- Gives back requests whose prefill lease expired (claimed, never handed off: e.g. the scheduler
--- died before sending the batch, or a worker dropped it): lost attempts. -> {requeued, failed}
+-- died before sending the batch, or a worker dropped it): lost attempts. -> {requeued, failed},
+-- or 'FENCED' (nothing done) when the leader epoch is not the latest
 -- Replay: the first run took them off the lease set: nothing left to do, {0, 0}.
+if deposed(ARGV[7]) then
+  return FENCED
+end
 local requeued, failed = 0, 0
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', key('leases'), '-inf', ARGV[2], 'LIMIT', 0, ARGV[5])) do
   local s = redis.call('HGET', key('req', id), 'state')

@@ -6,6 +6,14 @@ local P = ARGV[1]
 local function key(...) return table.concat({P, ...}, ':') end
 local function num(x, default) return tonumber(x) or default end
 
+-- A leading scheduler's write carries its epoch (pdq.keys: 'leader:epoch'); once another
+-- scheduler has been elected the write is refused (the script answers 'FENCED', changing
+-- nothing). '0': an unfenced write (a tool or a test, with no election).
+local FENCED = 'FENCED'
+local function deposed(epoch)
+  return epoch ~= '0' and redis.call('GET', key('leader', 'epoch')) ~= epoch
+end
+
 -- A tenant's VTC counter moves by delta; the backlog keeps a copy as its score.
 local function vtc_add(tier, tenant, delta)
   local c = redis.call('HINCRBYFLOAT', key('vtc', tier), tenant, delta)

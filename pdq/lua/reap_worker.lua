@@ -1,7 +1,11 @@
--- ARGV: prefix, worker id, now, max_attempts, ttl, max_lost
+-- ARGV: prefix, worker id, now, max_attempts, ttl, max_lost, leader epoch (lib.lua `deposed`)
 -- A worker stopped heartbeating: every current attempt it takes part in is lost (requeue kind
--- 'lost'; a prefill worker's only while the request is still in its hands). -> {requeued, failed}
+-- 'lost'; a prefill worker's only while the request is still in its hands). -> {requeued, failed},
+-- or 'FENCED' (nothing done) when the leader epoch is not the latest
 -- Replay: the first run emptied the worker's held set: nothing left to do, {0, 0}.
+if deposed(ARGV[7]) then
+  return FENCED
+end
 local w = ARGV[2]
 local held = key('held', w)
 local requeued, failed = 0, 0

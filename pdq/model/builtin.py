@@ -13,6 +13,7 @@ import fcntl
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -159,13 +160,18 @@ def builtin_dir(size: str = "small", cache_dir: Path | None = None) -> Path:
 
 
 def ensure_builtin(size: str = "small", cache_dir: Path | None = None) -> Path:
-    """Return the cached built-in checkpoint dir of ``size``, building it on first use.
+    """Return the cached built-in checkpoint dir of ``size``, building it on first use
+    (:func:`build_once`)."""
+    return build_once(builtin_dir(size, cache_dir), lambda tmp: save_builtin(tmp, size))
+
+
+def build_once(target: Path, build: Callable[[Path], object]) -> Path:
+    """Return ``target``, a checkpoint dir that ``build(tmp_dir)`` writes, building it on first use.
 
     Safe under concurrency: builders serialize on an ``fcntl.flock`` lock file, build into a
     temp dir next to the target and ``rename`` it into place, so the target dir either does
     not exist or is complete, and every caller gets the same files.
     """
-    target = builtin_dir(size, cache_dir)
     if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -175,7 +181,7 @@ def ensure_builtin(size: str = "small", cache_dir: Path | None = None) -> Path:
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
-            save_builtin(tmp, size)
+            build(tmp)
             os.rename(tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

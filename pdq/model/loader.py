@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdq.model.builtin import ensure_builtin
+from pdq.model.null import ensure_null, is_null_spec
 
 if TYPE_CHECKING:
     import torch
@@ -23,15 +24,18 @@ BUILTIN = "builtin"
 
 def resolve_model(spec: str) -> Path:
     """``"builtin"`` -> the cached built-in ``small`` checkpoint (built on first use);
-    ``"builtin:SIZE"`` -> that size; anything else must be a local Hugging Face checkpoint
-    dir with a config.json (``ValueError`` otherwise; nothing is downloaded)."""
+    ``"builtin:SIZE"`` -> that size; ``"null"`` / ``"null:STEP_MS"`` -> the cached null model's
+    dir (`pdq.model.null`: no compute, STEP_MS per forward pass); anything else must be a local
+    Hugging Face checkpoint dir with a config.json (``ValueError`` otherwise; nothing is downloaded)."""
+    if is_null_spec(spec):
+        return ensure_null(spec)
     if spec == BUILTIN or spec.startswith(BUILTIN + ":"):
         return ensure_builtin(spec.partition(":")[2] or "small")
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise ValueError(
-            f"model {spec!r} is not a directory; expected 'builtin', 'builtin:SIZE' "
-            "or the path of a local Hugging Face checkpoint dir"
+            f"model {spec!r} is not a directory; expected 'builtin', 'builtin:SIZE', "
+            "'null', 'null:STEP_MS' or the path of a local Hugging Face checkpoint dir"
         )
     if not (path / "config.json").is_file():
         raise ValueError(f"model dir {str(path)!r} has no config.json; is it a Hugging Face checkpoint?")

@@ -34,5 +34,7 @@ def test_the_short_chaos_run_loses_duplicates_garbles_stalls_and_leaks_nothing(t
     assert struck == {"kill_prefill": 1, "kill_decode": 1, "kill_scheduler": 1, "kill_gateway": 1,
                       "redis_restart": 1, "conn_drop": SHORT["conn_drops"], "kv_corrupt": SHORT["corrupt_handoffs"]}
     assert all(s["in_flight"] > 0 for s in result["faults"]["struck"])  # every fault hit requests in flight
+    (kill,) = [s for s in result["faults"]["struck"] if s["kind"] == "kill_scheduler"]
+    assert kill["detail"].startswith(f"the leader (chaos-{kill['target']}); chaos-scheduler-")  # the standby took over
     assert run.returncode == (0 if result["ok"] else 1)
     assert result["ok"], run.stdout + run.stderr[-3000:]

@@ -1,6 +1,7 @@
 """A supervised cluster heals itself: a process killed with SIGKILL (a decode worker, the
 gateway, the private Redis server) is started again on its port under its worker id, and the
-requests it was serving still complete.
+requests it was serving still complete. With two schedulers, killing the leading one loses
+nothing and no submit fails: the standby takes over.
 
 The cluster uses the `tiny` built-in model, a durable private Redis, short heartbeats and worker
 timeouts, and decode steps slowed to 10 ms by the fault switch, so that a request is still
@@ -25,8 +26,8 @@ TOKENS = 150
 @pytest.fixture(scope="module")
 def cluster():
     env = {**FAST_FAILOVER, "PDQ_FAULTS": "decode_step_delay_ms=10"}
-    with Cluster(model="builtin:tiny", port=0, prefill=1, decode=1, durable=True, auth=False, metrics_port=-1,
-                 extra_env=env) as c:
+    with Cluster(model="builtin:tiny", port=0, prefill=1, decode=1, schedulers=2, durable=True, auth=False,
+                 metrics_port=-1, extra_env=env) as c:
         yield c
 
 
@@ -102,3 +103,22 @@ def test_a_killed_durable_redis_comes_back_on_its_port_with_its_data(cluster, rd
     with Client(cluster.target) as client:
         rid = client.submit("heal me", max_tokens=TOKENS, ignore_eos=True)
         assert list(results(client, [rid])[0].result.token_ids) == list(expected)
+
+
+def test_killing_the_leading_scheduler_mid_load_loses_nothing_and_no_submit_fails(cluster, rdb, expected):
+    first, second = f"scheduler-{os.getpid()}", f"scheduler-1-{os.getpid()}"
+    wait_for("a leader", lambda: rdb.get("pdq:leader"))
+    assert rdb.get("pdq:leader").split()[1] == first  # the first to start leads
+    epoch = int(rdb.get("pdq:leader:epoch"))
+    with Client(cluster.target) as client:
+        rids = [client.submit("heal me", max_tokens=TOKENS, ignore_eos=True) for _ in range(3)]
+        wait_for("a request decoding", lambda: any(rdb.hget(f"pdq:req:{rid}", "state") == "DECODING" for rid in rids))
+        cluster.kill("scheduler")
+        # the gateway sends each submit to the standby now; it queues them, and dispatches them once it leads
+        rids += [client.submit("heal me", max_tokens=TOKENS, ignore_eos=True) for _ in range(3)]
+        wait_for("the standby leading", lambda: (rdb.get("pdq:leader") or "0 none").split()[1] == second)
+        done = results(client, rids)
+    assert [(r.state, list(r.result.token_ids)) for r in done] == [("COMPLETED", list(expected))] * 6
+    assert int(rdb.get("pdq:leader:epoch")) == epoch + 1
+    cluster.supervise_until(lambda: cluster.serving("scheduler"), what="the killed scheduler back")
+    assert rdb.get("pdq:leader").split()[1] == second  # back as a standby: the lease stays where it is

@@ -1,0 +1,74 @@
+"""The Redis URLs pdq takes (`--redis-url`, `PDQ_REDIS_URL`, `pdq up --redis-url`), checked in one place.
+
+- `redis://[[user]:password@]host[:port][/db]`, `rediss://...` (TLS), `unix:///path.sock[?db=N]`:
+  one Redis server, as redis-py reads them.
+- `redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service[/db]`: the primary of
+  `service` as Redis Sentinel names it now, asked of the Sentinels listed (port 26379 when left
+  out; IPv6 addresses in brackets). The user and password are the primary's and replicas'
+  (`requirepass`); the Sentinels are asked without one. Query options (`?socket_timeout=5`) are
+  redis-py's, as for redis://.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+SENTINEL_SCHEME = "redis+sentinel"
+SENTINEL_PORT = 26379
+SCHEMES = ("redis://", "rediss://", "unix://", f"{SENTINEL_SCHEME}://")
+
+
+@dataclass(frozen=True)
+class SentinelURL:
+    sentinels: tuple[tuple[str, int], ...]  # (host, port) of each Sentinel, in the URL's order
+    service: str  # the name the Sentinels monitor the primary under (`sentinel monitor <service> ...`)
+    options: dict[str, Any] = field(default_factory=dict)  # db, username, password, query options: redis-py's
+
+
+def check_redis_url(url: str) -> None:
+    """Raises ValueError saying what is wrong with `url`, if anything."""
+    if not url.startswith(SCHEMES):
+        raise ValueError(f"redis_url must start with redis://, rediss://, unix:// or {SENTINEL_SCHEME}://, "
+                         f"got {url!r}")
+    parse_sentinel_url(url)
+
+
+def parse_sentinel_url(url: str) -> SentinelURL | None:
+    """The Sentinels and service of a redis+sentinel:// URL (None for any other URL); ValueError
+    if it is malformed."""
+    parts = urlsplit(url)
+    if parts.scheme != SENTINEL_SCHEME:
+        return None
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    sentinels = tuple(_address(h, url) for h in hosts.split(","))
+    path = [unquote(p) for p in parts.path.split("/")[1:]]
+    if not path or not path[0] or len(path) > 2:
+        raise ValueError(f"a {SENTINEL_SCHEME} URL is {SENTINEL_SCHEME}://[[user]:password@]host[:port][,host[:port]"
+                         f"...]/service[/db], got {_redacted(url)!r}")
+    if len(path) == 2 and not path[1].isdigit():
+        raise ValueError(f"the database of a {SENTINEL_SCHEME} URL is a number, got {path[1]!r}")
+    from redis.connection import parse_url  # its reading of credentials, db and query options
+
+    options = parse_url(f"redis://{userinfo + '@' if userinfo else ''}sentinel/{''.join(path[1:])}"
+                        f"{'?' + parts.query if parts.query else ''}")
+    options.pop("host", None)
+    return SentinelURL(sentinels, path[0], options)
+
+
+def _address(text: str, url: str) -> tuple[str, int]:
+    host, port = text, ""
+    if text.startswith("["):  # [IPv6]:port
+        host, _, rest = text[1:].partition("]")
+        if rest and not rest.startswith(":"):
+            host = ""
+        port = rest[1:]
+    elif ":" in text:
+        host, _, port = text.rpartition(":")
+    if not host or (port and not port.isdigit()) or not 0 < int(port or SENTINEL_PORT) < 65536:
+        raise ValueError(f"a Sentinel address is host[:port], got {text!r} in {_redacted(url)!r}")
+    return host, int(port or SENTINEL_PORT)
+
+
+def _redacted(url: str) -> str:
+    parts = urlsplit(url)
+    return url.replace(f":{parts.password}@", ":***@") if parts.password else url

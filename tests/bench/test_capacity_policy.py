@@ -1,0 +1,49 @@
+"""The capacity sweep's rules (`pdq.bench.capacity_policy`): when latency broke, which rate
+comes next, which step was best, and what the bottleneck was."""
+
+import pytest
+
+from pdq.bench.capacity_policy import Step, SweepPlan, best, bottleneck, next_rate, why_broken
+
+PLAN = SweepPlan(max_tokens=8, start_rps=100, factor=2, refine=2, p99_ms=500, token_ms=10)
+
+
+def step(rps: float, achieved: float | None = None, p99: float = 50.0, errors: int = 0) -> Step:
+    s = Step(target_rps=rps, offered_rps=rps, achieved_rps=rps if achieved is None else achieved,
+             tokens_per_s=8 * rps, p50_ms=p99 / 2, p99_ms=p99, requests=300, errors=errors)
+    s.broke = why_broken(s, PLAN)
+    return s
+
+
+def test_a_step_breaks_on_errors_on_p99_past_the_bound_with_its_tokens_and_on_falling_behind():
+    assert why_broken(step(100), PLAN) == ""
+    assert why_broken(step(100, p99=570), PLAN) == ""  # 500 ms + 7 tokens after the first at 10 ms
+    assert "p99" in why_broken(step(100, p99=571), PLAN)
+    assert "failed" in why_broken(step(100, errors=1), PLAN)
+    assert "completed 89/s" in why_broken(step(100, achieved=89), PLAN)
+    assert why_broken(step(100, achieved=91), PLAN) == ""
+
+
+def test_the_sweep_multiplies_until_a_step_breaks_then_bisects_between_best_and_broken():
+    steps = [step(100), step(200), step(400, p99=900)]
+    assert next_rate([], PLAN) == 100
+    assert next_rate(steps[:2], PLAN) == 400
+    assert next_rate(steps, PLAN) == pytest.approx((200 * 400) ** 0.5)
+    steps.append(step(283))
+    assert next_rate(steps, PLAN) == pytest.approx((283 * 400) ** 0.5)
+    steps.append(step(336, p99=900))
+    assert next_rate(steps, PLAN) is None  # refined twice
+    assert best(steps).target_rps == 283
+
+
+def test_the_sweep_stops_when_the_first_step_breaks_or_the_bracket_is_narrow_or_steps_run_out():
+    assert next_rate([step(100, errors=3)], PLAN) is None
+    assert next_rate([step(100), step(105, p99=900)], PLAN) is None
+    assert next_rate([step(100 * 2 ** i) for i in range(PLAN.max_steps)], PLAN) is None
+    assert best([step(100, errors=3)]) is None
+
+
+def test_the_bottleneck_is_a_process_on_a_full_core_else_the_machine_else_none():
+    assert bottleneck({"gateway": 97.0, "scheduler": 40.0}, cores=2).startswith("gateway (a full core")
+    assert bottleneck({"gateway": 60.0, "scheduler": 60.0, "client": 55.0}, cores=2).startswith("the machine's 2 cores")
+    assert bottleneck({"gateway": 30.0, "redis": 10.0}, cores=2).startswith("no process CPU-bound")

@@ -24,14 +24,14 @@ from typing import Any
 
 import torch
 
+from decode_worker.bookkeeping import update
 from decode_worker.kv_receive import Arrived, Discard
 from decode_worker.strategy import Strategy
 from pdq import metrics, redisconn, telemetry
 from pdq.cancel_listener import CancelListener
 from pdq.convert import sampling_from_pb
-from pdq.engine.constraint import Grammars, advance
+from pdq.engine.constraint import Grammars
 from pdq.engine.sampling import SamplingParams, logprob_records, sample_each
-from pdq.engine.sequence import end_reason
 from pdq.faults import Faults
 from pdq.output_text import TextOutput
 from pdq.request import State
@@ -365,11 +365,10 @@ class DecodeLoop(ModelLoop):
                 self._leave(seq)
 
     def after(self, seqs: list[Sequence], logits: torch.Tensor, started: float) -> None:
-        """Samples the step's tokens (`logits`: a row per sequence of `rows()`), sends them to
-        Redis in one command, and lets the sequences that ended leave. First it settles the
-        previous step, whose reply came in during this step's forward pass. A sequence with a
-        stream interval N holds its tokens until a step whose count is a multiple of N (every
-        such sequence at once, so the hops downstream wake once per N steps) or its end.
+        """Samples the step's tokens (`logits`: a row per sequence of `rows()`), decides what
+        they mean (`decode_worker.bookkeeping.update`: what is written now, what ended, what
+        failed), sends them to Redis in one command, and lets the sequences that ended leave.
+        First it settles the previous step, whose reply came in during this step's forward pass.
 
         Sequences that finish free their K/V before the send: sending wakes Redis, the gateway
         and the client, which then take a core from the model's threads, and the pool's
@@ -385,38 +384,20 @@ class DecodeLoop(ModelLoop):
         records = logprob_records(logits, tokens, params)
         self.stats.steps += 1
         self.stats.seq_steps += len(seqs)
+        plan = update(seqs, tokens, records, self.stats.steps, self.eos_ids, self.runner.max_seq_len,
+                      lambda seq: self.running.get(seq.rid) is seq)
+        for seq, error in plan.failed:  # this request's own: it alone ends
+            self._fail(seq, error)
+        self.stats.wasted_seq_steps += plan.wasted
         now = time.monotonic()
-        items, owners, live, itl = [], [], [], []  # owners: the sequence of each item (None: it ended)
-        for seq, token, record in zip(seqs, tokens, records):
-            if self.running.get(seq.rid) is not seq:  # it left when the previous step settled
-                continue
-            if isinstance(token, Exception):  # this request's own: it alone ends
-                self._fail(seq, f"sampling failed: {token}")
-                continue
-            seq.generated.append(token)
-            if seq.done:  # a seat kept for a finished sequence: wasted work
-                self.stats.wasted_seq_steps += 1
-                continue
-            delta, stopped = seq.text.add(token)
-            complete = advance(seq.matcher, token)
-            reason = end_reason(seq.params, token, self.eos_ids, len(seq.generated), seq.position,
-                                self.runner.max_seq_len, stopped, complete)
-            if reason and reason != "stop":
-                delta += seq.text.flush()
-            index = len(seq.generated) - 1
-            seq.held.append(StepItem(seq.rid, seq.epoch, index, token, delta, State.COMPLETED if reason else None, reason,
-                                     record))
-            if reason or self.stats.steps % seq.interval == 0:  # every N steps, all at once
-                items += seq.held
-                owners += [None if reason else seq] * len(seq.held)
-                seq.held.clear()
-            live.append((seq, reason))
+        itl = []
+        for seq, _ in plan.live:
             itl.append((seq.labels, now - seq.last_token_at))
             seq.last_token_at = now
         if not self.strategy.run_to_completion:
-            for seq, reason in live:
-                if reason:  # it leaves below: its K/V goes now, before the send (see the docstring)
-                    self.runner.free(seq.rid)
+            for seq in plan.ended:  # it leaves below: its K/V goes now, before the send (see the docstring)
+                self.runner.free(seq.rid)
+        items = plan.items
         sent = self._send(items) if items else None
         if self._first_pending:
             for seq in self._first_pending:
@@ -425,13 +406,13 @@ class DecodeLoop(ModelLoop):
             self._first_pending.clear()
         self._left = []
         try:
-            for seq, reason in live:
+            for seq, reason in plan.live:
                 if reason:
                     metrics.E2E.labels(*seq.labels).observe(max(0, now_ms() - seq.arrival_ms) / 1000)
                     self._end_span(seq, "finish", reason=reason)
                     self._finish_seat(seq)
             if items:
-                self._sent = (sent, owners, items)
+                self._sent = (sent, plan.owners, items)
             self.step_metrics.step(self.stats.seq_steps, self.stats.wasted_seq_steps, len(seqs),
                                    time.perf_counter() - started, itl)
             metrics.kv_pool("decode", self.runner, prefix=False)

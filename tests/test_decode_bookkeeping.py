@@ -1,0 +1,63 @@
+"""A decode step's bookkeeping as a pure function (`decode_worker.bookkeeping.update`): what is
+written now, what ends and why, what failed, what was wasted; no Redis, no model."""
+
+from decode_worker.bookkeeping import update
+from decode_worker.loop import Sequence
+from pdq.engine.sampling import SamplingParams
+from pdq.model.loader import resolve_model
+from pdq.model.tokenizer import load_tokenizer
+from pdq.output_text import TextOutput
+from pdq.request import State
+
+TOKENIZER = load_tokenizer(resolve_model("builtin:tiny"))
+EOS = 1
+A, B = (TOKENIZER.encode(c, add_special_tokens=False).ids[0] for c in "ab")
+
+
+def seq(rid: str, interval: int = 1, max_tokens: int = 16, stop: tuple[str, ...] = ()) -> Sequence:
+    params = SamplingParams(max_tokens=max_tokens, stop=stop)
+    return Sequence(rid, epoch=1, prompt_len=4, params=params, text=TextOutput(TOKENIZER, stop), generated=[A],
+                    deadline_ms=0, interval=interval)
+
+
+def step(seqs, tokens, n, current=lambda s: True):
+    return update(seqs, tokens, [None] * len(tokens), n, {EOS}, 2048, current)
+
+
+def test_a_stream_interval_holds_tokens_until_a_multiple_of_it_then_writes_them_at_once():
+    s = seq("r", interval=3)
+    assert step([s], [A], 1).items == [] and step([s], [B], 2).items == []
+    plan = step([s], [A], 3)
+    assert [(i.index, i.token_id) for i in plan.items] == [(1, A), (2, B), (3, A)]
+    assert plan.owners == [s, s, s] and s.held == [] and plan.live == [(s, "")]
+
+
+def test_an_end_writes_the_held_tokens_at_once_with_the_final_state_and_its_reason():
+    s = seq("r", interval=8)
+    step([s], [A], 1)
+    plan = step([s], [EOS], 2)
+    assert [(i.token_id, i.final_state, i.finish_reason) for i in plan.items] == [(A, None, ""), (EOS, State.COMPLETED, "eos")]
+    assert plan.owners == [None, None]  # its reply is not needed: it leaves
+    assert plan.ended == [s]
+
+
+def test_max_tokens_and_a_stop_string_end_a_sequence_and_the_others_go_on():
+    short, stopped, going = seq("short", max_tokens=2), seq("stop", stop=("b",)), seq("going")
+    plan = step([short, stopped, going], [A, B, A], 1)
+    assert dict((s.rid, r) for s, r in plan.live) == {"short": "length", "stop": "stop", "going": ""}
+    assert plan.ended == [short, stopped] and plan.owners == [None, None, going]
+
+
+def test_a_failed_sampling_fails_that_sequence_alone_and_it_takes_no_token():
+    bad, good = seq("bad"), seq("good")
+    plan = step([bad, good], [RuntimeError("nan logits"), B], 1)
+    assert plan.failed == [(bad, "sampling failed: nan logits")] and bad.generated == [A]
+    assert [i.request_id for i in plan.items] == ["good"]
+
+
+def test_a_seat_kept_for_a_finished_sequence_is_waste_and_one_that_left_is_skipped():
+    done, gone = seq("done"), seq("gone")
+    done.done = True
+    plan = step([done, gone], [A, A], 1, current=lambda s: s is not gone)
+    assert plan.wasted == 1 and plan.items == [] and plan.live == []
+    assert gone.generated == [A]  # untouched: it left when the previous step settled

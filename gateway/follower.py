@@ -35,7 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -103,8 +102,8 @@ class _Reader:
         self.promote = promote
         self.waker = waker
         self.outage_s = outage_s
-        pool = aioredis.ConnectionPool.from_url(
-            url, retry=Retry(NoBackoff(), 0), socket_keepalive=True,
+        pool = redisconn.pool(  # a Sentinel URL: each (re)connect goes to the primary named then
+            url, aio=True, retry=Retry(NoBackoff(), 0), socket_keepalive=True,
             socket_connect_timeout=redisconn.CONNECT_TIMEOUT_S,
             socket_timeout=block_ms / 1000 + redisconn.SOCKET_TIMEOUT_S)
         self.conn = pool.make_connection()

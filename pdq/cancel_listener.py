@@ -38,10 +38,12 @@ class CancelListener:
         """Returns once subscribed; raises redis.ConnectionError if that takes longer than outage_s."""
         # no retries of its own: a broken connection must surface here, to be followed by a catch-up.
         # Named (CLIENT LIST) after this process, so an operator or a drill can find it.
-        self.client = redis.Redis.from_url(redis_url, retry=Retry(NoBackoff(), 0),
-                                           client_name=f"pdq-cancels-{os.getpid()}",
-                                           socket_connect_timeout=redisconn.CONNECT_TIMEOUT_S, socket_keepalive=True,
-                                           health_check_interval=redisconn.HEALTH_CHECK_INTERVAL_S)
+        # With a Sentinel URL, each subscription asks the Sentinels for the primary: after a
+        # failover the listener subscribes on the new one.
+        self.client = redis.Redis.from_pool(redisconn.pool(
+            redis_url, retry=Retry(NoBackoff(), 0), client_name=f"pdq-cancels-{os.getpid()}",
+            socket_connect_timeout=redisconn.CONNECT_TIMEOUT_S, socket_keepalive=True,
+            health_check_interval=redisconn.HEALTH_CHECK_INTERVAL_S))
         self.channel = keys.cancel_channel
         self.deadline_channel = keys.deadline_channel
         self.ended: set[str] = set()

@@ -60,7 +60,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class RedisServer:
     """A redis-server child process. `durable=True` turns on AOF with appendfsync always;
-    `cpu_policy` is its scheduling policy (pdq.cpu).
+    `cpu_policy` is its scheduling policy (pdq.cpu); `extra_args` go last on its command line
+    (e.g. `("--replicaof", host, port)`).
 
     It keeps its port and directory for its whole life: `start()` again after the process died
     (or `launch()`, which does not wait) runs a new redis-server on the same port, which loads
@@ -68,13 +69,14 @@ class RedisServer:
     made itself)."""
 
     def __init__(self, directory: str | None = None, port: int = 0, durable: bool = False, host: str = "127.0.0.1",
-                 cpu_policy: str = "normal"):
+                 cpu_policy: str = "normal", extra_args: tuple[str, ...] = ()):
         self._own_dir = directory is None
         self.host = host  # also listens here (and its url says so), e.g. an address other hosts reach
         self.directory = directory or tempfile.mkdtemp(prefix="pdq-redis-")
         self.port = port or free_port()
         self.durable = durable
         self.cpu_policy = cpu_policy
+        self.extra_args = extra_args
         self.process: subprocess.Popen | None = None
 
     @property
@@ -90,6 +92,7 @@ class RedisServer:
         args += ["--appendonly", "yes", "--appendfsync", "always"] if self.durable else ["--appendonly", "no"]
         if self.host != "127.0.0.1":  # asked to listen on a non-loopback address: let clients there in
             args += ["--protected-mode", "no"]
+        args += self.extra_args
         self.process = spawn(args, cpu_policy=self.cpu_policy, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)
         return self.process

@@ -14,6 +14,11 @@ Contract of a client made by `connect()` (sync or asyncio):
 
 `unavailable(exc)` says whether an exception means "Redis cannot be reached now" (clients get
 UNAVAILABLE with a retry hint, loops back off and carry on); anything else from Redis is a bug.
+
+A URL is redis://, rediss:// or unix:// (as redis-py reads them), or a Sentinel URL
+(`pdq.redis_url`): then every connection asks the Sentinels for the primary's address when it
+connects, so after a failover the next connection (the retry of a command that failed on the old
+primary) goes to the new one.
 """
 
 import asyncio
@@ -25,9 +30,13 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.sentinel as aiosentinel
+import redis.sentinel as sentinel
 from redis.asyncio.retry import Retry as AsyncRetry
-from redis.backoff import ExponentialWithJitterBackoff
+from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.retry import Retry
+
+from pdq.redis_url import SentinelURL, parse_sentinel_url
 
 log = logging.getLogger("pdq.redis")
 
@@ -162,17 +171,85 @@ def _pool_kwargs(max_connections: int, outage_s: float, socket_timeout: float | 
 def connect(url: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS, outage_s: float = DEFAULT_OUTAGE_S,
             socket_timeout: float | None = SOCKET_TIMEOUT_S) -> redis.Redis:
     """A sync client (for model threads) under the contract above. Responses stay bytes."""
-    pool = redis.BlockingConnectionPool.from_url(url, retry=RideRetry(outage_s),
-                                                 **_pool_kwargs(max_connections, outage_s, socket_timeout))
-    return redis.Redis.from_pool(pool)
+    return redis.Redis.from_pool(pool(url, blocking=True, retry=RideRetry(outage_s),
+                                      **_pool_kwargs(max_connections, outage_s, socket_timeout)))
 
 
 def connect_async(url: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS, outage_s: float = DEFAULT_OUTAGE_S,
                   socket_timeout: float | None = SOCKET_TIMEOUT_S) -> aioredis.Redis:
     """An asyncio client under the contract above. Responses stay bytes."""
-    pool = aioredis.BlockingConnectionPool.from_url(url, retry=AsyncRideRetry(outage_s),
-                                                    **_pool_kwargs(max_connections, outage_s, socket_timeout))
-    return aioredis.Redis.from_pool(pool)
+    return aioredis.Redis.from_pool(pool(url, aio=True, blocking=True, retry=AsyncRideRetry(outage_s),
+                                         **_pool_kwargs(max_connections, outage_s, socket_timeout)))
+
+
+def pool(url: str, *, aio: bool = False, blocking: bool = False, **kwargs: Any) -> Any:
+    """A redis-py connection pool (asyncio with `aio`; a BlockingConnectionPool with `blocking`)
+    for any URL pdq takes, Sentinel URLs included; `kwargs` as for redis-py's `from_url` (options
+    in the URL's query win). For processes that need connections with their own retry policy (a
+    pub/sub listener, a reader that owns its connection): `make_connection()` of an asyncio
+    pool works while the pool itself is dropped."""
+    target = parse_sentinel_url(url)
+    if target is None:
+        plain = aioredis if aio else redis
+        return (plain.BlockingConnectionPool if blocking else plain.ConnectionPool).from_url(url, **kwargs)
+    if not blocking:
+        kwargs.pop("timeout", None)
+    kwargs["connection_class"] = _AsyncSentinelConnection if aio else _SentinelConnection
+    return _SENTINEL_POOLS[aio, blocking](target.service, _sentinels(target, aio), **{**kwargs, **target.options})
+
+
+def _sentinels(target: SentinelURL, aio: bool) -> Any:
+    """Who to ask for the primary: each Sentinel in turn, one try each per lookup (a lookup that
+    finds none is a ConnectionError, retried under the outage window like any other)."""
+    options = dict(socket_timeout=CONNECT_TIMEOUT_S, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_keepalive=True)
+    if aio:
+        return aiosentinel.Sentinel(target.sentinels, sentinel_kwargs={**options, "retry": AsyncRetry(NoBackoff(), 1)})
+    return sentinel.Sentinel(target.sentinels, sentinel_kwargs={**options, "retry": Retry(NoBackoff(), 1)})
+
+
+class _SentinelConnection(sentinel.SentinelManagedConnection):
+    """A connection to the primary the Sentinels name at each socket connect. redis-py's asks them
+    in `connect()` only, and a command retried after a broken socket reconnects without it, to
+    the old primary, for the whole outage window (redis-py issue #3874)."""
+
+    def connect(self) -> None:
+        redis.Connection.connect(self)  # the socket connect below asks the Sentinels
+
+    def _connect(self) -> Any:
+        self.host, self.port = self.connection_pool.get_master_address()
+        return super()._connect()
+
+
+class _AsyncSentinelConnection(aiosentinel.SentinelManagedConnection):
+    """`_SentinelConnection` for redis.asyncio."""
+
+    async def connect(self) -> None:
+        await aioredis.Connection.connect(self)
+
+    async def _connect(self) -> None:
+        self.host, self.port = await self.connection_pool.get_master_address()
+        await super()._connect()
+
+
+class _BlockingSentinelPool(sentinel.SentinelConnectionPool, redis.BlockingConnectionPool):
+    """Connections to the primary a Sentinel names, at most `max_connections`, waiting for a free one."""
+
+
+class _AsyncSentinelPool(aiosentinel.SentinelConnectionPool):
+    """Connections to the primary a Sentinel names; they hold their pool (redis-py's hold a weak
+    proxy of it, which dies with a pool that was only used to make a connection)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.connection_kwargs["connection_pool"] = self
+
+
+class _AsyncBlockingSentinelPool(_AsyncSentinelPool, aioredis.BlockingConnectionPool):
+    """`_AsyncSentinelPool`, at most `max_connections`, waiting for a free one."""
+
+
+_SENTINEL_POOLS = {(False, False): sentinel.SentinelConnectionPool, (False, True): _BlockingSentinelPool,
+                   (True, False): _AsyncSentinelPool, (True, True): _AsyncBlockingSentinelPool}
 
 
 def backoff_s(failures: int, cap_s: float = 5.0, base_s: float = 0.05) -> float:

@@ -1,15 +1,23 @@
 """Redis clients of pdq processes (pdq.redisconn) against a real redis-server that is stopped and
 restarted under them: commands ride through an outage shorter than the window, fail after a
-longer one, and a bounded pool makes a burst of calls wait instead of failing."""
+longer one, and a bounded pool makes a burst of calls wait instead of failing. With a Sentinel
+URL (pdq.redis_url) the clients follow a real failover (primary, replica, three Sentinels) to the
+new primary."""
 
 import asyncio
+import re
 import time
 
 import pytest
 import redis
 
 from pdq import redisconn
+from pdq.cancel_listener import CancelListener
+from pdq.config import StoreConfig
+from pdq.keys import Keys
+from pdq.redis_sentinel import SentinelGroup
 from pdq.redis_server import RedisServer, free_port
+from pdq.redis_url import parse_sentinel_url
 
 
 @pytest.fixture
@@ -96,3 +104,52 @@ def test_only_connection_failures_count_as_unavailable():
     assert redisconn.unavailable(redis.BusyLoadingError("loading"))
     assert not redisconn.unavailable(redis.ResponseError("ERR bad script"))
     assert not redisconn.unavailable(ValueError("x"))
+
+
+def test_a_sentinel_url_names_its_sentinels_service_database_and_password():
+    url = parse_sentinel_url("redis+sentinel://:s%40cret@10.0.0.1:26380,sentinel-b,[::1]:5000/cache/3?socket_timeout=4")
+    assert url.sentinels == (("10.0.0.1", 26380), ("sentinel-b", 26379), ("::1", 5000))
+    assert url.service == "cache"
+    assert (url.options["db"], url.options["password"], url.options["socket_timeout"]) == (3, "s@cret", 4.0)
+    assert parse_sentinel_url("redis://127.0.0.1:6379/0") is None
+    assert StoreConfig(redis_url="redis+sentinel://a:1,b:2/pdq").redis_url == "redis+sentinel://a:1,b:2/pdq"
+
+
+@pytest.mark.parametrize("url, says", [
+    ("http://127.0.0.1:6379", "must start with redis://, rediss://, unix:// or redis+sentinel://"),
+    ("redis+sentinel://127.0.0.1:26379", "/service[/db]"),
+    ("redis+sentinel://127.0.0.1:26379/pdq/zero", "is a number"),
+    ("redis+sentinel://127.0.0.1:port/pdq", "host[:port], got '127.0.0.1:port'"),
+    ("redis+sentinel://:hunter2@a:1,,b:2/pdq", "got '' in 'redis+sentinel://:***@a:1,,b:2/pdq'"),
+])
+def test_a_malformed_redis_url_is_refused_saying_what_is_wrong_without_its_password(url, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        StoreConfig(redis_url=url)
+
+
+async def test_clients_of_a_sentinel_url_follow_a_failover_of_the_primary_to_the_new_one(prefix):
+    """The primary is SIGKILLed: a command sent meanwhile waits (it is retried under the outage
+    window) and is answered by the replica the Sentinels promote; the pub/sub listener subscribes
+    there again and hears what is published on it."""
+    with SentinelGroup() as group:
+        sync = redisconn.connect(group.url, outage_s=20)
+        aio = redisconn.connect_async(group.url, outage_s=20)
+        listener = CancelListener(group.url, Keys(prefix), outage_s=20)
+        assert sync.set("before", "1") and await aio.get("before") == b"1"
+        old = group.kill_primary()
+        started = time.monotonic()
+        assert await aio.set("during", "2")  # waits for the new primary
+        assert sync.get("during") == b"2"
+        new = group.wait_for_failover(old.port)
+        assert time.monotonic() - started < 10
+        assert group.replication(new)["role"] == "master"
+        with redis.Redis(port=new.port) as direct:  # what the clients wrote went to the new primary
+            assert direct.mget("before", "during") == [b"1", b"2"]
+            while not (listener.subscribed.is_set() and listener.gaps == 1):
+                await asyncio.sleep(0.02)
+            direct.publish(Keys(prefix).cancel_channel, "r-1")
+        while not listener.pop("r-1"):
+            await asyncio.sleep(0.02)
+        listener.close()
+        sync.close()
+        await aio.aclose()

@@ -35,3 +35,8 @@ bench: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# BENCHMARKS.md and benchmarks/plots/ from benchmarks/sections.yaml and the result JSON under benchmarks/.
+.PHONY: benchmarks
+benchmarks: install
+	$(PY) -m pdq.bench.benchmarks_doc

@@ -112,6 +112,8 @@ class ColocatedLoop(ModelLoop):
         """One forward: every running sequence's decode row, then prompt chunks in the budget left."""
         d, p = self.decode, self.prefill
         started = time.perf_counter()
+        if d.running:
+            d._make_room()  # blocks for each running sequence's next position, or a preemption
         seqs, rows = d.rows() if d.running else ([], [])
         live, chunks, jobs = [], [], []
         if self.pending:

@@ -49,9 +49,10 @@ class BlockSink:
     """A `kv_transfer.KVSink` receiving into fresh KV blocks. `admit(header)` runs first and
     may refuse the hand-off (no reservation) by raising."""
 
-    def __init__(self, runner: Any, admit: Callable[[pb.KVHeader], None]):
+    def __init__(self, runner: Any, admit: Callable[[pb.KVHeader], None], output_grant: int = 0):
         self.runner = runner
         self.admit = admit
+        self.output_grant = output_grant  # output positions granted up front (`kv_reserve_tokens`)
         self.key: Any = None  # set once blocks are held: they must then be discarded or arrive
 
     def open(self, header: pb.KVHeader) -> None:
@@ -63,7 +64,7 @@ class BlockSink:
         self.tokens = tokens if len(tokens) == header.num_tokens else None
         try:  # sharing the cached blocks that hold a prefix of its tokens (their K/V is not written again)
             self.cached = self.runner.allocate(key, self.tokens or (), max(
-                header.num_tokens + 1, kv_reserve_tokens(header.spec, self.runner.max_seq_len)))
+                header.num_tokens + 1, kv_reserve_tokens(header.spec, self.runner.max_seq_len, self.output_grant)))
         except KVPoolFull as exc:
             raise KVTransferError(str(exc)) from None
         self.key = key

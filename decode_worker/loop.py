@@ -86,6 +86,19 @@ def preempt_victim(seqs: "list[Sequence]", tiers: tuple[str, ...]) -> "Sequence 
     return max(held, key=lambda s: (rank[s.labels[0]], s.arrived), default=None)
 
 
+def memory_victim(seqs: "list[Sequence]", tiers: tuple[str, ...]) -> "Sequence | None":
+    """Which running sequence gives its blocks back when the pool runs out: the least important
+    of those not finished: the lowest tier (`tiers` best first; an unknown tier counts as the
+    lowest), then the tenant holding the most of them here (the furthest over its share of this
+    worker), then the one that arrived last (the least to recompute)."""
+    held = [s for s in seqs if not s.done]
+    rank = {t: i for i, t in enumerate(tiers)}
+    seats: dict[str, int] = {}
+    for s in held:
+        seats[s.labels[1]] = seats.get(s.labels[1], 0) + 1
+    return max(held, key=lambda s: (rank.get(s.labels[0], len(tiers)), seats[s.labels[1]], s.arrived), default=None)
+
+
 def take(inbox: queue.Queue, wait: float | None, handle: Callable[[Any], None]) -> bool:
     """Hands everything in `inbox` to `handle`, first waiting up to `wait` seconds for an item
     (0: not at all, None: until one comes). -> False at the stop sentinel (None)."""
@@ -113,8 +126,11 @@ class DecodeLoop(ModelLoop):
     def __init__(self, runner: Any, store: RequestStore, cancels: CancelListener, tokenizer: Any,
                  eos_ids: list[int], worker_address: str, on_leave: Callable[[list[str]], None],
                  strategy: Strategy = Strategy(), threads: Callable[[], int] | None = None, max_attempts: int = 3,
-                 prefilling: Callable[[], bool] | None = None, yield_to_prefill_ms: float = 0.0):
+                 prefilling: Callable[[], bool] | None = None, yield_to_prefill_ms: float = 0.0,
+                 tiers: tuple[str, ...] = (), promised: Callable[[], int] = lambda: 0):
         self.runner = runner
+        self.tiers = tiers  # best first: who keeps its blocks when they run out (`memory_victim`)
+        self.promised = promised  # free blocks granted to hand-offs not arrived yet: growth leaves them
         self.store = store
         self.cancels = cancels
         self.tokenizer = tokenizer
@@ -165,7 +181,9 @@ class DecodeLoop(ModelLoop):
                 self._drop_ended()
                 self._admit()
                 if self.running and not self._yield_s():
-                    self._step()
+                    self._make_room()
+                    if self.running:
+                        self._step()
             except Exception as exc:
                 if redisconn.unavailable(exc):
                     raise  # Redis stayed unreachable past the client's window: the process goes down
@@ -310,17 +328,25 @@ class DecodeLoop(ModelLoop):
                 self._leave(seq)
             elif seq.deadline_ms and now >= seq.deadline_ms:
                 due.append(seq)
+        timed_out = []
         for seq, deadline in zip(due, self.cancels.reread_deadlines(self.store, [s.rid for s in due])):
             if not deadline or deadline > now:  # moved by an operator; the notice did not reach us
                 seq.deadline_ms = deadline
             else:
                 ended += seq.held  # its tokens so far, then its end
+                seq.held = []
                 ended.append(StepItem(seq.rid, seq.epoch, final_state=State.TIMED_OUT, finish_reason="timeout"))
-                self._end_span(seq, "timeout", "deadline exceeded during decode")
-                self._leave(seq)
+                timed_out.append(seq)
         if ended:
-            metrics.TIMEOUTS.labels("decode").inc(sum(ok for it, ok in zip(ended, self.store.step(ended))
-                                                      if it.final_state is not None))
+            self.store.step(ended)
+            # STEP does not end a request whose deadline was moved since it was read: those go on
+            for seq, state in zip(timed_out, self.store.states([s.rid for s in timed_out])):
+                if state is None or state.terminal:
+                    metrics.TIMEOUTS.labels("decode").inc(state == State.TIMED_OUT)
+                    self._end_span(seq, "timeout", "deadline exceeded during decode")
+                    self._leave(seq)
+                else:
+                    seq.deadline_ms = self.cancels.reread_deadlines(self.store, [seq.rid])[0]
         if self.running and all(s.done for s in self.running.values()):
             for seq in list(self.running.values()):
                 self._leave(seq)
@@ -335,6 +361,24 @@ class DecodeLoop(ModelLoop):
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         self.after(seqs, logits, started)
+
+    def _make_room(self) -> None:
+        """Blocks for every running sequence's next position, taken as it grows (a request was
+        granted its prompt and up to kv_output_grant_tokens up front). While the free blocks not
+        promised to arriving hand-offs do not cover one, the least important running sequence
+        (`memory_victim`) is preempted by recompute, which may be that sequence itself."""
+        for seq in list(self.running.values()):
+            if seq.done or self.running.get(seq.rid) is not seq:
+                continue
+            need = seq.position + 1
+            while self.running.get(seq.rid) is seq and self.runner.blocks_for(need) > len(
+                    self.runner.pool.table(seq.rid)) + max(0, self.runner.free_blocks - self.promised()):
+                victim = memory_victim(list(self.running.values()), self.tiers)
+                if victim is None:
+                    break
+                self._give_back(victim, f"KV blocks ran out on this worker ({self.runner.free_blocks} free)")
+            if self.running.get(seq.rid) is seq:
+                self.runner.ensure(seq.rid, need)
 
     def rows(self) -> tuple[list[Sequence], list[tuple[str, int, int]]]:
         """The sequences of the next step and their decode rows (`ModelRunner.step`)."""
@@ -447,19 +491,30 @@ class DecodeLoop(ModelLoop):
             self.settle()  # the last step's reply first: who is still here, its tokens in Redis
             seq = preempt_victim(self.waiting + list(self.running.values()), ask.tiers)
             if seq is not None:
-                if seq.held:
-                    self.store.step(seq.held)
-                    seq.held.clear()
-                state = self.store.requeue(seq.rid, seq.epoch, ask.reason, self.max_attempts, PREEMPTED)
-                metrics.PREEMPTIONS.labels(seq.labels[0]).inc()
-                log.info("preempted %s (%s, %d tokens): %s -> %s", seq.rid, seq.labels[0], len(seq.generated),
-                         ask.reason, state or "stale")
-                self._end_span(seq, "preempted", reason=f"{ask.reason}: {state or 'stale'}")
-                self._leave(seq)
+                self._give_back(seq, ask.reason, settle=False)
         except BaseException as exc:
             ask.done.set_exception(exc)
             raise
         ask.done.set_result(seq.rid if seq is not None else "")
+
+    def _give_back(self, seq: Sequence, reason: str, settle: bool = True) -> None:
+        """Preempts one sequence by recompute: the last step's reply settled (unless the caller
+        did), its held tokens written, requeued as preempted (no attempt counted), its seat and
+        blocks freed. A later attempt resumes from its streamed tokens: the client sees none
+        twice and none missing."""
+        if settle:
+            self.settle()
+            if self.running.get(seq.rid) is not seq and seq not in self.waiting:
+                return  # it left when the step settled
+        if seq.held:
+            self.store.step(seq.held)
+            seq.held.clear()
+        state = self.store.requeue(seq.rid, seq.epoch, reason, self.max_attempts, PREEMPTED)
+        metrics.PREEMPTIONS.labels(seq.labels[0]).inc()
+        log.info("preempted %s (%s, %d tokens): %s -> %s", seq.rid, seq.labels[0], len(seq.generated), reason,
+                 state or "stale")
+        self._end_span(seq, "preempted", reason=f"{reason}: {state or 'stale'}")
+        self._leave(seq)
 
     def _fail(self, seq: Sequence, error: str) -> None:
         """Ends one sequence FAILED (its own fault, e.g. its sampling raised); the rest go on."""

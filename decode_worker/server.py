@@ -22,7 +22,7 @@ from pdq.registry import WorkerInfo
 from pdq.serving import Server
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
-from pdq.worker import Heartbeat, ModelThread, kv_info, load_runner, reclaim_previous_life, sync_store
+from pdq.worker import Heartbeat, ModelThread, kv_grant_tokens, kv_info, load_runner, reclaim_previous_life, sync_store
 from decode_worker.colocated import ColocatedLoop
 from decode_worker.kv_receive import Arrived, Discard, BlockSink
 from decode_worker.loop import DecodeLoop, PreemptAsk
@@ -99,6 +99,22 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
                    else self.runner.blocks_for(max(1, self.config.max_seq_len // 4)))
         return min(seats, int(self.free_blocks // max(1.0, typical)))
 
+    def promised_blocks(self) -> int:
+        """Blocks granted to hand-offs that have not taken them yet (read from the model thread)."""
+        while True:
+            try:
+                return sum(self.pending.values())
+            except RuntimeError:  # changed during the sum (the event loop's thread): read again
+                continue
+
+    def grant_tokens(self, request: pb.ReserveRequest) -> int:
+        """KV positions a reservation grants up front (`kv_grant_tokens`): the prompt and up to
+        kv_output_grant_tokens of output; all of `tokens` when the prompt's share is not known."""
+        if not request.prompt_tokens:
+            return min(request.tokens, self.config.max_seq_len)
+        return kv_grant_tokens(request.prompt_tokens, max(0, request.tokens - request.prompt_tokens),
+                               self.config.max_seq_len, self.config.kv_output_grant_tokens)
+
     def taken(self, rid: str) -> None:
         """The pool handed out `rid`'s blocks (its K/V is arriving, or its prompt is being
         prefilled here): they no longer count as pending."""
@@ -132,7 +148,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         with self._lock:
             for request in requests:
                 rid = request.request_id
-                blocks = self.runner.blocks_for(max(1, min(request.tokens, self.config.max_seq_len))) if serving else 0
+                blocks = self.runner.blocks_for(max(1, self.grant_tokens(request))) if serving else 0
                 fresh = (serving and rid not in self.holds and self.capacity - len(self.holds) > request.keep_free
                          and blocks <= self.free_blocks)
                 if fresh:
@@ -217,7 +233,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             self.receiving.add(header.spec.request_id)
             self.taken(header.spec.request_id)  # the sink takes its blocks next
 
-        sink = BlockSink(self.loop.runner if self.loop else None, start)
+        sink = BlockSink(self.loop.runner if self.loop else None, start, self.config.kv_output_grant_tokens)
         asm = Assembler(self.expect, sink)
         try:
             await self._receive(frames, sink, asm)
@@ -347,7 +363,7 @@ def build_server(config: DecodeConfig) -> Server:
         running = len(service.loop.running) + len(service.loop.waiting) if service.loop else 0
         return WorkerInfo(worker_id, "decode", address, free_slots=service.free_slots,
                           capacity=service.capacity, running=running, reserved=len(service.holds),
-                          **kv_info(state.get("runner")))
+                          **kv_info(state.get("runner"), prefixes=False))  # prefill batches are placed by prefix
 
     def prefill_info() -> WorkerInfo:
         runner = state.get("runner")
@@ -381,12 +397,14 @@ def build_server(config: DecodeConfig) -> Server:
         service.loop = DecodeLoop(runner, store, cancels, tokenizer, eos, address,
                                   lambda rids: aio_loop.call_soon_threadsafe(service.left, rids), strategy,
                                   service.threads if alone and config.burst_threads and config.threads else None,
-                                  config.max_attempts, service.prefilling, config.yield_to_prefill_ms if alone else 0.0)
+                                  config.max_attempts, service.prefilling, config.yield_to_prefill_ms if alone else 0.0,
+                                  tuple(config.tier_names), service.promised_blocks)
         model_loop = state["model"] = service.loop
         if prefill is not None:
             prefill.loop = PrefillLoop(runner, store, cancels, tokenizer, eos, config.step_tokens, config.prefill_chunk,
                                        local=lambda item: item.decode_address == address, adopt=service.adopt,
                                        taken=service.taken)
+            prefill.loop.output_grant = config.kv_output_grant_tokens
             model_loop = state["model"] = ColocatedLoop(prefill.loop, service.loop, config.step_tokens, config.gather_ms)
         model_loop.start(model)
         await reclaim_previous_life(store, worker_id, config.max_attempts)

@@ -228,6 +228,12 @@ class SchedulerConfig(StoreConfig):
     quarantine_s: float = field(default=30.0, metadata={"help": "how long a first quarantine lasts; each repeat within "
                                                                   "an hour doubles it"})
     quarantine_max_s: float = field(default=600.0, metadata={"help": "longest quarantine"})
+    prefix_routing: bool = field(default=True, metadata={
+        "help": "place a prefill batch on the worker whose prefix cache holds the longest prefix of its prompts, weighed "
+                "against the prompt tokens in flight there (--no-prefix-routing: the least loaded worker)"})
+    prefix_weight: float = field(default=4.0, metadata={
+        "help": "prefix_routing: prompt tokens in flight on a worker that one cached prefix token there outweighs (in-flight "
+                "prompts count whole, though the cache serves most of them)"})
     dispatch_interval_ms: int = field(default=100, metadata={"help": "fallback poll period of the dispatcher (submits, freed "
                                                                       "slots, finished batches and requeues wake it at once)"})
     result_ttl_s: int = field(default=3600, metadata={"help": "how long finished requests stay in Redis"})
@@ -235,6 +241,11 @@ class SchedulerConfig(StoreConfig):
     scheduler_id: str = field(default="", metadata={"help": "unique scheduler name for the dispatch lease (default "
                                                             "scheduler-hostname-pid); a restarted scheduler with the "
                                                             "same name takes its lease back at once"})
+    submit_wait_replicas: int = field(default=0, metadata={
+        "help": "answer a submit only once this many Redis replicas have it (Redis WAIT on the submit's connection), "
+                "so a failover cannot lose an acknowledged request; fewer within submit_wait_ms: UNAVAILABLE (the "
+                "request is queued on the primary; a retry with the same request_id is safe); 0 = off"})
+    submit_wait_ms: int = field(default=1000, metadata={"help": "how long a submit waits for submit_wait_replicas"})
     leader_lease_s: float = field(default=2.0, metadata={
         "help": "the dispatch lease: every scheduler serves submits, one at a time dispatches and sweeps; it renews "
                 "its lease every quarter of this, and a standby takes over this long after the leader stops renewing"})
@@ -244,10 +255,13 @@ class SchedulerConfig(StoreConfig):
         for name in ("max_batch_size", "max_batched_tokens", "aging_ms", "default_weight", "max_queued",
                      "max_queued_tokens", "tenant_max_queued", "tenant_max_queued_tokens", "retry_after_min_ms",
                      "prefill_lease_s", "dispatch_interval_ms", "result_ttl_s",
-                     "share_window_s", "quarantine_after", "quarantine_s", "leader_lease_s"):
+                     "share_window_s", "quarantine_after", "quarantine_s", "leader_lease_s", "prefix_weight"):
             _positive(name, getattr(self, name))
         if self.reserve_slots < 0:
             raise ValueError(f"reserve_slots must be >= 0, got {self.reserve_slots}")
+        if self.submit_wait_replicas < 0 or self.submit_wait_ms <= 0:
+            raise ValueError(f"submit_wait_replicas must be >= 0 and submit_wait_ms > 0, got "
+                             f"{self.submit_wait_replicas} and {self.submit_wait_ms}")
         if self.quarantine_max_s < self.quarantine_s:
             raise ValueError(f"quarantine_max_s ({self.quarantine_max_s}) must be >= quarantine_s ({self.quarantine_s})")
         if self.retry_after_max_ms < self.retry_after_min_ms:
@@ -277,6 +291,11 @@ class WorkerConfig(StoreConfig):
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = torch default)"})
     pin_threads: bool = field(default=False, metadata={"help": "on CPU, when torch's threads are as many as this worker's CPUs: pin the model thread and torch's threads one per CPU (pdq.cpu.pin_model_threads); only for a worker alone on its cores (pdq up sets it for a lone colocated worker)"})
     max_seq_len: int = field(default=2048, metadata={"help": "longest sequence (prompt + output) in tokens"})
+    kv_output_grant_tokens: int = field(default=256, metadata={
+        "help": "KV positions a decode slot grants up front for a request's output, beyond its prompt (at most its "
+                "max_tokens); a longer output takes blocks as it grows, and when they run out the least important "
+                "running sequence (lowest tier, then the tenant holding the most sequences here, then the newest) is "
+                "preempted by recompute; 0 = its whole max_tokens up front (never preempted for memory)"})
     kv_block_size: int = field(default=16, metadata={"help": "positions per KV block: a sequence holds the blocks it uses, and the prefix cache shares whole blocks"})
     prefix_cache: bool = field(default=True, metadata={"help": "automatic prefix caching: a prompt whose leading blocks another request computed shares them and skips their prefill (--no-prefix-cache: off)"})
     heap_reserve_mb: int = field(default=DEFAULT_HEAP_RESERVE_MB, metadata={"help": "MB of heap to fault in at start-up, after the warm-up pass, and keep (pdq.memory.reserve_heap): the first bursts' passes then take no page faults (0 = none)"})
@@ -287,6 +306,8 @@ class WorkerConfig(StoreConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _positive("max_seq_len", self.max_seq_len)
+        if self.kv_output_grant_tokens < 0:
+            raise ValueError(f"kv_output_grant_tokens must be >= 0, got {self.kv_output_grant_tokens}")
         _positive("kv_block_size", self.kv_block_size)
         _positive("heartbeat_s", self.heartbeat_s)
         if self.heap_reserve_mb < 0:

@@ -19,6 +19,10 @@ from pdq.store import RequestStore, _str, _then, now_ms
 
 
 ROLES = ("prefill", "decode")
+# Cached-prefix hashes a heartbeat carries at most (`WorkerInfo.prefixes`), each the first
+# PREFIX_HEX hex digits of a KV block's chain hash (64 bits: a collision only misplaces a request).
+MAX_PREFIXES = 512
+PREFIX_HEX = 16
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,7 @@ class WorkerInfo:
     kv_total_tokens: int = 0  # KV positions of the whole pool
     kv_block_size: int = 0
     reserved: int = 0  # decode: seats held (reserved or running)
+    prefixes: tuple[str, ...] = ()  # short chain hashes of its cached KV blocks (`scheduler.policies.prefix`)
 
     def quarantined(self, now_ms_: int) -> bool:
         return self.quarantined_until_ms > now_ms_
@@ -51,7 +56,8 @@ def heartbeat(store: RequestStore, info: WorkerInfo, ttl_s: float) -> Any:
                            {"role": info.role, "address": info.address, "free_slots": info.free_slots,
                             "capacity": info.capacity, "running": info.running, "draining": int(info.draining),
                             "kv_free_tokens": info.kv_free_tokens, "kv_total_tokens": info.kv_total_tokens,
-                            "kv_block_size": info.kv_block_size, "reserved": info.reserved})
+                            "kv_block_size": info.kv_block_size, "reserved": info.reserved,
+                            "prefixes": " ".join(info.prefixes[:MAX_PREFIXES])})
 
 
 def deregister(client: Any, keys: Keys, worker_id: str, role: str) -> Any:
@@ -102,6 +108,7 @@ def live_workers(store: RequestStore, roles: tuple[str, ...], timeout_s: float) 
                                   kv_free_tokens=int(h.get("kv_free_tokens", 0)),
                                   kv_total_tokens=int(h.get("kv_total_tokens", 0)),
                                   kv_block_size=int(h.get("kv_block_size", 0)), reserved=int(h.get("reserved", 0)),
+                                  prefixes=tuple(h.get("prefixes", "").split()),
                                   draining=h.get("draining") == "1" or wid in drained,
                                   heartbeat_ms=int(h.get("heartbeat_ms", 0)), quarantined_until_ms=until,
                                   quarantine_reason=reason, handoff_streak=streak)

@@ -10,7 +10,7 @@ Every write is safe to repeat (a `pdq.redisconn` client re-sends a command whose
 import inspect
 import time
 import uuid
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable
 
 from redis.exceptions import NoScriptError
@@ -122,6 +122,14 @@ class Submitted:
     request_id: str = ""
     reason: str = ""
     drain_tokens: int = 0
+    replicas: int = -1  # replicas that confirmed the write (`submit_replicated`); -1: not asked
+
+
+def _submitted(r: list) -> Submitted:
+    kind = int(r[0])
+    if kind == -1:
+        return Submitted("rejected", reason=_str(r[1]), drain_tokens=int(r[2]))
+    return Submitted({1: "created", 0: "existing", -2: "conflict"}[kind], _str(r[1]))
 
 
 @dataclass(frozen=True)
@@ -319,18 +327,27 @@ class RequestStore:
         (`spec.client_request_id`, else the idempotency key); a key or request id that names a
         request with another content hash is a "conflict". A replay of this call (its reply
         lost) answers as the first run did. -> Submitted."""
-        args = [spec.request_id, spec.SerializeToString(), spec.tenant, spec.tier, spec.arrival_ms,
+        return _then(self._run("submit", self._submit_args(spec, idempotency_key, limits, seq, score)), _submitted)
+
+    async def submit_replicated(self, spec: pb.RequestSpec, idempotency_key: str, limits: QueueLimits, seq: int,
+                                score: float | None, replicas: int, timeout_ms: int) -> "Submitted":
+        """`submit` (asyncio client only), then Redis's WAIT on the same connection: it answers
+        once `replicas` replicas have the write, or after `timeout_ms`. -> Submitted, with
+        `replicas` the number that confirmed it."""
+        pipe = self.client.pipeline(transaction=False)
+        await self._scripts["submit"](keys=[], args=[self.keys.prefix, *self._submit_args(
+            spec, idempotency_key, limits, seq, score)], client=pipe)
+        pipe.execute_command("WAIT", replicas, timeout_ms)
+        reply, confirmed = await pipe.execute()
+        return replace(_submitted(reply), replicas=int(confirmed))
+
+    def _submit_args(self, spec: pb.RequestSpec, idempotency_key: str, limits: QueueLimits, seq: int,
+                     score: float | None) -> list[Any]:
+        return [spec.request_id, spec.SerializeToString(), spec.tenant, spec.tier, spec.arrival_ms,
                 spec.deadline_ms, len(spec.prompt_token_ids), spec.sampling.max_tokens, seq,
                 "" if score is None else score, idempotency_key, self.result_ttl_s,
                 limits.max_queued, limits.max_queued_tokens, limits.tenant_max_queued, limits.tenant_max_queued_tokens,
                 uuid.uuid4().hex[:16], spec.content_hash, spec.client_request_id or idempotency_key]
-
-        def parse(r: list) -> Submitted:
-            kind = int(r[0])
-            if kind == -1:
-                return Submitted("rejected", reason=_str(r[1]), drain_tokens=int(r[2]))
-            return Submitted({1: "created", 0: "existing", -2: "conflict"}[kind], _str(r[1]))
-        return _then(self._run("submit", args), parse)
 
     def snapshot(self, tiers: list[str], max_tenants: int, max_heads: int) -> Any:
         """A bounded view of the queue: per tier (in the order given), up to `max_tenants`
@@ -545,6 +562,15 @@ class RequestStore:
 
         return _then(pipe.execute(), lambda raws: [_record(raw) for raw in raws])
 
+    def prompts(self, rids: list[str]) -> Any:
+        """The prompt token ids of several requests, in order, in one round trip; () for an
+        unknown id (read-only: the scheduler places a request by them before it claims it)."""
+        pipe = self.client.pipeline(transaction=False)
+        for rid in rids:
+            pipe.hget(self.keys.request(rid), "spec")
+        return _then(pipe.execute(), lambda raws: [tuple(spec_from_bytes(raw).prompt_token_ids) if raw else ()
+                                                   for raw in raws])
+
     # -- a request's life: the workers' and the gateway's calls ----------------------------
 
     def requeue(self, rid: str, epoch: int, error: str, max_attempts: int, kind: str = FAILURE) -> Any:
@@ -622,6 +648,13 @@ class RequestStore:
     def record(self, rid: str) -> Any:
         """The request record as {field: str}, with `spec` left as bytes; {} when unknown."""
         return _then(self.client.hgetall(self.keys.request(rid)), _record)
+
+    def states(self, rids: list[str]) -> Any:
+        """The states of several requests, in order, in one round trip (None: unknown)."""
+        pipe = self.client.pipeline(transaction=False)
+        for rid in rids:
+            pipe.hget(self.keys.request(rid), "state")
+        return _then(pipe.execute(), lambda raw: [State(_str(v)) if v else None for v in raw])
 
     def deadlines(self, rids: list[str]) -> Any:
         """The deadlines (Unix ms, 0 = none or unknown) the records of `rids` hold now, in one

@@ -13,7 +13,7 @@ from pdq import liveness
 from pdq.config import WorkerConfig
 from pdq.keys import Keys
 from pdq.liveness import Liveness
-from pdq.registry import WorkerInfo, deregister, heartbeat
+from pdq.registry import MAX_PREFIXES, PREFIX_HEX, WorkerInfo, deregister, heartbeat
 from pdq.store import RequestStore, RetryLimits
 
 log = logging.getLogger("pdq.worker")
@@ -270,17 +270,28 @@ async def reclaim_previous_life(store: RequestStore, worker_id: str, max_attempt
                     worker_id, requeued + failed, requeued, failed)
 
 
-def kv_reserve_tokens(spec: Any, max_seq_len: int) -> int:
-    """KV positions a request may use (a `RequestSpec`): its prompt plus every token it may generate."""
-    return min(max_seq_len, len(spec.prompt_token_ids) + spec.sampling.max_tokens)
+def kv_grant_tokens(prompt: int, max_tokens: int, max_seq_len: int, output_grant: int = 0) -> int:
+    """KV positions granted to a request up front: its prompt plus the tokens it may generate, or,
+    with `output_grant` > 0, at most that many of them (the rest it takes as it grows)."""
+    out = min(max_tokens, output_grant) if output_grant else max_tokens
+    return min(max_seq_len, prompt + out)
 
 
-def kv_info(runner: Any) -> dict[str, int]:
-    """A runner's KV pool for its heartbeat (`WorkerInfo` fields); nothing before it is loaded."""
+def kv_reserve_tokens(spec: Any, max_seq_len: int, output_grant: int = 0) -> int:
+    """`kv_grant_tokens` of a `RequestSpec`."""
+    return kv_grant_tokens(len(spec.prompt_token_ids), spec.sampling.max_tokens, max_seq_len, output_grant)
+
+
+def kv_info(runner: Any, prefixes: bool = True) -> dict[str, Any]:
+    """A runner's KV pool for its heartbeat (`WorkerInfo` fields), with (`prefixes`) what its
+    prefix cache holds, for the scheduler's prefix-aware placement of prefill batches; nothing
+    before it is loaded."""
     if runner is None:
         return {}
+    blocks = getattr(getattr(runner, "pool", None), "blocks", None)
+    held = blocks.cached_hashes(MAX_PREFIXES) if prefixes and blocks is not None and blocks.prefix_cache else []
     return {"kv_free_tokens": runner.free_tokens, "kv_total_tokens": runner.capacity_tokens,
-            "kv_block_size": runner.block_size}
+            "kv_block_size": runner.block_size, "prefixes": tuple(h.hex()[:PREFIX_HEX] for h in held)}
 
 
 def sync_store(config: WorkerConfig) -> RequestStore:

@@ -101,6 +101,7 @@ class PrefillLoop(ModelLoop):
                  adopt: Callable[[pb.KVHeader, Any, bool | None], str | None] | None = None,
                  taken: Callable[[str], None] | None = None):
         self.runner = runner
+        self.output_grant = 0  # a local prompt's output positions granted up front (its decode worker's setting)
         self.taken = taken  # told (with the request id) when a local prompt takes its reserved blocks
         self.local = local
         self.adopt = adopt
@@ -210,7 +211,7 @@ class PrefillLoop(ModelLoop):
                         job.prompt, lambda: self.runner.cached_tokens(job.prompt), computing, self.runner.block_size):
                     continue
                 local = self._local(job)
-                reserve = kv_reserve_tokens(job.item.spec, self.runner.max_seq_len) if local else 0
+                reserve = kv_reserve_tokens(job.item.spec, self.runner.max_seq_len, self.output_grant) if local else 0
                 try:
                     job.filled = self.runner.allocate(job.key, job.prompt, reserve)
                     job.admitted = True
@@ -250,7 +251,12 @@ class PrefillLoop(ModelLoop):
             if self.cancels.pop(job.rid):
                 self._end(job, Outcome("dropped", error="request ended"))
             elif deadline and now >= deadline:
-                if self.store.end(job.rid, Ending.timed_out("during prefill"), epoch=job.item.epoch) == State.TIMED_OUT:
+                state = self.store.end(job.rid, Ending.timed_out("during prefill"), epoch=job.item.epoch)
+                if state is not None and not state.terminal:  # moved since it was read: it goes on
+                    self.cancels.reread_deadlines(self.store, [job.rid])
+                    live.append(job)
+                    continue
+                if state == State.TIMED_OUT:
                     metrics.TIMEOUTS.labels("prefill").inc()
                 telemetry.add_event(job.span, "timeout", error="deadline exceeded during prefill")
                 self._end(job, Outcome("dropped", error="deadline exceeded"))

@@ -4,7 +4,9 @@ decode worker first. IO lives here; the choices are made by `scheduler.policies`
 One dispatch: read a bounded snapshot of the queue (per tier, the backlogged tenants with the
 lowest counters and the head of each one's queue), let the policies order it and cut a batch,
 reserve a decode slot for each request, CLAIM them in Redis (atomically: requests cancelled
-meanwhile are skipped, tenants are charged), and send the batch to the least busy prefill worker.
+meanwhile are skipped, tenants are charged), and send the batch to the prefill worker whose prefix
+cache holds most of its prompts, weighed against the work in flight there (`scheduler.prefix_routing`;
+with --no-prefix-routing, the least busy one).
 A failed attempt goes back to the queue (REQUEUE), or FAILS when its attempts are spent: the
 request's own failures (a failed hand-off, an error on the worker) are retried after a backoff on
 other workers, attempts lost to infrastructure are bounded apart (`scheduler.policies.retry`), and
@@ -32,6 +34,7 @@ from scheduler.policies import (Candidate, DecodeSlots, DrainRate, Headroom, Ten
                                 choose_decode_worker, fair_policy, form_batch, place_prefill, place_round,
                                 preemptible_tiers, prefer_healthy, prefill_priority, schedule, tier_policy)
 from scheduler.leader import Leadership, Sole
+from scheduler.prefix_routing import PrefixRouter
 from scheduler.retries import BatchOutcome, Retries
 
 log = logging.getLogger("pdq.scheduler")
@@ -108,6 +111,7 @@ class Dispatcher:
         self._preempted_at = 0.0  # monotonic time of the latest preemption (0: none since a round placed one)
         self._live: dict[str, list[WorkerInfo]] = {role: [] for role in ROLES}  # the registry as last read
         self.retries = Retries(config, store, self._release)
+        self.prefix_router = PrefixRouter(store, config.prefix_weight) if config.prefix_routing else None
 
     def poke(self, queued: bool = True) -> None:
         """Wakes the loop for work queued meanwhile (a submit, a requeue; queued=False: room freed
@@ -255,8 +259,12 @@ class Dispatcher:
         prefill, decode = await self._workers()
         if not prefill or not decode:
             return False
-        target_id, placeable = place_prefill(batch, [(w.worker_id, self._peers[w.worker_id].inflight) for w in prefill],
-                                             INFLIGHT_BATCHES_PER_PREFILL_WORKER * self.config.max_batched_tokens)
+        loads = [(w.worker_id, self._peers[w.worker_id].inflight) for w in prefill]
+        cap = INFLIGHT_BATCHES_PER_PREFILL_WORKER * self.config.max_batched_tokens
+        if self.prefix_router:
+            target_id, placeable = await self.prefix_router.place(batch, prefill, decode, loads, cap)
+        else:
+            target_id, placeable = place_prefill(batch, loads, cap)
         if target_id is None:
             return False
         cut = cut or len(placeable) < len(batch)  # some wait for another prefill worker
@@ -318,6 +326,8 @@ class Dispatcher:
             self._waited(items[-1])
         if not items:
             return True
+        if self.prefix_router:
+            self.prefix_router.dispatched(target_info, [it.spec.request_id for it in items])
         prompt_tokens = sum(len(it.spec.prompt_token_ids) for it in items)
         metrics.BATCH_SIZE.labels("dispatch").observe(len(items))
         metrics.BATCH_TOKENS.labels("dispatch").observe(prompt_tokens)
@@ -399,7 +409,8 @@ class Dispatcher:
         async def one(worker_id: str, indices: list[int]) -> None:
             peer, address = self._peers[worker_id], wanted[indices[0]][0].address
             items = [pb.ReserveRequest(request_id=wanted[i][1].request_id, tokens=wanted[i][1].kv_tokens,
-                                       keep_free=wanted[i][2]) for i in indices]
+                                       keep_free=wanted[i][2], prompt_tokens=wanted[i][1].prompt_tokens)
+                     for i in indices]
             try:
                 resp = await peer.stub.ReserveMany(pb.ReserveManyRequest(items=items), timeout=2.0)
             except grpc.aio.AioRpcError as exc:

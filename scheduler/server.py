@@ -74,7 +74,12 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         score = self.order(seq, len(spec.prompt_token_ids), spec.sampling.max_tokens, spec.deadline_ms)
         span = telemetry.start("pdq.enqueue", attributes={"pdq.request_id": spec.request_id, "pdq.tenant": spec.tenant,
                                                           "pdq.tier": tier, "pdq.seq": seq})
-        got = await self.store.submit(spec, request.idempotency_key, queue_limits(self.config, policy), seq, score)
+        limits, wait = queue_limits(self.config, policy), self.config.submit_wait_replicas
+        if wait:
+            got = await self.store.submit_replicated(spec, request.idempotency_key, limits, seq, score, wait,
+                                                     self.config.submit_wait_ms)
+        else:
+            got = await self.store.submit(spec, request.idempotency_key, limits, seq, score)
         if got.kind == "conflict":
             used = request.idempotency_key or spec.request_id
             message = (f"request_id {used!r} was already used for a different request (another prompt, sampling "
@@ -96,6 +101,12 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                     self.dispatcher.on_deadline(spec.deadline_ms)
             else:  # the leader hears of it on the queued channel (and sweeps its deadline within a second)
                 await self.store.announce(spec.request_id)
+        if 0 <= got.replicas < wait:
+            message = (f"the request is queued on the Redis primary, but {got.replicas} of the {wait} replicas "
+                       f"asked for confirmed it within {self.config.submit_wait_ms} ms, so a failover could lose "
+                       f"it: retry with the same request_id (a retry never runs it twice)")
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, message, reason="NOT_REPLICATED",
+                              retry_ms=self.config.submit_wait_ms)
         return pb.SubmitResponse(request_id=got.request_id, created=got.kind == "created")
 
     async def Cancel(self, request: pb.InternalCancelRequest, context: grpc.aio.ServicerContext) -> pb.InternalCancelResponse:

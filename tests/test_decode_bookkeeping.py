@@ -1,8 +1,9 @@
 """A decode step's bookkeeping as a pure function (`decode_worker.bookkeeping.update`): what is
-written now, what ends and why, what failed, what was wasted; no Redis, no model."""
+written now, what ends and why, what failed, what was wasted; and which sequence gives its
+blocks back when they run out (`memory_victim`). No Redis, no model."""
 
 from decode_worker.bookkeeping import update
-from decode_worker.loop import Sequence
+from decode_worker.loop import Sequence, memory_victim
 from pdq.engine.sampling import SamplingParams
 from pdq.model.loader import resolve_model
 from pdq.model.tokenizer import load_tokenizer
@@ -61,3 +62,21 @@ def test_a_seat_kept_for_a_finished_sequence_is_waste_and_one_that_left_is_skipp
     plan = step([done, gone], [A, A], 1, current=lambda s: s is not gone)
     assert plan.wasted == 1 and plan.items == [] and plan.live == []
     assert gone.generated == [A]  # untouched: it left when the previous step settled
+
+
+def test_when_blocks_run_out_the_lowest_tier_then_the_tenant_with_most_seats_then_the_newest_goes():
+    def running(rid, tier, tenant, arrived):
+        s = seq(rid)
+        s.labels, s.arrived = (tier, tenant), arrived
+        return s
+
+    tiers = ("interactive", "batch")
+    old_batch, new_top = running("old-batch", "batch", "acme", 1.0), running("new-top", "interactive", "acme", 9.0)
+    assert memory_victim([old_batch, new_top], tiers) is old_batch  # tier first, however new
+    hog = [running(f"hog-{i}", "interactive", "hog", float(i)) for i in range(3)]
+    lone = running("lone", "interactive", "lone", 99.0)
+    assert memory_victim(hog + [lone], tiers) is hog[2]  # the tenant holding most seats, its newest
+    done = running("done", "batch", "acme", 100.0)
+    done.done = True
+    assert memory_victim([done, lone], tiers) is lone and memory_victim([done], tiers) is None
+    assert memory_victim([running("x", "unknown", "t", 0.0), lone], tiers).rid == "x"  # an unknown tier counts lowest

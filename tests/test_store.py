@@ -275,3 +275,21 @@ def test_step_and_transition_on_a_redis_without_the_scripts_runs_each_once(store
                                             [("r", 1, State.DECODING, {"decode_worker": "d:1"})])
     assert (kept, moved) == ([True], [Moved(deadline_ms=0)])
     assert tokens(store, "r") == [(0, 7, "x")] and store.record("r")["state"] == "DECODING"
+
+
+def test_a_timeout_read_from_a_stale_deadline_does_not_end_a_request_whose_deadline_moved(store):
+    """A worker (or the gateway) decides a timeout from its copy of the deadline; an operator may
+    move it between that read and the write. The end is applied only if the record's deadline
+    has passed: otherwise the request goes on, whether it ends through END or through STEP."""
+    from pdq.store import now_ms
+
+    store.submit(make_spec("r", deadline_ms=now_ms() - 10))
+    epoch = claim(store, "r")
+    store.set_deadline("r", now_ms() + 60_000)  # moved after the worker read the old one
+    assert store.end("r", Ending.timed_out("during prefill"), epoch=epoch) == State.PREFILLING
+    assert store.step([StepItem("r", epoch, 0, 7, "a"),
+                       StepItem("r", epoch, final_state=State.TIMED_OUT, finish_reason="timeout")]) == [True, True]
+    assert store.record("r")["state"] == "PREFILLING" and tokens(store, "r") == [(0, 7, "a")]  # the token, not the end
+    assert store.states(["r", "nobody"]) == [State.PREFILLING, None]
+    store.set_deadline("r", now_ms() - 1)  # passed now
+    assert store.end("r", Ending.timed_out("during prefill"), epoch=epoch) == State.TIMED_OUT

@@ -56,18 +56,21 @@ def fatal():
 class Rig:
     """A decode loop (not started) over its own runner, with the store and listener a worker uses."""
 
-    def __init__(self, url: str, prefix: str, model, outage_s: float = 30.0, max_seq_len: int = 512):
+    def __init__(self, url: str, prefix: str, model, outage_s: float = 30.0, max_seq_len: int = 512,
+                 kv_budget_tokens: int = 0):
         path, self.tokenizer, self.eos = model
-        self.runner = ModelRunner.from_pretrained(path, kv_budget_tokens=6 * max_seq_len, max_seq_len=max_seq_len)
+        self.runner = ModelRunner.from_pretrained(path, kv_budget_tokens=kv_budget_tokens or 6 * max_seq_len,
+                                                  max_seq_len=max_seq_len)
         self.client = redisconn.connect(url, outage_s=outage_s)
         self.store = RequestStore(self.client, prefix, result_ttl_s=600)
         self.cancels = CancelListener(url, Keys(prefix), outage_s)
         self.left: list[str] = []
         self.loop = DecodeLoop(self.runner, self.store, self.cancels, self.tokenizer, self.eos, "here", self.left.extend)
 
-    def dispatch(self, rid: str, prompt: list[int], max_tokens: int, deadline_ms: int = 0, **sampling) -> Arrived:
+    def dispatch(self, rid: str, prompt: list[int], max_tokens: int, deadline_ms: int = 0, tier: str = "interactive",
+                 tenant: str = "acme", **sampling) -> Arrived:
         """Queues, claims and prefills a request; -> its hand-off (give it to the loop)."""
-        spec = pb.RequestSpec(request_id=rid, tenant="acme", tier="interactive", prompt_token_ids=prompt,
+        spec = pb.RequestSpec(request_id=rid, tenant=tenant, tier=tier, prompt_token_ids=prompt,
                               sampling=gen_pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling),
                               arrival_ms=now_ms(), deadline_ms=deadline_ms)
         assert self.store.submit(spec).kind == "created"
@@ -386,3 +389,31 @@ def test_workers_reread_a_passed_deadline_from_the_record_before_they_time_a_req
         wait_for("the request to complete", lambda: rig.record("d")["state"] == "COMPLETED")
     finally:
         rig.loop.stop()
+
+
+def test_when_kv_blocks_run_out_mid_decode_the_least_important_sequence_is_preempted_not_the_step(
+        redis_server, prefix, model, caplog):
+    """Sequences take blocks as they grow. In a pool too small for all of them, the batch-tier one
+    is given back by recompute (requeued as preempted, its streamed tokens kept, no attempt
+    counted) when blocks run out; the step never fails and the others complete whole."""
+    caplog.set_level(logging.INFO, logger="pdq.decode")
+    rig = Rig(redis_server.url, prefix, model, max_seq_len=128, kv_budget_tokens=256)  # 16 blocks of 16
+    rig.loop = DecodeLoop(rig.runner, rig.store, rig.cancels, rig.tokenizer, rig.eos, "here", rig.left.extend,
+                          tiers=("interactive", "batch"))
+    try:
+        n = 100  # each sequence ends holding 7 blocks: the three need 21
+        rig.loop.add(rig.dispatch("batch", PROMPTS[0], n, tier="batch"))
+        rig.loop.add(rig.dispatch("a", PROMPTS[1], n))
+        rig.loop.add(rig.dispatch("b", PROMPTS[2], n, tenant="globex"))
+        run_to_completion(rig, ["a", "b"])
+        assert not any("decode step failed" in r.getMessage() for r in caplog.records)
+        for rid in ("a", "b"):
+            assert [i for i, _ in rig.stream(rid)] == list(range(n)) and rig.record(rid)["attempts"] == "1"
+        victim = rig.record("batch")
+        assert victim["state"] == "QUEUED" and "|preempted|QUEUED|KV blocks ran out" in victim["requeued"]
+        assert victim["attempts"] == "1" and victim.get("failures", "0") == "0" and victim.get("lost", "0") == "0"
+        streamed = [i for i, _ in rig.stream("batch")]
+        assert 0 < len(streamed) < n and streamed == list(range(len(streamed)))  # kept, in order, to resume from
+        assert any("KV blocks ran out" in r.getMessage() for r in caplog.records)
+    finally:
+        rig.close()

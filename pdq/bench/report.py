@@ -7,8 +7,11 @@ machine is shared and noisy; absolute numbers move, ratios measured side by side
 import json
 import os
 import platform
+import shutil
+import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
 BASELINE_NAMES = ("hf", "engine")
@@ -219,11 +222,43 @@ def roofline_lines(runs: list[dict], roof) -> str:
     return "\n".join(lines)
 
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _gpu() -> str | None:
+    """The first GPU's name, from torch when this process loaded it, else from nvidia-smi."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.splitlines()[0].strip() if out.strip() else None
+
+
 def machine() -> dict:
-    info = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    """The machine a run measured: CPU model and count, GPU (None: none), Python and torch."""
+    info = {"cpus": os.cpu_count(), "cpu_model": _cpu_model(), "gpu": _gpu(), "platform": platform.platform(),
+            "python": platform.python_version()}
     if "torch" in sys.modules:
         torch = sys.modules["torch"]
         info.update(torch=torch.__version__, torch_threads=torch.get_num_threads())
+    else:
+        try:
+            info["torch"] = metadata.version("torch")
+        except metadata.PackageNotFoundError:
+            pass
     try:
         info["loadavg_1m"] = round(os.getloadavg()[0], 2)
     except OSError:

@@ -51,6 +51,7 @@ class Struck:
     restarted_t: float = 0.0  # kills: when the process was started again
     healed_t: float = 0.0  # when the whole cluster was SERVING again (0 = not seen)
     in_flight: int = 0  # requests of the load in flight when it struck
+    took_over_s: float = 0.0  # kill_scheduler of the leader: seconds until another scheduler led (0: none did)
     detail: str = ""
 
 
@@ -170,6 +171,8 @@ class Injector:
         if now in ("", held):
             self.unhealed.append(f"t={struck.t:.1f}s: no other scheduler led within {HEAL_TIMEOUT_S:.0f}s "
                                  f"of the leader's death")
+        if now not in ("", held):
+            struck.took_over_s = round(took_over, 2)
         struck.detail = f"the leader ({held or 'none'}); {now} led {took_over:.2f}s later"
         return struck
 

@@ -72,7 +72,9 @@ def build(opts: ChaosOptions, plans: list[RequestPlan], outcomes: list[Outcome],
             "ttft_p50": round(1000 * percentile([o.t_first_token - o.t_start for o in done if o.t_first_token], 50), 1),
             "ttft_p99": round(1000 * percentile([o.t_first_token - o.t_start for o in done if o.t_first_token], 99), 1),
         },
-        "faults": {"by_kind": dict(Counter(s.kind for s in struck)), "struck": [dataclasses.asdict(s) for s in struck]},
+        "faults": {"by_kind": dict(Counter(s.kind for s in struck)), "struck": [dataclasses.asdict(s) for s in struck],
+                   "scheduler_takeover_s": _spread([s.took_over_s for s in struck if s.took_over_s])},
+        "submits_refused": sum(n for (m, c), n in statuses.items() if m == "Submit" and c != "OK"),
         "process_exits": [dataclasses.asdict(e) for e in exits],
         "log_errors": log_errors(logs or {}),
         "statuses": {f"{m} {c}": n for (m, c), n in sorted(statuses.items())},
@@ -80,6 +82,13 @@ def build(opts: ChaosOptions, plans: list[RequestPlan], outcomes: list[Outcome],
         "violations": [dataclasses.asdict(v) for v in violations],
         "out": str(out_dir),
     }
+
+
+def _spread(values: list[float]) -> dict:
+    """{n, median, max} of a few durations ({n: 0} when none)."""
+    if not values:
+        return {"n": 0}
+    return {"n": len(values), "median": round(percentile(values, 50), 2), "max": round(max(values), 2)}
 
 
 LOG_LEVEL = re.compile(r" (ERROR|CRITICAL) (\S+): (.*)")

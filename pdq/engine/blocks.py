@@ -107,6 +107,20 @@ class BlockManager:
         taken_from_cache = sum(self._refs[b] == 0 for b in hits)
         return self.blocks_for(max(n, reserve_tokens)) - len(hits) <= self.num_free - taken_from_cache
 
+    def cached_hashes(self, limit: int) -> list[bytes]:
+        """The chain hashes of up to `limit` named blocks, the ones held by sequences first, then
+        the cached ones, most recently used first: prefixes a prompt would find here now.
+        Read-only, and safe to call from a thread other than the one changing the manager (the
+        answer may be a moment old; [] if a change raced the read)."""
+        try:
+            named, cached = list(self._hash_of.items()), list(self._cached)
+        except RuntimeError:  # changed during the copy
+            return []
+        free = set(cached)
+        held = [h for b, h in named if b not in free]
+        hash_of = dict(named)
+        return (held + [hash_of[b] for b in reversed(cached) if b in hash_of])[:limit]
+
     def stats(self) -> BlockStats:
         return BlockStats(self.block_size, self.num_blocks, self.num_blocks - self.num_free, len(self._cached),
                           len(self.tables))

@@ -10,6 +10,15 @@ local function num(x, default) return tonumber(x) or default end
 -- scheduler has been elected the write is refused (the script answers 'FENCED', changing
 -- nothing). '0': an unfenced write (a tool or a test, with no election).
 local FENCED = 'FENCED'
+
+-- A timeout reached through a copy of the deadline (a worker's, the gateway's) ends a request only
+-- if the deadline its record holds now has passed: an operator may have moved it after the caller
+-- last read it. -> true when the deadline was moved past `now`
+local function moved_past(rk, state, now)
+  if state ~= 'TIMED_OUT' then return false end
+  local d = tonumber(redis.call('HGET', rk, 'deadline_ms') or '') or 0
+  return d > tonumber(now)
+end
 local function deposed(epoch)
   return epoch ~= '0' and redis.call('GET', key('leader', 'epoch')) ~= epoch
 end

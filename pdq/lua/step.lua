@@ -3,8 +3,9 @@
 -- their texts' byte lengths ("1,0,3"), final state ('' = none), finish reason, the tokens'
 -- log-probability records joined by "," ('' = none asked; `pdq.store.encode_logprobs`)
 -- A run is the consecutive tokens of one request, written as one stream entry, then maybe its end.
--- Tokens at indices already written (a replay) are skipped; a gap is an error. -> per run 1
--- (written) or 0 (stale epoch / already ended: drop the sequence)
+-- Tokens at indices already written (a replay) are skipped; a gap is an error. A TIMED_OUT end
+-- whose record's deadline has moved past `now` is not applied (lib.lua `moved_past`). -> per run
+-- 1 (written) or 0 (stale epoch / already ended: drop the sequence)
 -- Replay: its tokens are at indices already written (skipped), and a run that ended its request
 -- finds it ended under the same epoch with the same state and reason: answered 1 again, nothing
 -- written twice.
@@ -48,7 +49,7 @@ for a = 4, #ARGV, 10 do
         if n_out == 0 then redis.call('HSET', rk, 'first_token_ms', ARGV[2]) end
       end
     end
-    if ARGV[a + 7] ~= '' then
+    if ARGV[a + 7] ~= '' and not moved_past(rk, ARGV[a + 7], ARGV[2]) then
       finish(id, ARGV[a + 7], ARGV[a + 8], '', ARGV[2], ARGV[3], true)
     end
     res[#res + 1] = 1

@@ -134,16 +134,18 @@ class PreemptResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "epoch", "tokens", "keep_free")
+    __slots__ = ("request_id", "epoch", "tokens", "keep_free", "prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     KEEP_FREE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     epoch: int
     tokens: int
     keep_free: int
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tokens: _Optional[int] = ..., keep_free: _Optional[int] = ...) -> None: ...
+    prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tokens: _Optional[int] = ..., keep_free: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("granted", "free_slots", "kv_address")

@@ -7,7 +7,8 @@ Order of choice when forming a batch, each layer chosen by name in SchedulerConf
 `plan.schedule` composes them; `batch.form_batch` cuts a batch from the order and
 `batch.place_prefill` / `batch.choose_decode_worker` place it (keeping a failed request away from
 the workers that failed it); `headroom` keeps the decode pool's last free slots for tenants below
-their fair share; `tiers.preemptible_tiers` says whom a request finding no room may preempt; `retry` tells a request's own failures from lost attempts and quarantines
+their fair share; `prefix` places a batch where its prompts' prefixes are cached, weighed against
+load; `tiers.preemptible_tiers` says whom a request finding no room may preempt; `retry` tells a request's own failures from lost attempts and quarantines
 workers whose hand-offs keep failing; `liveness` tells the janitor which workers are dead.
 """
 
@@ -18,10 +19,11 @@ from scheduler.policies.fair import FAIR_POLICIES, FIFO, VTC, TenantQueue, fair_
 from scheduler.policies.liveness import HeartbeatWatch
 from scheduler.policies.order import ORDER_POLICIES
 from scheduler.policies.plan import TierQueue, schedule
+from scheduler.policies.prefix import PrefixRouting, SentPrefixes, chain_hashes, matched_tokens
 from scheduler.policies.retry import Quarantine, classify, prefer_healthy
 from scheduler.policies.tiers import AgingTiers, StrictTiers, preemptible_tiers, tier_policy
 
 __all__ = ["AgingTiers", "Candidate", "DecodeSlots", "DrainRate", "FAIR_POLICIES", "FIFO", "Headroom", "HeartbeatWatch",
-           "ORDER_POLICIES", "Placement", "Quarantine", "StrictTiers", "TenantQueue", "TierQueue", "VTC", "acceptable", "below_share",
-           "choose_decode_worker", "classify", "fair_policy", "form_batch", "place_prefill", "place_round", "prefer_healthy",
+           "ORDER_POLICIES", "Placement", "PrefixRouting", "Quarantine", "SentPrefixes", "StrictTiers", "TenantQueue", "TierQueue", "VTC", "acceptable", "below_share",
+           "chain_hashes", "choose_decode_worker", "classify", "fair_policy", "form_batch", "matched_tokens", "place_prefill", "place_round", "prefer_healthy",
            "preemptible_tiers", "prefill_priority", "resolve_tier", "retry_after_ms", "schedule", "tier_policy"]

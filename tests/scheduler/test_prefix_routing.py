@@ -1,0 +1,203 @@
+"""Prefix-aware placement: the pure policy (unit tests and hypothesis properties), the engine's
+report of its cached prefixes, and a real scheduler placing by what fake workers report."""
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pdq.engine.blocks import BlockManager, block_hashes
+from pdq.registry import PREFIX_HEX, WorkerInfo, heartbeat, live_workers
+from pdq.store import RequestStore
+from scheduler.policies import (Candidate, PrefixRouting, SentPrefixes, chain_hashes, matched_tokens,
+                                place_prefill)
+from tests.scheduler.fakes import wait_for
+from tests.scheduler.harness import ended, harness, spec
+
+SYSTEM = list(range(100, 164))  # a 64-token system prompt: 4 blocks of 16
+
+
+def cand(rid, avoid=()):
+    return Candidate(rid, 80, 8, avoid=frozenset(avoid))
+
+
+# -- hashing and matching ----------------------------------------------------------------------
+
+def test_the_scheduler_hashes_a_prompt_as_the_engine_names_its_blocks():
+    tokens = list(range(7, 7 + 70))
+    assert chain_hashes(tokens, 16, PREFIX_HEX) == [h.hex()[:PREFIX_HEX] for h in block_hashes(tokens[:64], 16)]
+    # a 64-token prompt offers 3 blocks: its last token is always computed
+    assert chain_hashes(tokens[:64], 16, PREFIX_HEX) == chain_hashes(tokens, 16, PREFIX_HEX)[:3]
+
+
+def test_a_prompt_matches_up_to_the_deepest_block_a_worker_holds_even_past_a_missing_one():
+    hashes = chain_hashes(SYSTEM + [1, 2, 3], 16, PREFIX_HEX)
+    assert matched_tokens(hashes, 16, set()) == 0
+    assert matched_tokens(hashes, 16, {hashes[0], hashes[1]}) == 32
+    assert matched_tokens(hashes, 16, {hashes[3]}) == 64  # a chain hash names its whole prefix
+    other = chain_hashes([9] + SYSTEM[1:] + [1], 16, PREFIX_HEX)
+    assert matched_tokens(other, 16, set(hashes)) == 0  # one token off in the first block: nothing shared
+
+
+def test_the_engine_reports_the_prefixes_it_holds_in_use_first_then_most_recently_used():
+    blocks = BlockManager(num_blocks=16, block_size=4)
+    a, b = list(range(1, 10)), list(range(50, 59))
+    for seq, tokens in (("a", a), ("b", b)):
+        blocks.allocate(seq, tokens)
+        blocks.commit(seq, tokens)
+    blocks.free("a")
+    got = [h.hex()[:PREFIX_HEX] for h in blocks.cached_hashes(16)]
+    assert got[:2] == chain_hashes(b, 4, PREFIX_HEX)  # held by b
+    assert set(got[2:]) == set(chain_hashes(a, 4, PREFIX_HEX))  # cached, free
+    assert len(blocks.cached_hashes(3)) == 3
+    assert BlockManager(4, 4, prefix_cache=True).cached_hashes(8) == []
+
+
+# -- the choice --------------------------------------------------------------------------------
+
+def test_a_batch_goes_where_its_prefix_is_cached_though_that_worker_is_busier():
+    batch = [cand("r1"), cand("r2")]
+    matched = {"r1": {"w1": 64}, "r2": {"w1": 64}}
+    assert PrefixRouting().place(batch, [("w0", 0), ("w1", 30)], 1000, matched) == ("w1", batch)
+
+
+def test_load_outweighs_a_cached_prefix_worth_less_than_the_work_queued_there():
+    batch = [cand("r1")]
+    assert PrefixRouting(weight=1.0).place(batch, [("w0", 0), ("w1", 100)], 1000, {"r1": {"w1": 64}}) == ("w0", batch)
+    assert PrefixRouting(weight=2.0).place(batch, [("w0", 0), ("w1", 100)], 1000, {"r1": {"w1": 64}}) == ("w1", batch)
+
+
+def test_requests_cached_elsewhere_wait_a_round_for_their_own_worker():
+    batch = [cand("r1"), cand("r2"), cand("r3")]
+    matched = {"r1": {"w0": 64}, "r2": {"w1": 64}, "r3": {}}
+    target, going = PrefixRouting().place(batch, [("w0", 0), ("w1", 0)], 1000, matched)
+    assert (target, [c.request_id for c in going]) == ("w0", ["r1", "r3"])
+
+
+def test_a_new_prefix_goes_to_the_worker_with_fewer_sequences_running():
+    batch = [cand("r1")]
+    assert PrefixRouting().place(batch, [("w0", 0), ("w1", 0)], 1000, {}, busy={"w0": 3, "w1": 1})[0] == "w1"
+    assert PrefixRouting().place(batch, [("w0", 0), ("w1", 0)], 1000, {"r1": {"w0": 64}}, busy={"w0": 3})[0] == "w0"
+
+
+def test_a_worker_at_its_cap_or_avoided_takes_nothing_though_it_holds_the_prefix():
+    matched = {"r1": {"w1": 64}}
+    assert PrefixRouting().place([cand("r1")], [("w0", 0), ("w1", 500)], 500, matched)[0] == "w0"
+    assert PrefixRouting().place([cand("r1", avoid={"w1"})], [("w0", 0), ("w1", 0)], 500, matched)[0] == "w0"
+
+
+loads_st = st.lists(st.integers(0, 3000), min_size=1, max_size=4).map(
+    lambda ns: [(f"w{i}", n) for i, n in enumerate(ns)])
+batch_st = st.lists(st.sets(st.sampled_from(["w0", "w1", "w2", "w3"]), max_size=2), min_size=1, max_size=5).map(
+    lambda avoids: [cand(f"r{i}", a) for i, a in enumerate(avoids)])
+
+
+@given(batch_st, loads_st)
+def test_with_nothing_cached_it_places_as_load_only_placement(batch, loads):
+    assert PrefixRouting().place(batch, loads, 2000, {}) == place_prefill(batch, loads, 2000)
+
+
+@given(batch_st, loads_st, st.data())
+def test_the_first_request_that_can_go_goes_to_its_best_scoring_open_worker(batch, loads, data):
+    matched = {c.request_id: {w: data.draw(st.sampled_from([0, 16, 64, 1024])) for w, _ in loads} for c in batch}
+    target, going = PrefixRouting().place(batch, loads, 2000, matched)
+    expected, _ = place_prefill(batch, loads, 2000)
+    assert (target is None) == (expected is None)
+    if target is None:
+        return
+    assert going and all(c in batch for c in going)
+    first = going[0]
+    load = dict(loads)
+    usable = [w for w, _ in loads]
+    score = lambda w: 4.0 * matched[first.request_id][w] - load[w]  # noqa: E731
+    open_ = [w for w, n in loads if n < 2000 and (w not in first.avoid or all(u in first.avoid for u in usable))]
+    assert load[target] < 2000 and score(target) == max(score(w) for w in open_)
+
+
+def test_what_was_sent_to_a_worker_counts_until_it_expires_or_the_worker_is_gone():
+    sent = SentPrefixes(ttl_ms=1000, per_worker=3)
+    sent.add("w0", ["a", "b"], now_ms=0)
+    sent.add("w0", ["c", "d"], now_ms=500)
+    assert sent.held("w0", 600) == {"b", "c", "d"}  # bounded: the least recently sent went
+    assert sent.held("w0", 1200) == {"c", "d"}
+    sent.forget(["w1"])
+    assert sent.held("w0", 1200) == set()
+
+
+# -- the registry and a real scheduler ---------------------------------------------------------
+
+async def test_a_heartbeat_carries_the_prefixes_to_the_scheduler(redis_server, prefix):
+    from pdq import redisconn
+    client = redisconn.connect_async(redis_server.url)
+    store = RequestStore(client, prefix)
+    try:
+        await heartbeat(store, WorkerInfo("p0", "prefill", "h:1", kv_block_size=16, prefixes=("ab", "cd")), ttl_s=5)
+        (got,) = (await live_workers(store, ("prefill",), 5.0))["prefill"]
+        assert (got.kv_block_size, got.prefixes) == (16, ("ab", "cd"))
+    finally:
+        await client.aclose()
+
+
+def _report(worker, prompts):
+    """Makes a fake prefill worker report the prefixes of `prompts` (block size 16)."""
+    held = tuple(h for p in prompts for h in chain_hashes(p, 16, PREFIX_HEX))
+    worker.info = lambda: WorkerInfo(worker.worker_id, "prefill", worker.address, kv_block_size=16, prefixes=held)
+
+
+async def _placed_on(routing: bool, redis_url: str, prefix: str) -> list[list[str]]:
+    """Two fake prefill workers, the second reporting SYSTEM; three requests opening with SYSTEM,
+    one after another. -> the batches each worker got."""
+    async with harness(redis_url, prefix, workers=dict(decode=2, prefill=2), prefix_routing=routing) as h:
+        p0, p1 = h.workers.prefillers
+        _report(p0, [])
+        _report(p1, [SYSTEM + [1]])
+
+        async def reported():
+            workers = (await live_workers(h.store, ("prefill",), 5.0))["prefill"]
+            return all(w.kv_block_size == 16 for w in workers) and len(workers) == 2
+        await wait_for(reported)
+        for i in range(3):
+            s = spec(f"r{i}")
+            s.prompt_token_ids[:] = SYSTEM + [i + 1] * 8
+            await h.submit(s)
+            await ended(h, [f"r{i}"])
+        return [p0.batches, p1.batches]
+
+
+async def test_the_scheduler_sends_a_prompt_to_the_worker_holding_its_prefix(redis_server, prefix):
+    assert await _placed_on(True, redis_server.url, prefix) == [[], [["r0"], ["r1"], ["r2"]]]
+
+
+async def test_without_prefix_routing_the_least_loaded_worker_takes_it(redis_server, prefix):
+    assert await _placed_on(False, redis_server.url, prefix) == [[["r0"], ["r1"], ["r2"]], []]
+
+
+async def test_requests_sharing_a_new_prefix_follow_the_first_before_any_worker_reports_it(redis_server, prefix):
+    # (the default weight: SYSTEM cached there outweighs the first request's prompt in flight there)
+    async with harness(redis_server.url, prefix, workers=dict(decode=2, prefill=2)) as h:
+        p0, p1 = h.workers.prefillers
+        for w in (p0, p1):
+            _report(w, [])
+        p0.prefill_s = p1.prefill_s = 0.3  # the first batch is still in flight when the rest arrive
+        await wait_for(lambda: _all_report(h))
+        first = spec("a0")
+        first.prompt_token_ids[:] = SYSTEM + [1] * 8
+        await h.submit(first)
+        await wait_for(lambda: _dispatched(h, "a0"))
+        rest = []
+        for i in range(1, 3):
+            s = spec(f"a{i}")
+            s.prompt_token_ids[:] = SYSTEM + [i + 1] * 8
+            await h.submit(s)
+            rest.append(s.request_id)
+        await ended(h, ["a0", *rest])
+        holder = p0 if p0.batches and p0.batches[0] == ["a0"] else p1
+        assert sorted(r for b in holder.batches for r in b) == ["a0", "a1", "a2"]
+
+
+async def _all_report(h) -> bool:
+    workers = (await live_workers(h.store, ("prefill",), 5.0))["prefill"]
+    return len(workers) == 2 and all(w.kv_block_size == 16 for w in workers)
+
+
+async def _dispatched(h, rid) -> bool:
+    return await h.state(rid) not in ("", "QUEUED")
+

@@ -25,10 +25,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 protos: install
-	$(PY) -m pdq.protogen
+	$(PY) -m pdq.ops.protogen
 
 docs: install
-	$(PY) -m pdq.configdoc
+	$(PY) -m pdq.ops.configdoc
 
 bench: install
 	$(VENV)/bin/pdq bench $(ARGS)

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from pdq.engine.constraint import advance
 from pdq.engine.sequence import end_reason
-from pdq.request import State
-from pdq.store import StepItem
+from pdq.state.request import State
+from pdq.state.store import StepItem
 
 if TYPE_CHECKING:
     from decode_worker.loop import Sequence

@@ -18,8 +18,8 @@ import queue
 import time
 
 from decode_worker.loop import DecodeLoop, take
-from pdq import redisconn
-from pdq.worker import ModelLoop, ModelThread
+from pdq.state import redisconn
+from pdq.engine.worker import ModelLoop, ModelThread
 from prefill_worker.loop import Job, Outcome, PrefillLoop
 
 log = logging.getLogger("pdq.colocated")

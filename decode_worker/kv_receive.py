@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from pdq.engine.blocks import KVPoolFull
-from pdq.kv_transfer import KVTransferError, scatter, tensor_of
+from pdq.transport.kv_transfer import KVTransferError, scatter, tensor_of
 from pdq.v1 import internal_pb2 as pb
-from pdq.worker import kv_reserve_tokens
+from pdq.engine.worker import kv_reserve_tokens
 
 _receipts = itertools.count()
 

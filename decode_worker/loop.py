@@ -27,17 +27,18 @@ import torch
 from decode_worker.bookkeeping import update
 from decode_worker.kv_receive import Arrived, Discard
 from decode_worker.strategy import Strategy
-from pdq import metrics, redisconn, telemetry
-from pdq.cancel_listener import CancelListener
-from pdq.convert import sampling_from_pb
+from pdq.observability import metrics, telemetry
+from pdq.state import redisconn
+from pdq.state.cancel_listener import CancelListener
+from pdq.transport.convert import sampling_from_pb
 from pdq.engine.constraint import Grammars
 from pdq.engine.sampling import SamplingParams, logprob_records, sample_each
-from pdq.faults import Faults
-from pdq.output_text import TextOutput
-from pdq.request import State
-from pdq.ending import FAILURE, LOST, PREEMPTED, Ending
-from pdq.store import Moved, RequestStore, SentStep, StepItem, now_ms
-from pdq.worker import IDLE_BEAT_S, ModelLoop
+from pdq.ops.faults import Faults
+from pdq.model.output_text import TextOutput
+from pdq.state.request import State
+from pdq.state.ending import FAILURE, LOST, PREEMPTED, Ending
+from pdq.state.store import Moved, RequestStore, SentStep, StepItem, now_ms
+from pdq.engine.worker import IDLE_BEAT_S, ModelLoop
 
 log = logging.getLogger("pdq.decode")
 
@@ -354,7 +355,7 @@ class DecodeLoop(ModelLoop):
     def _step(self) -> None:
         started = time.perf_counter()
         if self.threads is not None and (n := self.threads()) != torch.get_num_threads():
-            from pdq.worker import set_torch_threads
+            from pdq.engine.worker import set_torch_threads
             set_torch_threads(n)
         seqs, rows = self.rows()
         logits = self.runner.decode(rows)

@@ -9,20 +9,21 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from pdq import kv_tcp, telemetry
-from pdq.cancel_listener import CancelListener
+from pdq.transport import kv_tcp
+from pdq.observability import telemetry
+from pdq.state.cancel_listener import CancelListener
 from pdq.config import DecodeConfig
-from pdq.keys import Keys
-from pdq.kv_tcp import Refused
-from pdq.kv_transfer import Assembler, KVTransferError
+from pdq.state.keys import Keys
+from pdq.transport.kv_tcp import Refused
+from pdq.transport.kv_transfer import Assembler, KVTransferError
 from pdq.model.loader import eos_token_ids, resolve_model
 from pdq.model.tokenizer import load_tokenizer
-from pdq.mtls import InternalTLS
-from pdq.registry import WorkerInfo
-from pdq.serving import Server
+from pdq.transport.mtls import InternalTLS
+from pdq.state.registry import WorkerInfo
+from pdq.transport.serving import Server
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
-from pdq.worker import Heartbeat, ModelThread, kv_grant_tokens, kv_info, load_runner, reclaim_previous_life, sync_store
+from pdq.engine.worker import Heartbeat, ModelThread, kv_grant_tokens, kv_info, load_runner, reclaim_previous_life, sync_store
 from decode_worker.colocated import ColocatedLoop
 from decode_worker.kv_receive import Arrived, Discard, BlockSink
 from decode_worker.loop import DecodeLoop, PreemptAsk
@@ -206,7 +207,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         return pb.PushKVResponse(accepted=True)
 
     async def receive_tcp(self, frames: AsyncIterator[bytes], traceparent: str) -> None:
-        """A hand-off on the TCP data plane (`pdq.kv_tcp`), in the request's trace."""
+        """A hand-off on the TCP data plane (`pdq.transport.kv_tcp`), in the request's trace."""
         span = telemetry.start("pdq.kv_receive", traceparent or None, kind=telemetry.SpanKind.SERVER)
         try:
             with telemetry.use(span):
@@ -410,7 +411,7 @@ def build_server(config: DecodeConfig) -> Server:
         await reclaim_previous_life(store, worker_id, config.max_attempts)
         if prefill is not None:
             await reclaim_previous_life(store, prefill_config.name("prefill"), config.max_attempts)
-        # the model is loaded and warm and its loop runs: calls are served from now (pdq.rpc_guard),
+        # the model is loaded and warm and its loop runs: calls are served from now (pdq.transport.rpc_guard),
         # and then the worker enters the registry
         server.ready = True
         alive = lambda: server.ready and model_loop.alive  # noqa: E731

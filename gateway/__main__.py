@@ -1,7 +1,7 @@
 """python -m gateway [flags]: runs the pdq gateway (flags and PDQ_* env vars; see --help)."""
 
 from pdq.config import GatewayConfig
-from pdq.serving import run_service
+from pdq.transport.serving import run_service
 from gateway.server import build_server
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import grpc
 
-from pdq.status import StatusError
+from pdq.transport.status import StatusError
 
 ROLES = ("client", "admin")
 OPEN_TENANT = "default"

@@ -9,7 +9,7 @@ from typing import Any
 
 from gateway.openai_request import MAX_LOGPROBS, ApiError, Parsed, _bad, _bool, _common, _int
 from gateway.tool_calls import ToolChoice, tool_choice
-from pdq.grammar import check
+from pdq.model.grammar import check
 
 # The chat template of a checkpoint without one (the built-in model's): role-tagged turns, the
 # tools as JSON first, an assistant's calls in the Hermes format.

@@ -9,8 +9,9 @@ import inspect
 import grpc
 
 from gateway.follower import FollowerUnavailable
-from pdq import metrics, redisconn, telemetry
-from pdq.status import StatusError, abort
+from pdq.observability import metrics, telemetry
+from pdq.state import redisconn
+from pdq.transport.status import StatusError, abort
 
 RETRY_MS = 1000  # the retry hint of a call the gateway could not serve now
 # Statuses of the scheduler that are answers, forwarded as they are (with their details).
@@ -20,7 +21,7 @@ DETAILS = ("grpc-retry-pushback-ms", "grpc-status-details-bin")
 
 
 def rpc(method):
-    """Turns StatusError raised below a servicer method into the call's status (pdq.rpc_guard
+    """Turns StatusError raised below a servicer method into the call's status (pdq.transport.rpc_guard
     maps the rest), counting refusals."""
     if inspect.isasyncgenfunction(method):
         @functools.wraps(method)

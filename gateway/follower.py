@@ -38,8 +38,8 @@ from typing import Any
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from pdq import redisconn
-from pdq.liveness import Liveness
+from pdq.state import redisconn
+from pdq.observability.liveness import Liveness
 
 log = logging.getLogger("pdq.gateway")
 

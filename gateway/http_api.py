@@ -24,9 +24,9 @@ from gateway.chat_request import ChatTemplate, chat
 from gateway.chat_stream import ChatDeltas
 from gateway.openai_request import ApiError, Parsed, completion
 from gateway.tool_calls import ToolChoice, calls_of
-from pdq import metrics, telemetry
-from pdq.serving import StartupError
-from pdq.status import StatusError
+from pdq.observability import metrics, telemetry
+from pdq.transport.serving import StartupError
+from pdq.transport.status import StatusError
 from pdq.v1 import generation_pb2 as gen_pb
 
 log = logging.getLogger("pdq.gateway")

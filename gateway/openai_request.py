@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.validation import MAX_N
-from pdq.grammar import check
+from pdq.model.grammar import check
 from pdq.v1 import generation_pb2 as gen_pb
 
 MAX_LOGPROBS = 20  # top tokens per position (vLLM's default --max-logprobs is 20)

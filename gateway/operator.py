@@ -1,7 +1,7 @@
 """`pdq.v1.Operator` on the gateway: see and control requests, tenants, queues and workers.
 
 Every RPC needs an admin API key (UNAUTHENTICATED without a valid key, PERMISSION_DENIED for a
-client key). Everything acts on Redis through `RequestStore` and `pdq.registry`; a cancel goes
+client key). Everything acts on Redis through `RequestStore` and `pdq.state.registry`; a cancel goes
 through the scheduler like `Generation.Cancel`, so workers drop the request at their next step.
 """
 
@@ -15,13 +15,13 @@ import grpc
 from gateway.auth import KeyRing, Principal
 from gateway.errors import rpc
 from gateway.validation import MAX_TIMEOUT_MS, invalid, shown
-from pdq import metrics
+from pdq.observability import metrics
 from pdq.config import GatewayConfig
-from pdq.ending import Ending
-from pdq.registry import ROLES, WorkerInfo, live_workers, set_drained
-from pdq.request import State
-from pdq.status import StatusError
-from pdq.store import RequestStore, TenantPolicy, now_ms
+from pdq.state.ending import Ending
+from pdq.state.registry import ROLES, WorkerInfo, live_workers, set_drained
+from pdq.state.request import State
+from pdq.transport.status import StatusError
+from pdq.state.store import RequestStore, TenantPolicy, now_ms
 from pdq.v1 import operator_pb2 as op_pb
 from pdq.v1 import operator_pb2_grpc as op_grpc
 

@@ -5,8 +5,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from gateway.follower import COUNT, OutputFollower
-from pdq.request import FINISH_REASONS, State
-from pdq.store import RequestStore, _str, decode_logprobs
+from pdq.state.request import FINISH_REASONS, State
+from pdq.state.store import RequestStore, _str, decode_logprobs
 from pdq.v1 import generation_pb2 as gen_pb
 
 # A request's usage and timing fields, in its record and (in this order) on its end entry.
@@ -32,7 +32,7 @@ class Event:
                 at += n
         else:
             self.texts = [raw.decode()] if self.token_ids else []
-        # each token's log-probabilities (`pdq.store.encode_logprobs`), when its request asked
+        # each token's log-probabilities (`pdq.state.store.encode_logprobs`), when its request asked
         self.logprobs = [token_logprob(t, r) for t, r in zip(self.token_ids, _str(f["p"]).split(","))] if "p" in f else []
         self.state = State(_str(f["done"])) if "done" in f else None
         self.reason = _str(f.get("r", ""))

@@ -11,8 +11,9 @@ answers `created=False`, the same request), and a cancel of an ended request cha
 
 import grpc
 
-from pdq import mtls, telemetry_grpc
-from pdq.serving import GRPC_OPTIONS
+from pdq.transport import mtls
+from pdq.observability import telemetry_grpc
+from pdq.transport.serving import GRPC_OPTIONS
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 

@@ -20,14 +20,15 @@ from gateway.operator import OperatorService
 from gateway.results import Collected, Event, follow, response, usage_and_timings
 from gateway.schedulers import Schedulers
 from gateway.validation import REQUEST_ID, Limits, build_spec, check_request, shown
-from pdq import metrics, mtls, telemetry
+from pdq.observability import metrics, telemetry
+from pdq.transport import mtls
 from pdq.config import GatewayConfig
-from pdq.ending import Ending
+from pdq.state.ending import Ending
 from pdq.model.tokenizer import load_tokenizer
-from pdq.request import FINISH_REASONS, STATUS_OF_STATE, State
-from pdq.serving import Server
-from pdq.status import StatusError
-from pdq.store import RequestStore, TenantPolicy
+from pdq.state.request import FINISH_REASONS, STATUS_OF_STATE, State
+from pdq.transport.serving import Server
+from pdq.transport.status import StatusError
+from pdq.state.store import RequestStore, TenantPolicy
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import generation_pb2_grpc as gen_grpc
 from pdq.v1 import internal_pb2 as pb

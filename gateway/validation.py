@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import grpc
 
 from pdq.config import TIERS
-from pdq.request import MAX_STREAM_INTERVAL
-from pdq.status import StatusError
+from pdq.state.request import MAX_STREAM_INTERVAL
+from pdq.transport.status import StatusError
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import internal_pb2 as pb
 
@@ -91,7 +91,7 @@ def resolve_sampling(s: gen_pb.SamplingParams, prompt_tokens: int, limits: Limit
         if not math.isfinite(bias) or not -100 <= bias <= 100:
             raise invalid("sampling.logit_bias", f"the bias of token {tok} must be in [-100, 100], got {bias}")
     if out.json_schema or out.regex:
-        from pdq.grammar import check
+        from pdq.model.grammar import check
 
         error = check(out.json_schema, out.regex)
         if error:

@@ -72,7 +72,7 @@ def connect(target: str, api_key: str | None, tls_ca: str | None, admin: bool = 
     """A channel to the gateway (a grpc.aio one if `aio`) and the call metadata carrying the API
     key: `api_key`, else $PDQ_API_KEY, else the dev key (the admin one if `admin`) of a local
     `pdq up` on that port."""
-    from pdq.devkeys import find_dev_key
+    from pdq.ops.devkeys import find_dev_key
 
     api_key = api_key or os.environ.get("PDQ_API_KEY") or find_dev_key(target, admin=admin)
     tls_ca = tls_ca or os.environ.get("PDQ_TLS_CA")

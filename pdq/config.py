@@ -11,8 +11,8 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from pdq.memory import DEFAULT_HEAP_RESERVE_MB
-from pdq.redis_url import check_redis_url
+from pdq.ops.memory import DEFAULT_HEAP_RESERVE_MB
+from pdq.state.redis_url import check_redis_url
 
 T = TypeVar("T")
 
@@ -23,7 +23,7 @@ FAIR_POLICIES = ("vtc", "fifo")
 ORDER_POLICIES = ("fcfs", "sjf", "edf")
 STRATEGIES = ("continuous", "dynamic", "static")
 KV_TRANSPORTS = ("grpc", "tcp")
-UP_CONTROL_POLICY_HELP = ("CPU policy of Redis, the scheduler and the gateway (pdq.cpu): batch (default) lets them run "
+UP_CONTROL_POLICY_HELP = ("CPU policy of Redis, the scheduler and the gateway (pdq.ops.cpu): batch (default) lets them run "
                           "when a core frees up instead of preempting the model's threads when they wake; normal: as "
                           "any process")
 UP_COLOCATE_HELP = ("each decode worker also prefills, in the same process (decode_worker --colocate): one model and "
@@ -152,8 +152,8 @@ class StoreConfig:
                 raise ValueError(f"{name} must be 0 (any free port) or 1..65535, got {getattr(self, name)}")
 
     def redis(self, aio: bool = True) -> Any:
-        """A Redis client of this process (`pdq.redisconn`): bounded pool, outages ridden through."""
-        from pdq import redisconn
+        """A Redis client of this process (`pdq.state.redisconn`): bounded pool, outages ridden through."""
+        from pdq.state import redisconn
 
         connect = redisconn.connect_async if aio else redisconn.connect
         return connect(self.redis_url, max_connections=self.redis_max_connections, outage_s=self.redis_outage_s)
@@ -289,7 +289,7 @@ class WorkerConfig(StoreConfig):
     device: str = field(default="", metadata={"help": "cpu, cuda, cuda:N (default: cuda when present)"})
     dtype: str = field(default="", metadata={"help": "float32, float16, bfloat16 (default: float32 on cpu, bfloat16 on cuda)"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = torch default)"})
-    pin_threads: bool = field(default=False, metadata={"help": "on CPU, when torch's threads are as many as this worker's CPUs: pin the model thread and torch's threads one per CPU (pdq.cpu.pin_model_threads); only for a worker alone on its cores (pdq up sets it for a lone colocated worker)"})
+    pin_threads: bool = field(default=False, metadata={"help": "on CPU, when torch's threads are as many as this worker's CPUs: pin the model thread and torch's threads one per CPU (pdq.ops.cpu.pin_model_threads); only for a worker alone on its cores (pdq up sets it for a lone colocated worker)"})
     max_seq_len: int = field(default=2048, metadata={"help": "longest sequence (prompt + output) in tokens"})
     kv_output_grant_tokens: int = field(default=256, metadata={
         "help": "KV positions a decode slot grants up front for a request's output, beyond its prompt (at most its "
@@ -298,7 +298,7 @@ class WorkerConfig(StoreConfig):
                 "preempted by recompute; 0 = its whole max_tokens up front (never preempted for memory)"})
     kv_block_size: int = field(default=16, metadata={"help": "positions per KV block: a sequence holds the blocks it uses, and the prefix cache shares whole blocks"})
     prefix_cache: bool = field(default=True, metadata={"help": "automatic prefix caching: a prompt whose leading blocks another request computed shares them and skips their prefill (--no-prefix-cache: off)"})
-    heap_reserve_mb: int = field(default=DEFAULT_HEAP_RESERVE_MB, metadata={"help": "MB of heap to fault in at start-up, after the warm-up pass, and keep (pdq.memory.reserve_heap): the first bursts' passes then take no page faults (0 = none)"})
+    heap_reserve_mb: int = field(default=DEFAULT_HEAP_RESERVE_MB, metadata={"help": "MB of heap to fault in at start-up, after the warm-up pass, and keep (pdq.ops.memory.reserve_heap): the first bursts' passes then take no page faults (0 = none)"})
     heartbeat_s: float = field(default=1.0, metadata={"help": "registry heartbeat period"})
     result_ttl_s: int = field(default=3600, metadata={"help": "how long finished requests stay in Redis"})
     grace_s: float = field(default=5.0, metadata={"help": "seconds to finish work on shutdown"})

@@ -3,7 +3,7 @@ first token written to Redis and the KV cache exported for the hand-off.
 
 A failed forward pass answers its jobs with an error (the scheduler retries them); a request whose
 own parameters cannot be sampled ends FAILED alone. Redis errors are ridden by the store's client
-for redis_outage_s; one that outlasts it takes the process down (`pdq.worker.ModelLoop`), after
+for redis_outage_s; one that outlasts it takes the process down (`pdq.engine.worker.ModelLoop`), after
 answering the pending jobs.
 """
 
@@ -16,20 +16,21 @@ from typing import Any
 
 import torch
 
-from pdq import metrics, redisconn, telemetry
-from pdq.cancel_listener import CancelListener
-from pdq.convert import sampling_from_pb
+from pdq.observability import metrics, telemetry
+from pdq.state import redisconn
+from pdq.state.cancel_listener import CancelListener
+from pdq.transport.convert import sampling_from_pb
 from pdq.engine.blocks import KVPoolFull
 from pdq.engine.constraint import Grammars, advance
 from pdq.engine.runner import PrefillItem as ChunkItem
 from pdq.engine.sampling import SamplingParams, logprob_records, sample_each
 from pdq.engine.sequence import end_reason
-from pdq.output_text import TextOutput
-from pdq.ending import Ending
-from pdq.request import State
-from pdq.store import RequestStore, StepItem, now_ms
+from pdq.model.output_text import TextOutput
+from pdq.state.ending import Ending
+from pdq.state.request import State
+from pdq.state.store import RequestStore, StepItem, now_ms
 from pdq.v1 import internal_pb2 as pb
-from pdq.worker import IDLE_BEAT_S, ModelLoop, kv_reserve_tokens
+from pdq.engine.worker import IDLE_BEAT_S, ModelLoop, kv_reserve_tokens
 from prefill_worker.chunking import plan_chunks, waits_for_shared_prefix
 
 log = logging.getLogger("pdq.prefill")

@@ -6,19 +6,20 @@ import time
 
 import grpc
 
-from pdq import kv_tcp, kv_transfer, metrics, mtls, telemetry, telemetry_grpc
-from pdq.cancel_listener import CancelListener
+from pdq.transport import kv_tcp, kv_transfer, mtls
+from pdq.observability import metrics, telemetry, telemetry_grpc
+from pdq.state.cancel_listener import CancelListener
 from pdq.config import PrefillConfig
-from pdq.faults import Faults
-from pdq.keys import Keys
+from pdq.ops.faults import Faults
+from pdq.state.keys import Keys
 from pdq.model.loader import eos_token_ids, resolve_model
 from pdq.model.tokenizer import load_tokenizer
-from pdq.registry import WorkerInfo
-from pdq.serving import GRPC_OPTIONS, Server
-from pdq.status import StatusError
+from pdq.state.registry import WorkerInfo
+from pdq.transport.serving import GRPC_OPTIONS, Server
+from pdq.transport.status import StatusError
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
-from pdq.worker import Heartbeat, ModelThread, kv_info, load_runner, reclaim_previous_life, sync_store
+from pdq.engine.worker import Heartbeat, ModelThread, kv_info, load_runner, reclaim_previous_life, sync_store
 from prefill_worker.loop import Job, Outcome, PrefillLoop
 
 log = logging.getLogger("pdq.prefill")
@@ -194,7 +195,7 @@ def build_server(config: PrefillConfig) -> Server:
                                    eos_token_ids(path), config.max_batched_tokens, config.prefill_chunk)
         service.loop.start(model)
         await reclaim_previous_life(service.loop.store, worker_id, config.max_attempts)
-        # the model is loaded and warm and its loop runs: calls are served from now (pdq.rpc_guard),
+        # the model is loaded and warm and its loop runs: calls are served from now (pdq.transport.rpc_guard),
         # and then the worker enters the registry
         server.ready = True
         state["heartbeat"] = Heartbeat(config, keys, info, lambda: server.ready and service.loop.alive)

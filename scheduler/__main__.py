@@ -1,7 +1,7 @@
 """python -m scheduler [flags]: runs the pdq scheduler (flags and PDQ_* env vars; see --help)."""
 
 from pdq.config import SchedulerConfig
-from pdq.serving import run_service
+from pdq.transport.serving import run_service
 from scheduler.server import build_server
 
 

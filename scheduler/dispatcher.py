@@ -22,12 +22,14 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdq import metrics, mtls, redisconn, telemetry, telemetry_grpc
+from pdq.observability import metrics, telemetry, telemetry_grpc
+from pdq.transport import mtls
+from pdq.state import redisconn
 from pdq.config import SchedulerConfig
-from pdq.liveness import Liveness
-from pdq.registry import ROLES, WorkerInfo, live_workers
-from pdq.serving import GRPC_OPTIONS
-from pdq.store import Deposed, RequestStore, TenantBacklog, now_ms, spec_from_bytes
+from pdq.observability.liveness import Liveness
+from pdq.state.registry import ROLES, WorkerInfo, live_workers
+from pdq.transport.serving import GRPC_OPTIONS
+from pdq.state.store import Deposed, RequestStore, TenantBacklog, now_ms, spec_from_bytes
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 from scheduler.policies import (Candidate, DecodeSlots, DrainRate, Headroom, TenantQueue, TierQueue,

@@ -21,11 +21,12 @@ import logging
 import time
 from collections.abc import Callable
 
-from pdq import metrics, redisconn
+from pdq.observability import metrics
+from pdq.state import redisconn
 from pdq.config import SchedulerConfig
-from pdq.liveness import Liveness
-from pdq.registry import forget, heartbeats
-from pdq.store import Deposed, RequestStore, now_ms
+from pdq.observability.liveness import Liveness
+from pdq.state.registry import forget, heartbeats
+from pdq.state.store import Deposed, RequestStore, now_ms
 from scheduler.leader import Leadership, Sole
 from scheduler.policies import HeartbeatWatch
 

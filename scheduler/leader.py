@@ -3,7 +3,7 @@
 Every scheduler replica serves Submit and Cancel (each an atomic script: any replica will do).
 One of them leads: only it runs dispatch rounds and janitor sweeps, and their writes (CLAIM,
 the deadline sweep, reaping workers, expiring leases) carry its epoch. A script refuses a write
-whose epoch is no longer the latest (`pdq.store.Deposed`), so a scheduler that lost its lease
+whose epoch is no longer the latest (`pdq.state.store.Deposed`), so a scheduler that lost its lease
 while paused or cut off from Redis cannot claim or reap after another took over.
 
 The leader renews its lease every quarter of `leader_lease_s`; standbys try to take it as often.
@@ -18,9 +18,10 @@ import logging
 import time
 from collections.abc import Callable
 
-from pdq import metrics, redisconn
-from pdq.liveness import Liveness
-from pdq.store import RequestStore
+from pdq.observability import metrics
+from pdq.state import redisconn
+from pdq.observability.liveness import Liveness
+from pdq.state.store import RequestStore
 
 log = logging.getLogger("pdq.scheduler")
 

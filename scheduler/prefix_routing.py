@@ -4,8 +4,8 @@ against the prefixes the worker reports and those this scheduler sent it lately.
 
 from collections.abc import Iterable
 
-from pdq.registry import PREFIX_HEX, WorkerInfo
-from pdq.store import RequestStore, now_ms
+from pdq.state.registry import PREFIX_HEX, WorkerInfo
+from pdq.state.store import RequestStore, now_ms
 from scheduler.policies import Candidate, PrefixRouting, SentPrefixes, chain_hashes, matched_tokens, place_prefill
 
 

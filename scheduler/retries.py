@@ -2,7 +2,7 @@
 
 `BatchOutcome` sorts a batch's items (`scheduler.policies.retry.classify`): hand-offs that worked
 or failed, the request's own failures, attempts lost to infrastructure. `Retries.settle` then
-counts the hand-offs per worker (HANDOFFS in `pdq.keys`), quarantines a worker whose hand-offs
+counts the hand-offs per worker (HANDOFFS in `pdq.state.keys`), quarantines a worker whose hand-offs
 keep failing (QUARANTINE; `Quarantine` decides), and gives each failed attempt back (REQUEUE:
 a failure is held back and avoids its workers next time; a lost attempt is bounded apart).
 Quarantines live in Redis, so every scheduler respects them and the Operator API lists them.
@@ -15,11 +15,11 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from pdq import metrics, telemetry
+from pdq.observability import metrics, telemetry
 from pdq.config import SchedulerConfig
-from pdq.registry import WorkerInfo
-from pdq.ending import LOST
-from pdq.store import RequestStore, now_ms
+from pdq.state.registry import WorkerInfo
+from pdq.state.ending import LOST
+from pdq.state.store import RequestStore, now_ms
 from pdq.v1 import internal_pb2 as pb
 from scheduler.policies import DecodeSlots, Quarantine, classify
 

@@ -3,7 +3,7 @@
 Everything it needs is in Redis, so a restarted scheduler resumes where the last one stopped.
 Its RPCs never answer UNKNOWN or INTERNAL: they refuse bad input with INVALID_ARGUMENT, a full
 queue with RESOURCE_EXHAUSTED, a reused request id with ALREADY_EXISTS, and (through
-`pdq.rpc_guard`) Redis unreachable past its outage window with UNAVAILABLE and a retry hint.
+`pdq.transport.rpc_guard`) Redis unreachable past its outage window with UNAVAILABLE and a retry hint.
 """
 
 import logging
@@ -13,14 +13,14 @@ import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
-from pdq import metrics, telemetry
+from pdq.observability import metrics, telemetry
 from pdq.config import SchedulerConfig
-from pdq.ending import Ending
-from pdq.mtls import InternalTLS
-from pdq.request import State
-from pdq.serving import Server
-from pdq.status import StatusError
-from pdq.store import QueueLimits, RequestStore, RetryLimits, TenantPolicy, spec_from_bytes
+from pdq.state.ending import Ending
+from pdq.transport.mtls import InternalTLS
+from pdq.state.request import State
+from pdq.transport.serving import Server
+from pdq.transport.status import StatusError
+from pdq.state.store import QueueLimits, RequestStore, RetryLimits, TenantPolicy, spec_from_bytes
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 from scheduler.dispatcher import Dispatcher

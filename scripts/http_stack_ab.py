@@ -80,7 +80,7 @@ def cpu_s(pid: int) -> float:
 
 
 def measure(name: str, target, streams: int, events: int) -> dict:
-    from pdq.redis_server import free_port
+    from pdq.ops.redis_server import free_port
 
     port = free_port()
     proc = multiprocessing.get_context("spawn").Process(target=target, args=(port, events), daemon=True)

@@ -16,7 +16,7 @@ from pdq.bench.workload import build
 from pdq.client import Client
 from pdq.engine import LLMEngine, SamplingParams
 from pdq.model.builtin import ensure_builtin
-from pdq.up import Cluster
+from pdq.ops.up import Cluster
 
 BUDGET = 8192
 w = build("long-prompt", list(range(3, 4096)), n=64, seed=0)

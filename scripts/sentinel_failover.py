@@ -1,7 +1,7 @@
 """Measures what a Sentinel failover costs a pdq Redis client: time to resume and writes lost.
 
-Starts a primary, one replica and three Sentinels (pdq.redis_sentinel, quorum 2, down after
-500 ms), runs WRITERS concurrent writers through a pdq.redisconn client of the redis+sentinel://
+Starts a primary, one replica and three Sentinels (pdq.ops.redis_sentinel, quorum 2, down after
+500 ms), runs WRITERS concurrent writers through a pdq.state.redisconn client of the redis+sentinel://
 URL (each SET acknowledged is noted with its time), SIGKILLs the primary, and reports:
 - resume: from the kill to the first acknowledgement of a write sent after it;
 - lost: acknowledged writes the new primary does not have, and how long before the kill the
@@ -16,8 +16,8 @@ import argparse
 import asyncio
 import time
 
-from pdq import redisconn
-from pdq.redis_sentinel import SentinelGroup
+from pdq.state import redisconn
+from pdq.ops.redis_sentinel import SentinelGroup
 
 WRITERS = 8
 

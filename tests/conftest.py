@@ -10,7 +10,7 @@ import redis
 from hypothesis import settings
 
 
-from pdq.redis_server import RedisServer
+from pdq.ops.redis_server import RedisServer
 
 # One model cache for the whole run (built once, reused by every process the tests start).
 os.environ.setdefault("PDQ_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".venv" / "pdq-cache"))

@@ -1,4 +1,4 @@
-"""pdq.cancel_listener.CancelListener rides dropped connections: it subscribes again (its thread never
+"""pdq.state.cancel_listener.CancelListener rides dropped connections: it subscribes again (its thread never
 dies), hears cancels and deadline moves after that, and a catch-up reads back from the records
 what was published while it was away. A real Redis; connections dropped with CLIENT KILL."""
 
@@ -7,12 +7,12 @@ import time
 import pytest
 import redis
 
-from pdq.ending import Ending
-from pdq.keys import Keys
-from pdq.redis_server import RedisServer
-from pdq.request import State
-from pdq.store import RequestStore
-from pdq.cancel_listener import CancelListener
+from pdq.state.ending import Ending
+from pdq.state.keys import Keys
+from pdq.ops.redis_server import RedisServer
+from pdq.state.request import State
+from pdq.state.store import RequestStore
+from pdq.state.cancel_listener import CancelListener
 from tests.test_store import make_spec
 
 

@@ -1,4 +1,4 @@
-"""Children started with pdq.child.spawn die with their parent and run as nice as asked."""
+"""Children started with pdq.ops.child.spawn die with their parent and run as nice as asked."""
 
 import os
 import signal
@@ -6,11 +6,11 @@ import subprocess
 import sys
 import time
 
-from pdq.child import stop
+from pdq.ops.child import stop
 
 PARENT = """
 import sys, time
-from pdq.child import spawn
+from pdq.ops.child import spawn
 child = spawn([sys.executable, "-c", "import time; time.sleep(120)"], nice=3)
 print(child.pid, flush=True)
 time.sleep(120)
@@ -33,7 +33,7 @@ def test_a_child_dies_with_its_parent_and_keeps_its_pid_and_niceness():
 
         def execd() -> bool:  # the command's own cmdline (right after Popen, mid-exec, it can read empty)
             cmdline = open(f"/proc/{pid}/cmdline").read()
-            return "time.sleep(120)" in cmdline and "pdq.child" not in cmdline
+            return "time.sleep(120)" in cmdline and "pdq.ops.child" not in cmdline
 
         while not execd():
             assert time.monotonic() < deadline, "the child never exec'd its command"

@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdq.redis_server import free_port
+from pdq.ops.redis_server import free_port
 
 PDQ = [sys.executable, "-m", "pdq.cli"]
 

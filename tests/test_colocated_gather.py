@@ -101,7 +101,7 @@ def test_a_sequence_waiting_to_join_does_not_let_the_loop_sleep():
 
     from decode_worker.loop import DecodeLoop
     from decode_worker.strategy import Strategy
-    from pdq.worker import IDLE_BEAT_S
+    from pdq.engine.worker import IDLE_BEAT_S
 
     loop = colocated([])
     decode = SimpleNamespace(running={}, waiting=[], strategy=Strategy("continuous", flush_ms=2000))

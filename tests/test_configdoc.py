@@ -4,14 +4,14 @@ the code reads."""
 import re
 from pathlib import Path
 
-from pdq.configdoc import OTHER, PATH, env_names, render
+from pdq.ops.configdoc import OTHER, PATH, env_names, render
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("pdq", "gateway", "scheduler", "prefill_worker", "decode_worker")
 
 
 def test_docs_configuration_is_current():
-    assert PATH.read_text() == render(), "docs/configuration.md is stale: run `make docs` (python -m pdq.configdoc)"
+    assert PATH.read_text() == render(), "docs/configuration.md is stale: run `make docs` (python -m pdq.ops.configdoc)"
 
 
 def test_every_pdq_variable_the_code_reads_is_documented_and_none_that_it_does_not():

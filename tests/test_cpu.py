@@ -1,4 +1,4 @@
-"""pdq.cpu: a thread under "batch" (SCHED_BATCH) passes it to the threads it starts, gets its
+"""pdq.ops.cpu: a thread under "batch" (SCHED_BATCH) passes it to the threads it starts, gets its
 policy back when the block ends, and a child spawned under it runs under it."""
 
 import os
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from pdq import cpu
-from pdq.child import spawn, stop
+from pdq.ops import cpu
+from pdq.ops.child import spawn, stop
 
 
 def policy_of(tid: int) -> int:
@@ -62,7 +62,7 @@ def test_a_spawned_child_runs_under_its_policy_with_every_thread_it_starts():
 # -- pinning a model's threads (real torch threads, in a thread of their own) ------------------
 
 def in_model_thread(fn):
-    from pdq.worker import ModelThread
+    from pdq.engine.worker import ModelThread
 
     return ModelThread("pin-test").submit(fn).result(timeout=60)
 

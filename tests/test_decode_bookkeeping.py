@@ -7,8 +7,8 @@ from decode_worker.loop import Sequence, memory_victim
 from pdq.engine.sampling import SamplingParams
 from pdq.model.loader import resolve_model
 from pdq.model.tokenizer import load_tokenizer
-from pdq.output_text import TextOutput
-from pdq.request import State
+from pdq.model.output_text import TextOutput
+from pdq.state.request import State
 
 TOKENIZER = load_tokenizer(resolve_model("builtin:tiny"))
 EOS = 1

@@ -41,7 +41,7 @@ def assert_scaled_objects_read_real_metrics(scaled: list[dict]) -> None:
     """KEDA ScaledObjects (a CRD, so checked here): every trigger queries metrics pdq exports."""
     from prometheus_client import REGISTRY
 
-    import pdq.metrics  # noqa: F401 (registers every metric)
+    import pdq.observability.metrics  # noqa: F401 (registers every metric)
 
     names = {m.name + suffix for m in REGISTRY.collect() for suffix in ("", "_total", "_bucket", "_count", "_sum")}
     for doc in scaled:

@@ -10,9 +10,9 @@ import redis.asyncio as aioredis
 from gateway import follower as follower_mod
 from gateway.follower import FollowerUnavailable, OutputFollower
 from gateway.results import Event, follow
-from pdq import redisconn
-from pdq.redis_server import RedisServer
-from pdq.store import RequestStore
+from pdq.state import redisconn
+from pdq.ops.redis_server import RedisServer
+from pdq.state.store import RequestStore
 
 
 async def next_batch(sub, timeout: float = 10.0):

@@ -1,7 +1,7 @@
 """free_port hands each port out once per process: two children given ports before either binds
 must not get the same one (a flaky "Address already in use" at cluster start)."""
 
-from pdq.redis_server import free_port
+from pdq.ops.redis_server import free_port
 
 
 def test_free_port_never_repeats_within_a_process():

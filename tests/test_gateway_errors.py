@@ -7,7 +7,7 @@ import redis
 
 from gateway.follower import FollowerUnavailable
 from gateway.errors import resumable, scheduler_error
-from pdq.status import StatusError
+from pdq.transport.status import StatusError
 
 
 def failed(code: grpc.StatusCode, details: str, trailing: tuple = ()) -> grpc.aio.AioRpcError:

@@ -1,10 +1,10 @@
-"""The Lua scripts name request states as `pdq.request.State` does: every state a script compares,
+"""The Lua scripts name request states as `pdq.state.request.State` does: every state a script compares,
 writes, ends with or returns is one of its values, and the scripts' terminal set is its own."""
 
 import re
 
-from pdq.keys import SCRIPTS, _LIB
-from pdq.request import TERMINAL, State
+from pdq.state.keys import SCRIPTS, _LIB
+from pdq.state.request import TERMINAL, State
 
 # where a state name stands in the scripts: compared, written to the record, a finish, an outcome
 STATE_AT = [r"(?:==|~=)\s*'([A-Z_]+)'", r"finish\(\w+, '([A-Z_]+)'", r"'state', '([A-Z_]+)'",

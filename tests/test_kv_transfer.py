@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pdq import kv_transfer
+from pdq.transport import kv_transfer
 from pdq.v1 import internal_pb2 as pb
 
 

@@ -1,4 +1,4 @@
-"""pdq.memory: a process that keeps its freed memory reuses it without faulting pages in again."""
+"""pdq.ops.memory: a process that keeps its freed memory reuses it without faulting pages in again."""
 
 import subprocess
 import sys
@@ -7,7 +7,7 @@ import pytest
 
 CHILD = """
 import resource, sys
-from pdq.memory import keep_freed_memory
+from pdq.ops.memory import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 size = 48 << 20  # above glibc's largest dynamic mmap threshold (32 MB)
@@ -35,7 +35,7 @@ def test_freed_memory_is_reused_without_page_faults():
 
 RESERVE_CHILD = """
 import resource, sys, threading
-from pdq.memory import keep_freed_memory, reserve_heap
+from pdq.ops.memory import keep_freed_memory, reserve_heap
 assert keep_freed_memory()
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

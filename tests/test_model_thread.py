@@ -1,4 +1,4 @@
-"""pdq.worker.ModelThread: a worker loads its model and runs its model loop in one thread (one
+"""pdq.engine.worker.ModelThread: a worker loads its model and runs its model loop in one thread (one
 OpenMP thread pool: see its docstring). Calls run one at a time, in order, on that one thread."""
 
 import asyncio
@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from decode_worker.loop import DecodeLoop
-from pdq import liveness
-from pdq.worker import ModelLoop, ModelThread
+from pdq.observability import liveness
+from pdq.engine.worker import ModelLoop, ModelThread
 
 
 def test_calls_run_in_order_on_one_thread_and_errors_reach_the_caller():
@@ -76,12 +76,12 @@ def test_a_model_loop_that_dies_takes_the_process_down_instead_of_vanishing():
 
 def test_a_worker_that_owns_the_cpus_loads_its_model_with_its_threads_pinned_one_per_cpu():
     """load_runner with as many torch threads as CPUs (a colocated worker) pins the model thread
-    and torch's threads (pdq.cpu); with pin_threads off, nothing is pinned."""
+    and torch's threads (pdq.ops.cpu); with pin_threads off, nothing is pinned."""
     import os
 
     from pdq.config import WorkerConfig
-    from pdq.cpu import Pinned, thread_runtimes, unpin
-    from pdq.worker import load_runner
+    from pdq.ops.cpu import Pinned, thread_runtimes, unpin
+    from pdq.engine.worker import load_runner
 
     cpus = sorted(os.sched_getaffinity(0))
 

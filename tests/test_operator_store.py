@@ -6,12 +6,12 @@ import time
 
 import redis.asyncio as aioredis
 
-from pdq.ending import Ending
-from pdq.keys import Keys
-from pdq.registry import WorkerInfo, forget, heartbeat, live_workers, set_drained
-from pdq.request import State
-from pdq.store import RequestStore
-from pdq.cancel_listener import CancelListener
+from pdq.state.ending import Ending
+from pdq.state.keys import Keys
+from pdq.state.registry import WorkerInfo, forget, heartbeat, live_workers, set_drained
+from pdq.state.request import State
+from pdq.state.store import RequestStore
+from pdq.state.cancel_listener import CancelListener
 from tests.test_store import make_spec
 
 
@@ -138,7 +138,7 @@ def test_an_operator_drain_survives_the_workers_heartbeats(redis_server, prefix)
 
 def test_a_worker_is_shown_quarantined_only_until_its_quarantine_ends():
     from gateway.operator import worker_info
-    from pdq.store import now_ms
+    from pdq.state.store import now_ms
 
     later, earlier = now_ms() + 60_000, now_ms() - 1
     shown = worker_info(WorkerInfo("p0", "prefill", "h:1", quarantined_until_ms=later, quarantine_reason="3 failed"))
@@ -157,8 +157,8 @@ def test_a_request_shows_its_client_request_id_and_lost_attempts():
 def test_pdq_workers_shows_a_quarantine_with_its_time_left_and_reason(capsys):
     import argparse
 
-    from pdq.cli_operator import _print_workers
-    from pdq.store import now_ms
+    from pdq.cli.operator import _print_workers
+    from pdq.state.store import now_ms
     from pdq.v1 import operator_pb2 as op_pb
 
     _print_workers([op_pb.WorkerInfo(worker_id="p0", role="prefill", address="h:1", heartbeat_ms=now_ms(),

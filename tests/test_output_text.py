@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from pdq.model.loader import resolve_model
 from pdq.model.tokenizer import load_tokenizer
-from pdq.output_text import TextOutput
+from pdq.model.output_text import TextOutput
 
 TOKENIZER = load_tokenizer(resolve_model("builtin:tiny"))
 SPECIAL = [t.content for t in TOKENIZER.get_added_tokens_decoder().values() if t.special]

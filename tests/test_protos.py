@@ -4,13 +4,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pdq import protogen
+from pdq.ops import protogen
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_checked_in_stubs_are_fresh():
-    assert protogen.stale_files() == [], "run `python -m pdq.protogen` and commit the stubs"
+    assert protogen.stale_files() == [], "run `python -m pdq.ops.protogen` and commit the stubs"
 
 
 def test_protos_compile_with_plain_include_path(tmp_path):

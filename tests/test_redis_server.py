@@ -6,7 +6,7 @@ import signal
 
 import redis
 
-from pdq.redis_server import RedisServer
+from pdq.ops.redis_server import RedisServer
 
 
 def restart(server: RedisServer) -> None:

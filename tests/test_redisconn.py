@@ -1,7 +1,7 @@
-"""Redis clients of pdq processes (pdq.redisconn) against a real redis-server that is stopped and
+"""Redis clients of pdq processes (pdq.state.redisconn) against a real redis-server that is stopped and
 restarted under them: commands ride through an outage shorter than the window, fail after a
 longer one, and a bounded pool makes a burst of calls wait instead of failing. With a Sentinel
-URL (pdq.redis_url) the clients follow a real failover (primary, replica, three Sentinels) to the
+URL (pdq.state.redis_url) the clients follow a real failover (primary, replica, three Sentinels) to the
 new primary."""
 
 import asyncio
@@ -11,13 +11,13 @@ import time
 import pytest
 import redis
 
-from pdq import redisconn
-from pdq.cancel_listener import CancelListener
+from pdq.state import redisconn
+from pdq.state.cancel_listener import CancelListener
 from pdq.config import StoreConfig
-from pdq.keys import Keys
-from pdq.redis_sentinel import SentinelGroup
-from pdq.redis_server import RedisServer, free_port
-from pdq.redis_url import parse_sentinel_url
+from pdq.state.keys import Keys
+from pdq.ops.redis_sentinel import SentinelGroup
+from pdq.ops.redis_server import RedisServer, free_port
+from pdq.state.redis_url import parse_sentinel_url
 
 
 @pytest.fixture

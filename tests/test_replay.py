@@ -1,4 +1,4 @@
-"""Every Lua script of pdq.keys is safe to run twice in a row: a `pdq.redisconn` client re-sends a
+"""Every Lua script of pdq.state.keys is safe to run twice in a row: a `pdq.state.redisconn` client re-sends a
 command whose reply was lost, so the first run may have been applied. Each case runs one store
 call with its script sent twice, with the same arguments, and checks that the second run leaves
 Redis as the first left it and answers consistently: the same answer, or, for a sweep (whose
@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from pdq.keys import SCRIPTS
-from pdq.registry import WorkerInfo, heartbeat
-from pdq.request import State
-from pdq.ending import LOST, Ending
-from pdq.store import RequestStore, StepItem, now_ms
+from pdq.state.keys import SCRIPTS
+from pdq.state.registry import WorkerInfo, heartbeat
+from pdq.state.request import State
+from pdq.state.ending import LOST, Ending
+from pdq.state.store import RequestStore, StepItem, now_ms
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import internal_pb2 as pb
 

@@ -1,4 +1,4 @@
-"""The guard of every pdq server (pdq.rpc_guard): requests that do not parse get INVALID_ARGUMENT
+"""The guard of every pdq server (pdq.transport.rpc_guard): requests that do not parse get INVALID_ARGUMENT
 naming the field, calls before the server is ready get UNAVAILABLE with a retry hint, and an
 unexpected error in a handler is answered UNAVAILABLE, never UNKNOWN."""
 
@@ -9,9 +9,9 @@ import pytest
 from grpc_status import rpc_status
 
 from pdq.config import SchedulerConfig
-from pdq.rpc_guard import describe_bad_message
-from pdq.serving import Server
-from pdq.status import StatusError
+from pdq.transport.rpc_guard import describe_bad_message
+from pdq.transport.serving import Server
+from pdq.transport.status import StatusError
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc

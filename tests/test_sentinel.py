@@ -15,8 +15,8 @@ import grpc
 import pytest
 
 from pdq.client import AsyncClient
-from pdq.redis_sentinel import SentinelGroup
-from pdq.up import Cluster
+from pdq.ops.redis_sentinel import SentinelGroup
+from pdq.ops.up import Cluster
 
 PROMPT = "the quick brown fox"
 TOKENS = 6

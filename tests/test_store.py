@@ -1,11 +1,11 @@
-"""The Lua scripts of pdq.keys against a real Redis server: a request's life as workers see it.
+"""The Lua scripts of pdq.state.keys against a real Redis server: a request's life as workers see it.
 (Queue structure, fair-share counters, admission and leases: tests/scheduler/.)"""
 
 import pytest
 
-from pdq.ending import Ending
-from pdq.request import State
-from pdq.store import Moved, QueueLimits, RequestStore, StepItem
+from pdq.state.ending import Ending
+from pdq.state.request import State
+from pdq.state.store import Moved, QueueLimits, RequestStore, StepItem
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import internal_pb2 as pb
 
@@ -159,7 +159,7 @@ def test_consecutive_tokens_of_a_request_go_into_one_entry(store):
 
 def test_log_probabilities_ride_their_tokens_and_a_replay_keeps_them_aligned(store):
     from gateway.results import Event
-    from pdq.store import decode_logprobs, encode_logprobs
+    from pdq.state.store import decode_logprobs, encode_logprobs
 
     rec = [encode_logprobs(-0.25 * i, [(i, -0.25 * i), (99, -3.5)]) for i in range(4)]
     assert decode_logprobs(rec[1]) == (-0.25, [(1, -0.25), (99, -3.5)])
@@ -281,7 +281,7 @@ def test_a_timeout_read_from_a_stale_deadline_does_not_end_a_request_whose_deadl
     """A worker (or the gateway) decides a timeout from its copy of the deadline; an operator may
     move it between that read and the write. The end is applied only if the record's deadline
     has passed: otherwise the request goes on, whether it ends through END or through STEP."""
-    from pdq.store import now_ms
+    from pdq.state.store import now_ms
 
     store.submit(make_spec("r", deadline_ms=now_ms() - 10))
     epoch = claim(store, "r")

@@ -1,4 +1,4 @@
-"""pdq.supervisor restarts real processes that exit, with a bounded backoff, and says so.
+"""pdq.ops.supervisor restarts real processes that exit, with a bounded backoff, and says so.
 
 The rounds are driven with explicit clock values (`poll(now=...)`), so nothing here waits for
 time to pass: what is checked is which round restarts what."""
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from pdq.child import spawn
-from pdq.supervisor import Child, RestartPolicy, Supervisor
+from pdq.ops.child import spawn
+from pdq.ops.supervisor import Child, RestartPolicy, Supervisor
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 

@@ -1,4 +1,4 @@
-"""pdq.worker.set_torch_threads: torch's thread count changes, and MKL's dynamic threading stays
+"""pdq.engine.worker.set_torch_threads: torch's thread count changes, and MKL's dynamic threading stays
 on (torch.set_num_threads alone turns it off, which made small products run on every thread)."""
 
 import subprocess
@@ -17,7 +17,7 @@ dynamic.restype = ctypes.c_int
 if sys.argv[1] == "torch":
     torch.set_num_threads(1)
 else:
-    from pdq.worker import set_torch_threads
+    from pdq.engine.worker import set_torch_threads
     set_torch_threads(1)
 threads = torch.get_num_threads()
 torch.ones(1 << 20).mul_(2.0)  # a parallel op in the same thread keeps it

@@ -2,7 +2,7 @@
 
 import os
 
-from pdq.up import OMP_SPIN_COUNT, YIELD_TO_PREFILL_MS, Cluster, cpu_share_env
+from pdq.ops.up import OMP_SPIN_COUNT, YIELD_TO_PREFILL_MS, Cluster, cpu_share_env
 
 
 def test_workers_split_the_cores_and_decode_yields_to_prefill():
@@ -33,6 +33,6 @@ def test_decode_workers_run_nicer_unless_colocated_or_told(monkeypatch):
 
 
 def test_the_control_plane_yields_the_cores_unless_told(monkeypatch):
-    assert Cluster().control_policy == "batch"  # Redis, the scheduler and the gateway (pdq.cpu)
+    assert Cluster().control_policy == "batch"  # Redis, the scheduler and the gateway (pdq.ops.cpu)
     monkeypatch.setenv("PDQ_UP_CONTROL_POLICY", "normal")
     assert Cluster().control_policy == "normal"

@@ -5,7 +5,7 @@ import pytest
 
 from gateway.validation import Limits, build_spec, check_request
 from pdq.config import GatewayConfig
-from pdq.status import StatusError
+from pdq.transport.status import StatusError
 from pdq.v1 import generation_pb2 as gen_pb
 
 LIMITS = Limits(max_model_len=64, vocab_size=100, default_max_tokens=4,

@@ -15,18 +15,19 @@ import pytest
 
 from decode_worker.kv_receive import Arrived
 from decode_worker.loop import DecodeLoop
-from pdq import liveness, redisconn
-from pdq.cancel_listener import CancelListener
+from pdq.observability import liveness
+from pdq.state import redisconn
+from pdq.state.cancel_listener import CancelListener
 from pdq.engine.runner import ModelRunner, PrefillItem
-from pdq.keys import Keys
+from pdq.state.keys import Keys
 from pdq.model.loader import eos_token_ids, resolve_model
 from pdq.model.tokenizer import load_tokenizer
-from pdq.redis_server import RedisServer
-from pdq.request import State
-from pdq.store import RequestStore, StepItem, now_ms
+from pdq.ops.redis_server import RedisServer
+from pdq.state.request import State
+from pdq.state.store import RequestStore, StepItem, now_ms
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import internal_pb2 as pb
-from pdq.worker import ModelThread
+from pdq.engine.worker import ModelThread
 from prefill_worker.loop import Job, PrefillLoop
 
 PROMPTS = [[5, 17, 99, 3, 42], [7, 7, 8, 120, 64, 11, 2], [200, 1, 33]]

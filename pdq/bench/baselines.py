@@ -12,12 +12,12 @@
 
 Both run on the CPU threads torch gives this process (`torch.get_num_threads()`); the CPU time
 this process spends in a run is the baseline's own (`client_cpu_s` of its record). During a
-run their threads are pinned one per CPU when a worker's would be (`pdq.cpu.pin_torch_threads`:
+run their threads are pinned one per CPU when a worker's would be (`pdq.ops.cpu.pin_torch_threads`:
 as many threads as CPUs), and unpinned after, so that the clients of a service run that
 follows in this process run anywhere.
 
 OpenMP wait policy: the same as the workers `pdq up` starts: unless OMP_WAIT_POLICY or
-GOMP_SPINCOUNT is set, torch is loaded here with GOMP_SPINCOUNT=pdq.up.OMP_SPIN_COUNT (set
+GOMP_SPINCOUNT is set, torch is loaded here with GOMP_SPINCOUNT=pdq.ops.up.OMP_SPIN_COUNT (set
 only for the import: libgomp reads it when it loads, and clusters spawned later get theirs
 from `pdq up`), so both sides of a ratio run alike: under another policy a baseline would
 measure the policy too (under PASSIVE, where idle threads sleep at once, the engine runs
@@ -35,7 +35,7 @@ from pdq.bench.arrivals import Arrivals
 from pdq.bench.prefix import counts
 from pdq.bench.record import RequestRecord, RunRecord
 from pdq.bench.workload import BenchRequest, Workload
-from pdq.memory import DEFAULT_HEAP_RESERVE_MB, reserve_heap
+from pdq.ops.memory import DEFAULT_HEAP_RESERVE_MB, reserve_heap
 
 ENGINE_KV_BUDGET_TOKENS = 65536  # = the decode worker's default pool
 ENGINE_MAX_SEQ_LEN = 2048  # = the workers' default max_seq_len
@@ -49,11 +49,11 @@ _omp_policy = ""  # the OpenMP policy torch was loaded with by import_torch()
 
 def import_torch() -> str:
     """Imports torch (see the module doc); returns the OpenMP wait policy in force. This
-    process keeps its freed memory from then on, as a worker does (pdq.memory), for every
+    process keeps its freed memory from then on, as a worker does (pdq.ops.memory), for every
     baseline alike."""
     global _omp_policy
-    from pdq.memory import keep_freed_memory
-    from pdq.up import OMP_SPIN_COUNT
+    from pdq.ops.memory import keep_freed_memory
+    from pdq.ops.up import OMP_SPIN_COUNT
 
     keep_freed_memory()
     if "torch" in sys.modules:
@@ -73,8 +73,8 @@ def import_torch() -> str:
 @contextmanager
 def pinned_threads() -> Iterator[bool]:
     """Pins this thread and torch's threads one per CPU, as a worker that owns the machine does
-    (pdq.cpu), for the block. -> whether they were pinned."""
-    from pdq.cpu import pin_torch_threads, unpin
+    (pdq.ops.cpu), for the block. -> whether they were pinned."""
+    from pdq.ops.cpu import pin_torch_threads, unpin
 
     pinned = pin_torch_threads()
     try:

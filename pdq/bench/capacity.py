@@ -1,7 +1,7 @@
 """`pdq bench --capacity`: how many submits/s and streamed tokens/s one gateway + scheduler +
 Redis carry before latency breaks, what the bottleneck is, and Redis's own rate in the same run.
 
-One cluster is spawned (`pdq.up.Cluster`, usually `--model null`, so no model compute hides the
+One cluster is spawned (`pdq.ops.up.Cluster`, usually `--model null`, so no model compute hides the
 control plane) and swept once per `--capacity-max-tokens` value by the rules of
 `pdq.bench.capacity_policy`: open-loop arrivals of short prompts (greedy, `ignore_eos`, the
 `--stream-interval`), stepping the offered rate up until a step breaks. Each step records every
@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     from pdq.bench.service import warm_up
     from pdq.bench.workload import vocabulary
     from pdq.model.loader import resolve_model
-    from pdq.up import Cluster
+    from pdq.ops.up import Cluster
 
     try:
         sweeps = plans(args)

@@ -117,10 +117,10 @@ class Bench:
         import tempfile
 
         from pdq.bench.prefix import cluster_prefix_probe
-        from pdq.redis_server import free_port
+        from pdq.ops.redis_server import free_port
         from pdq.bench.procstat import cluster_probe
         from pdq.bench.tenancy import write_auth_file
-        from pdq.up import Cluster
+        from pdq.ops.up import Cluster
 
         opts = self.opts
         with tempfile.TemporaryDirectory(prefix="pdq-bench-") as tmp:

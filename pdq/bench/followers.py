@@ -110,7 +110,7 @@ async def crowd(target: str, api_key: str, redis_url: str, calls: int, requests:
     import grpc
     import redis.asyncio as aioredis
 
-    from pdq.serving import GRPC_OPTIONS
+    from pdq.transport.serving import GRPC_OPTIONS
     from pdq.v1 import generation_pb2 as gen_pb
     from pdq.v1 import generation_pb2_grpc as gen_grpc
 
@@ -211,7 +211,7 @@ async def token_delay(redis_url: str, idle: int, tokens: int = 200, step_s: floa
 
 def main(argv: list[str] | None = None) -> int:
     from gateway.follower import COLD_READERS, HOT_READERS
-    from pdq.up import Cluster
+    from pdq.ops.up import Cluster
 
     parser = argparse.ArgumentParser(prog="python -m pdq.bench.followers", description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=10_000, help="concurrent followers and long-polls")
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                              "(and with none), on a private Redis")
     args = parser.parse_args(argv)
     if args.token_delay >= 0:
-        from pdq.redis_server import RedisServer
+        from pdq.ops.redis_server import RedisServer
 
         with RedisServer() as server:
             rows = [asyncio.run(token_delay(server.url, idle)) for idle in sorted({0, args.token_delay})]

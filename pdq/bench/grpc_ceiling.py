@@ -13,7 +13,7 @@ import time
 
 import grpc
 
-from pdq.serving import GRPC_OPTIONS, SERVER_OPTIONS
+from pdq.transport.serving import GRPC_OPTIONS, SERVER_OPTIONS
 
 METHOD = "/pdq.bench.Ceiling/Push"
 

@@ -30,7 +30,7 @@ import time
 from collections import Counter
 
 REPEATS = 10
-TRANSPORTS = ("grpc", "tcp")  # PushKV; the decode worker's TCP data plane (pdq.kv_tcp)
+TRANSPORTS = ("grpc", "tcp")  # PushKV; the decode worker's TCP data plane (pdq.transport.kv_tcp)
 LONG_PROMPT = 2000
 CONCURRENT = 4
 SLOT_WAIT_S = 120.0  # how long a hand-off waits for the decode worker to free a KV slot
@@ -54,10 +54,10 @@ async def _push(address: str, runner, prompt: list[int], tag: str, chunk_bytes: 
     import grpc
     import torch
 
-    from pdq import kv_tcp, kv_transfer
+    from pdq.transport import kv_tcp, kv_transfer
     from pdq.bench import grpc_ceiling
     from pdq.engine.runner import PrefillItem
-    from pdq.serving import GRPC_OPTIONS
+    from pdq.transport.serving import GRPC_OPTIONS
     from prefill_worker.server import PUSH_KV
     from pdq.v1 import internal_pb2 as pb
     from pdq.v1 import internal_pb2_grpc as pb_grpc
@@ -194,9 +194,9 @@ def run(args: argparse.Namespace) -> int:
     from pdq.bench.workload import build, vocabulary
     from pdq.engine.runner import ModelRunner
     from pdq.model.loader import resolve_model
-    from pdq.child import spawn, stop
-    from pdq.redis_server import free_port
-    from pdq.up import Cluster
+    from pdq.ops.child import spawn, stop
+    from pdq.ops.redis_server import free_port
+    from pdq.ops.up import Cluster
 
     try:
         env = _pairs(args.env, "--env")

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 from pdq.bench.arrivals import Arrivals, parse_concurrency, parse_rates
 from pdq.bench.workload import WORKLOADS
-from pdq import cpu
+from pdq.ops import cpu
 from pdq.config import UP_COLOCATE_HELP, UP_SEPARATE_HELP, UP_CONTROL_POLICY_HELP
-from pdq.request import MAX_STREAM_INTERVAL
+from pdq.state.request import MAX_STREAM_INTERVAL
 
 STRATEGIES = ("static", "dynamic", "continuous")
 BASELINES = ("hf", "engine")
@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help="with --spawn: the API each load is offered through, comma-separated: grpc (default), "
                             "http (the gateway's OpenAI-compatible door; runs named STRATEGY/http), or both")
     where.add_argument("--spawn", action="store_true",
-                       help="start a cluster (pdq.up.Cluster) per strategy, and stop it after")
+                       help="start a cluster (pdq.ops.up.Cluster) per strategy, and stop it after")
     where.add_argument("--strategies", default=None,
                        help="with --spawn: comma-separated batching strategies, each on its own cluster "
                             f"(default {','.join(STRATEGIES)}); with --target: the label of its strategy")
@@ -92,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     load.add_argument("--tenant-key", action="append", default=[], metavar="TENANT=KEY",
                       help="the API key of one tenant's requests, e.g. flood=sk-... (repeatable)")
     load.add_argument("--client-policy", choices=cpu.POLICIES, default="batch",
-                      help="CPU policy of this process's client threads (pdq.cpu): batch (default) lets the cluster's "
+                      help="CPU policy of this process's client threads (pdq.ops.cpu): batch (default) lets the cluster's "
                            "model threads keep the cores when a token wakes a client, as clients on other machines "
                            "would; its timestamps can only come later for it. normal: compete as any process")
     load.add_argument("--stream-interval", type=int, default=1, metavar="N",

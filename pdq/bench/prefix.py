@@ -44,7 +44,7 @@ class PrefixProbe:
 
 
 def cluster_prefix_probe(cluster) -> PrefixProbe | None:
-    """A probe over the workers of a `pdq.up.Cluster` (None when it serves no /metrics)."""
+    """A probe over the workers of a `pdq.ops.up.Cluster` (None when it serves no /metrics)."""
     urls = [c.metrics_url(cluster.host) for c in cluster.children
             if c.name.startswith(("prefill", "decode")) and c.metrics_port >= 0]
     return PrefixProbe(urls) if urls else None

@@ -37,7 +37,7 @@ class CpuProbe:
 
 
 def cluster_probe(cluster) -> CpuProbe:
-    """A probe over every process of a `pdq.up.Cluster` (and its private Redis, if any)."""
+    """A probe over every process of a `pdq.ops.up.Cluster` (and its private Redis, if any)."""
     pids = {child.name: child.process.pid for child in cluster.children}
     redis_proc = getattr(cluster.redis, "process", None)
     if redis_proc is not None:

@@ -30,9 +30,9 @@ from pathlib import Path
 import grpc
 import redis
 
-from pdq import cpu
+from pdq.ops import cpu
 from pdq.client import Client
-from pdq.up import Cluster
+from pdq.ops.up import Cluster
 
 KEYS = {"heavy": "bench-key-heavy-0001", "light": "bench-key-light-0002"}
 
@@ -206,7 +206,7 @@ GOALS = (  # (name, value in the report, limit, what it measures): issue 4's goa
 def measure(model: str, slots: int, n: int, extra_env: dict, colocate: bool = False,
             control_policy: str = "batch", client_policy: str = "batch") -> dict:
     """Runs every measurement on a cluster of its own, the clients' threads (the light tenant's
-    and the flood's) under `client_policy` (pdq.cpu). -> the report."""
+    and the flood's) under `client_policy` (pdq.ops.cpu). -> the report."""
     with tempfile.TemporaryDirectory() as tmp:
         auth = Path(tmp) / "keys.json"
         auth.write_text(json.dumps({"keys": [{"key": k, "tenant": t, "role": "client"} for t, k in KEYS.items()]}))

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import grpc
 
-from pdq import cpu
+from pdq.ops import cpu
 from pdq.bench import http_client
 from pdq.bench.arrivals import Arrivals
 from pdq.bench.prefix import PrefixProbe
@@ -58,7 +58,7 @@ def run_service(target: str, name: str, strategy: str, workload: Workload, arriv
     """Offers `workload` to the gateway at `target` with `arrivals`; returns when every request
     has ended. api_keys: tenant name -> API key (None or missing: the `Client` default,
     $PDQ_API_KEY or the dev key of a local `pdq up`). cpu_probe: the cluster's processes, whose
-    CPU time during the run goes into the record. client_policy: the CPU policy (pdq.cpu) of
+    CPU time during the run goes into the record. client_policy: the CPU policy (pdq.ops.cpu) of
     this thread and gRPC's, for the run. stream_interval: decode steps per stream message
     after the first token (GenerateRequest.stream_interval). prefix_probe: the cluster's prefix
     cache counters, whose change during the run goes into the record's notes. A `target` that

@@ -25,7 +25,7 @@ import re
 
 from dataclasses import dataclass, field
 
-from pdq import request
+from pdq.state import request
 from pdq.chaos.plan import RequestPlan
 from pdq.chaos.record import Outcome
 from pdq.chaos.snapshot import Leftovers, Snapshot

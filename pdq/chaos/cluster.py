@@ -7,7 +7,7 @@ every 0.5 s, a prefill lease lasts 5 s, an unused KV reservation 5 s. Roles run 
 keys): every caller is tenant `default` with the admin role, so the load can call the Operator API.
 
 Every process is started from the thread that runs the event loop (the main thread): a child
-dies when the *thread* that spawned it exits (`pdq.child`). The cluster supervises its
+dies when the *thread* that spawned it exits (`pdq.ops.child`). The cluster supervises its
 children: one that exits without being killed by the harness is noted (`exits`) and restarted.
 """
 
@@ -25,8 +25,8 @@ import redis
 import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdq.child import spawn
-from pdq.redis_server import RedisServer, free_port
+from pdq.ops.child import spawn
+from pdq.ops.redis_server import RedisServer, free_port
 
 HOST = "127.0.0.1"
 # Every role: what makes faults heal within seconds (see the module doc).
@@ -44,7 +44,7 @@ DROPPED_ENV = ("PDQ_AUTH_FILE", "PDQ_FAULTS", "PDQ_THREADS", "PDQ_BURST_THREADS"
 # KV slots (running sequences) per decode worker: fewer than the load's concurrency, so requests
 # queue and a cancel right after Submit finds its request QUEUED.
 DECODE_SLOTS = 6
-# Prefill workers corrupt a hand-off when signalled (pdq.faults), and hold each hand-off 25 ms in
+# Prefill workers corrupt a hand-off when signalled (pdq.ops.faults), and hold each hand-off 25 ms in
 # TRANSFERRING, so that a cancel polling for the prefill phase can land in it.
 PREFILL_FAULTS = "kv_corrupt_on_signal,kv_delay_ms=25"
 CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),

@@ -25,7 +25,7 @@ from pdq.chaos.load import Load, monotonic_clock
 from pdq.chaos.options import ChaosOptions
 from pdq.chaos.plan import longest, plan_faults, plan_requests, prompts
 from pdq.chaos.snapshot import read_leftovers, read_snapshot
-from pdq.keys import Keys
+from pdq.state.keys import Keys
 
 DECODE_WORKERS = 2
 

@@ -20,7 +20,7 @@ So every fault lands among requests in flight, however fast or slow the machine 
 - redis_restart: SIGKILL of Redis, down `delay_s`, restarted on its AOF;
 - conn_drop: CLIENT KILL TYPE normal and TYPE pubsub: every client connection dropped, Redis up;
 - kv_corrupt: SIGUSR1 to a SERVING prefill worker, whose next KV hand-off is corrupted
-  (`pdq.faults`, PDQ_FAULTS=kv_corrupt_on_signal).
+  (`pdq.ops.faults`, PDQ_FAULTS=kv_corrupt_on_signal).
 """
 
 import asyncio

@@ -24,7 +24,7 @@ from collections import Counter
 
 import grpc
 
-from pdq import request
+from pdq.state import request
 from pdq.chaos.cluster import CHANNEL_OPTIONS
 from pdq.chaos.faults import Injector
 from pdq.chaos.plan import MOVED_TO_MS, RequestPlan

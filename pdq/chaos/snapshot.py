@@ -1,13 +1,13 @@
 """What Redis holds after a run, read into plain data for the checker (`check`): the requests'
 records and output streams, the client ids' mappings, and everything that must be back to zero
 once no request lives (queues, counters, leases, held sets, deadlines, the workers' KV slots).
-Key names come from `pdq.keys.Keys`; nothing here writes."""
+Key names come from `pdq.state.keys.Keys`; nothing here writes."""
 
 from dataclasses import dataclass, field
 
 import redis
 
-from pdq.keys import Keys
+from pdq.state.keys import Keys
 
 TENANT = "default"  # the roles run open: every caller is this tenant
 

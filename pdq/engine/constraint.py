@@ -1,4 +1,4 @@
-"""Structured output in the workers: a request's output kept inside its grammar (`pdq.grammar`)
+"""Structured output in the workers: a request's output kept inside its grammar (`pdq.model.grammar`)
 by masking, at every step, the tokens that would leave it (llguidance's matcher).
 
 The prefill worker samples the first token under the constraint, the decode worker the rest: it
@@ -8,7 +8,7 @@ resumed sequence goes on where it was.
 
 import torch
 
-from pdq.grammar import grammar
+from pdq.model.grammar import grammar
 
 
 class Grammars:

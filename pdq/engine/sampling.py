@@ -269,9 +269,9 @@ def logprob_records(logits: torch.Tensor, tokens: Sequence[int | Exception],
                     params: Sequence[SamplingParams]) -> list[str]:
     """Per row: "" when its params ask for no logprobs (or its sampling failed: `tokens[i]` an
     Exception), else the record of its sampled token's log-probability and the top
-    `params.logprobs` tokens' (`pdq.store.encode_logprobs`), from the model's distribution:
+    `params.logprobs` tokens' (`pdq.state.store.encode_logprobs`), from the model's distribution:
     log_softmax of the row's logits as the forward pass made them."""
-    from pdq.store import encode_logprobs
+    from pdq.state.store import encode_logprobs
 
     rows = [i for i, p in enumerate(params) if p.logprobs is not None and isinstance(tokens[i], int)]
     out = [""] * len(params)

@@ -4,7 +4,7 @@
 (OSDI '24): each tenant has a counter of the tokens it was served (prompt + output) divided by
 its weight; the backlogged tenant with the lowest counter goes next. Counters live in Redis
 (charged by the CLAIM script, corrected when a request ends, lifted when a tenant returns from
-idle, see pdq.keys); a policy here only reads them and, while a batch is formed, charges the
+idle, see pdq.state.keys); a policy here only reads them and, while a batch is formed, charges the
 copies it works on so that one batch is as fair as a sequence of single dispatches.
 """
 

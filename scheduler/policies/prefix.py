@@ -1,7 +1,7 @@
 """Prefix-aware placement: a prefill batch goes where its prompts' leading blocks are cached.
 
 Each worker reports with its heartbeat the chain hashes of KV blocks its prefix cache names
-(`pdq.engine.blocks.block_hashes`, as hex cut to `pdq.registry.PREFIX_HEX` digits; bounded,
+(`pdq.engine.blocks.block_hashes`, as hex cut to `pdq.state.registry.PREFIX_HEX` digits; bounded,
 most recently used first). A chain hash names the whole prefix up to its block, so a prompt,
 hashed with the worker's block size, matches up to the deepest of its block hashes the worker
 holds, even where the bounded report left a shallower one out.

@@ -9,7 +9,7 @@ its worker) counts only towards max_lost_attempts.
 
 Blame for a failed hand-off, which involves two workers: each worker's failed hand-offs in a row
 are counted with the workers on the other side, and a success ends its streak (HANDOFFS in
-`pdq.keys`). A worker is quarantined when its streak reaches `after` with at least two different
+`pdq.state.keys`). A worker is quarantined when its streak reaches `after` with at least two different
 workers on the other side: a bad worker fails with everyone, while a good worker that failed
 with one bad partner succeeds with the others, which ends its streak. Failures all with one
 partner cannot tell the two apart, so they quarantine nobody (the avoid lists still send the
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from pdq.ending import FAILURE, LOST
+from pdq.state.ending import FAILURE, LOST
 
 T = TypeVar("T")
 

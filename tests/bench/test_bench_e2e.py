@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from pdq.bench.workload import SHARED_PREFIX_TOKENS
-from pdq.redis_server import free_port
-from pdq.up import Cluster
+from pdq.ops.redis_server import free_port
+from pdq.ops.up import Cluster
 from tests.bench.test_report import check_schema
 
 

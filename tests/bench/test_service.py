@@ -8,7 +8,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from pdq import cpu
+from pdq.ops import cpu
 from pdq.bench.arrivals import Arrivals
 from pdq.bench.metrics import summarize
 from pdq.bench.service import run_service

@@ -9,8 +9,8 @@ import pytest
 import redis
 
 from pdq.client import Client
-from pdq.faults import Faults
-from pdq.up import Cluster
+from pdq.ops.faults import Faults
+from pdq.ops.up import Cluster
 from tests.oracles import scrape, value
 
 DATA = b"\x12" + b"payload"  # a data chunk (kv_transfer's KVChunk field 2), as kv_frames sees it

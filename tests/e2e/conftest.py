@@ -8,8 +8,8 @@ import pytest
 import redis
 
 from pdq.client import Client
-from pdq.redis_server import free_port
-from pdq.up import Cluster
+from pdq.ops.redis_server import free_port
+from pdq.ops.up import Cluster
 
 KEYS = {"acme": "test-key-acme-0001", "globex": "test-key-globex-0002", "ops": "test-key-ops-admin-03"}
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pdq.devkeys import find_dev_key
-from pdq.redis_server import free_port
+from pdq.ops.devkeys import find_dev_key
+from pdq.ops.redis_server import free_port
 
 PDQ = [sys.executable, "-m", "pdq.cli"]
 
@@ -76,7 +76,7 @@ def child_running(parent: int, module: str) -> int:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if module.encode() in argv and b"pdq.child" not in argv:
+        if module.encode() in argv and b"pdq.ops.child" not in argv:
             return pid
     return 0
 
@@ -136,7 +136,7 @@ def test_up_refuses_prefill_workers_without_separate():
 
 
 def test_gateway_never_imports_torch():
-    code = ("import sys; import gateway.server, pdq.client, pdq.store, pdq.model.tokenizer, pdq.model.loader; "
+    code = ("import sys; import gateway.server, pdq.client, pdq.state.store, pdq.model.tokenizer, pdq.model.loader; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
     assert out.stdout.strip() == "False", out.stderr

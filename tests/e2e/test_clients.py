@@ -126,7 +126,7 @@ def test_closing_the_sync_client_mid_calls_returns_at_once_and_cancels_them(clus
 
 @pytest.mark.parametrize("aio", [False, True])
 def test_closing_a_client_of_an_unreachable_gateway_returns_at_once(aio):
-    from pdq.redis_server import free_port
+    from pdq.ops.redis_server import free_port
 
     target = f"127.0.0.1:{free_port()}"  # nothing listens there
     if aio:

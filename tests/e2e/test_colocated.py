@@ -15,8 +15,8 @@ import redis
 
 from pdq.client import Client
 from pdq.config import TIERS
-from pdq.store import RequestStore
-from pdq.up import Cluster
+from pdq.state.store import RequestStore
+from pdq.ops.up import Cluster
 from tests import oracles
 
 MODEL = "builtin:tiny"
@@ -69,7 +69,7 @@ def test_one_process_serves_both_roles_at_one_address(cluster, rdb):
 
 def test_the_model_process_keeps_the_cores_and_the_rest_run_under_batch(cluster):
     """pdq up's control plane (Redis, scheduler, gateway) yields the cores to the model's threads
-    (pdq.cpu): every thread of it runs under SCHED_BATCH, every thread of the worker under normal."""
+    (pdq.ops.cpu): every thread of it runs under SCHED_BATCH, every thread of the worker under normal."""
     def policies(pid: int) -> set[int]:
         return {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
 

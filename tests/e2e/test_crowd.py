@@ -9,7 +9,7 @@ import pytest
 
 from gateway.follower import COLD_READERS, HOT_READERS
 from pdq.bench import followers
-from pdq.up import Cluster
+from pdq.ops.up import Cluster
 
 POOL = 16  # PDQ_REDIS_MAX_CONNECTIONS of every process
 

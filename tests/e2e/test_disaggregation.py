@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from pdq.client import Client
-from pdq.up import Child, Cluster
+from pdq.ops.up import Child, Cluster
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 
@@ -175,7 +175,7 @@ def _tiny_handoff(rid: str):
     """A well-formed hand-off for the tiny model (2 layers, 2 KV heads, head_dim 32), one token."""
     import torch
 
-    from pdq import kv_transfer
+    from pdq.transport import kv_transfer
 
     layers = [(torch.zeros(2, 1, 32), torch.zeros(2, 1, 32)) for _ in range(2)]
     header = pb.KVHeader(spec=pb.RequestSpec(request_id=rid), epoch=1, generated_token_ids=[1])

@@ -19,8 +19,8 @@ import redis
 from google.protobuf.descriptor import FieldDescriptor
 from grpc_status import rpc_status
 
-from pdq.redis_server import RedisServer, free_port
-from pdq.up import Cluster
+from pdq.ops.redis_server import RedisServer, free_port
+from pdq.ops.up import Cluster
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import generation_pb2_grpc as gen_grpc
 from pdq.v1 import operator_pb2 as op_pb

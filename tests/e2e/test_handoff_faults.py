@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from pdq.client import Client
-from pdq.up import Cluster
+from pdq.ops.up import Cluster
 from tests.observability.test_metrics import scrape, value
 
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from decode_worker.server import build_server
-from pdq import kv_transfer
+from pdq.transport import kv_transfer
 from pdq.config import DecodeConfig
-from pdq.serving import GRPC_OPTIONS
+from pdq.transport.serving import GRPC_OPTIONS
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
@@ -139,7 +139,7 @@ async def test_a_worker_restarted_under_its_old_id_gives_back_what_that_id_held(
     again before anyone noticed the old process died; its new life requeues the old one's work."""
     import redis
 
-    from pdq.store import RequestStore
+    from pdq.state.store import RequestStore
 
     store = RequestStore(redis.Redis.from_url(redis_server.url), prefix)
     try:

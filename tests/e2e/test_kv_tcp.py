@@ -8,8 +8,8 @@ import struct
 import grpc
 import pytest
 
-from pdq import kv_tcp
-from pdq.redis_server import free_port
+from pdq.transport import kv_tcp
+from pdq.ops.redis_server import free_port
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 from tests.e2e.test_kv_receive import cache, decode_worker, frames, wait_for

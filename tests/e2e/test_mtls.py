@@ -10,11 +10,11 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdq import kv_tcp, kv_transfer
+from pdq.transport import kv_tcp, kv_transfer
 from pdq.client import Client
 from pdq.model.loader import resolve_model
-from pdq.mtls import InternalTLS, dev_certificates, sync_channel
-from pdq.up import Cluster
+from pdq.transport.mtls import InternalTLS, dev_certificates, sync_channel
+from pdq.ops.up import Cluster
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc

@@ -17,9 +17,9 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdq.client import Client
-from pdq.child import spawn, stop
-from pdq.redis_server import RedisServer, free_port
-from pdq.up import Cluster
+from pdq.ops.child import spawn, stop
+from pdq.ops.redis_server import RedisServer, free_port
+from pdq.ops.up import Cluster
 
 
 def ip(*args: str) -> subprocess.CompletedProcess:

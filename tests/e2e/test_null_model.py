@@ -10,7 +10,7 @@ import pytest
 from pdq.client import Client
 from pdq.model.builtin import VOCAB_SIZE
 from pdq.model.null import greedy_output
-from pdq.up import Cluster
+from pdq.ops.up import Cluster
 
 
 @pytest.fixture(scope="module")

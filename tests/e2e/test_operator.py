@@ -16,8 +16,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdq.client import OperatorClient
-from pdq.child import spawn, stop
-from pdq.redis_server import free_port
+from pdq.ops.child import spawn, stop
+from pdq.ops.redis_server import free_port
 from pdq.v1 import operator_pb2 as op_pb
 from pdq.v1 import operator_pb2_grpc as op_grpc
 from tests.e2e.conftest import KEYS

@@ -7,7 +7,7 @@ import pytest
 import redis
 
 from pdq.client import Client
-from pdq.up import Cluster
+from pdq.ops.up import Cluster
 from tests.e2e.conftest import KEYS
 
 

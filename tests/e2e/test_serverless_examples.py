@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pdq.redis_server import free_port
+from pdq.ops.redis_server import free_port
 from tests.e2e.conftest import KEYS
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "serverless"

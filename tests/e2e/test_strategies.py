@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pdq.client import Client, OperatorClient
-from pdq.up import Cluster
+from pdq.ops.up import Cluster
 from tests.e2e.conftest import KEYS
 
 PROMPTS = [("alpha", 5), ("a somewhat longer prompt " * 5, 17), ("x", 9), ("tail " * 40, 3), ("last one", 12)]

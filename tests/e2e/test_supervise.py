@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from pdq.client import Client
-from pdq.up import Cluster
+from pdq.ops.up import Cluster
 
 FAST_FAILOVER = {"PDQ_HEARTBEAT_S": "0.25", "PDQ_WORKER_TIMEOUT_S": "1.5", "PDQ_GRACE_S": "0.3"}
 TOKENS = 150

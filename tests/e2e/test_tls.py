@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from pdq.client import Client
-from pdq.redis_server import free_port
+from pdq.ops.redis_server import free_port
 from tests.e2e.conftest import KEYS
 
 

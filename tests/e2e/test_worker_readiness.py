@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from decode_worker.server import build_server as build_decode
-from pdq import kv_transfer, liveness
+from pdq.transport import kv_transfer
+from pdq.observability import liveness
 from pdq.config import DecodeConfig, PrefillConfig
-from pdq.serving import GRPC_OPTIONS
-from pdq.status import StatusError
+from pdq.transport.serving import GRPC_OPTIONS
+from pdq.transport.status import StatusError
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc

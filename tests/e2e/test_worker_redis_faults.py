@@ -18,10 +18,10 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdq.client import Client
-from pdq.redis_server import RedisServer
-from pdq.request import State
-from pdq.store import RequestStore, now_ms
-from pdq.up import Child, Cluster
+from pdq.ops.redis_server import RedisServer
+from pdq.state.request import State
+from pdq.state.store import RequestStore, now_ms
+from pdq.ops.up import Child, Cluster
 
 ENV = {"PDQ_FAULTS": "decode_step_delay_ms=20", "PDQ_GRACE_S": "0.5"}
 PROMPTS = ["the quick brown fox", "lorem ipsum dolor sit amet", "def add(a, b):"]

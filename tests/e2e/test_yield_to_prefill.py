@@ -7,7 +7,7 @@ import time
 import pytest
 
 from pdq.client import Client
-from pdq.up import Cluster
+from pdq.ops.up import Cluster
 
 YIELD_MS = 300
 HANDOFF_DELAY_MS = 1500  # every KV hand-off waits this long: a request stays "being prefilled"

@@ -11,7 +11,7 @@ import torch
 
 from pdq.engine import SamplingParams
 from pdq.engine.constraint import Grammars, advance
-from pdq.grammar import check
+from pdq.model.grammar import check
 from pdq.model.builtin import ensure_builtin
 from pdq.model.tokenizer import load_tokenizer
 

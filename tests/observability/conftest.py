@@ -3,8 +3,8 @@
 import pytest
 
 from pdq.client import Client
-from pdq.redis_server import free_port
-from pdq.up import Cluster
+from pdq.ops.redis_server import free_port
+from pdq.ops.up import Cluster
 from tests.observability.collector import Collector
 
 

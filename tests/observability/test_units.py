@@ -4,7 +4,7 @@ histogram the decode loop feeds once per step."""
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.exposition import generate_latest
 
-from pdq import metrics, telemetry, telemetry_grpc
+from pdq.observability import metrics, telemetry, telemetry_grpc
 
 
 def test_tracing_is_on_only_with_an_exporter(monkeypatch):

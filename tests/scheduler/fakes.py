@@ -11,9 +11,9 @@ import grpc
 import redis
 import redis.asyncio as aioredis
 
-from pdq.registry import WorkerInfo, heartbeat
-from pdq.request import State
-from pdq.store import RequestStore, StepItem
+from pdq.state.registry import WorkerInfo, heartbeat
+from pdq.state.request import State
+from pdq.state.store import RequestStore, StepItem
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 

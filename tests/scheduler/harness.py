@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdq import redisconn
+from pdq.state import redisconn
 from pdq.config import SchedulerConfig
-from pdq.store import RequestStore
+from pdq.state.store import RequestStore
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc

@@ -14,8 +14,8 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from pdq.client import Client
-from pdq.child import spawn
-from pdq.up import Cluster
+from pdq.ops.child import spawn
+from pdq.ops.up import Cluster
 
 SLOTS = 2  # sequences per decode worker (and requests per prefill batch)
 

@@ -7,9 +7,9 @@ import contextlib
 import grpc
 import pytest
 
-from pdq import redisconn
+from pdq.state import redisconn
 from pdq.config import SchedulerConfig
-from pdq.store import Deposed, RequestStore
+from pdq.state.store import Deposed, RequestStore
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 from scheduler.leader import Leadership

@@ -12,8 +12,8 @@ import redis.asyncio as aioredis
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from pdq.redis_server import RedisServer
-from pdq.store import RequestStore, now_ms
+from pdq.ops.redis_server import RedisServer
+from pdq.state.store import RequestStore, now_ms
 from pdq.v1 import internal_pb2 as pb
 from tests.scheduler.fakes import wait_for
 from tests.scheduler.harness import ended, harness, spec, token_indices

@@ -5,8 +5,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdq.engine.blocks import BlockManager, block_hashes
-from pdq.registry import PREFIX_HEX, WorkerInfo, heartbeat, live_workers
-from pdq.store import RequestStore
+from pdq.state.registry import PREFIX_HEX, WorkerInfo, heartbeat, live_workers
+from pdq.state.store import RequestStore
 from scheduler.policies import (Candidate, PrefixRouting, SentPrefixes, chain_hashes, matched_tokens,
                                 place_prefill)
 from tests.scheduler.fakes import wait_for
@@ -125,7 +125,7 @@ def test_what_was_sent_to_a_worker_counts_until_it_expires_or_the_worker_is_gone
 # -- the registry and a real scheduler ---------------------------------------------------------
 
 async def test_a_heartbeat_carries_the_prefixes_to_the_scheduler(redis_server, prefix):
-    from pdq import redisconn
+    from pdq.state import redisconn
     client = redisconn.connect_async(redis_server.url)
     store = RequestStore(client, prefix)
     try:

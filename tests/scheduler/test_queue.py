@@ -1,11 +1,11 @@
-"""The queue in Redis (pdq.keys scripts on a real server): tier and tenant queues, fair-share
+"""The queue in Redis (pdq.state.keys scripts on a real server): tier and tenant queues, fair-share
 counters, admission bounds, cancellation and deadlines in every state, leases and reaping."""
 
 import pytest
 
-from pdq.ending import LOST, Ending
-from pdq.request import State
-from pdq.store import QueueLimits, RequestStore, RetryLimits, StepItem, TenantPolicy, now_ms
+from pdq.state.ending import LOST, Ending
+from pdq.state.request import State
+from pdq.state.store import QueueLimits, RequestStore, RetryLimits, StepItem, TenantPolicy, now_ms
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import internal_pb2 as pb
 
@@ -297,8 +297,8 @@ def test_a_failed_attempt_is_held_back_and_avoids_its_workers_a_lost_one_is_not(
 
 
 def test_the_backoff_doubles_per_failure_up_to_its_cap(redis_client, prefix, monkeypatch):
-    import pdq.store
-    monkeypatch.setattr(pdq.store, "now_ms", lambda: 10_000)  # the time the scripts are given
+    import pdq.state.store
+    monkeypatch.setattr(pdq.state.store, "now_ms", lambda: 10_000)  # the time the scripts are given
     store = RequestStore(redis_client, prefix, 60, RetryLimits(backoff_ms=1000, backoff_max_ms=3000))
     store.submit(spec("r"))
     waits = []

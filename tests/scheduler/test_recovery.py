@@ -11,9 +11,9 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdq.child import spawn
-from pdq.redis_server import RedisServer, free_port
-from pdq.store import RequestStore
+from pdq.ops.child import spawn
+from pdq.ops.redis_server import RedisServer, free_port
+from pdq.state.store import RequestStore
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 from tests.scheduler.fakes import FakeWorkers, wait_for

@@ -5,7 +5,7 @@ confirm it in time the caller gets UNAVAILABLE, and a retry with the same id is 
 import grpc
 import pytest
 
-from pdq.redis_sentinel import SentinelGroup
+from pdq.ops.redis_sentinel import SentinelGroup
 from tests.scheduler.harness import harness, spec
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

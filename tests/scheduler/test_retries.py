@@ -5,7 +5,7 @@ as such, then released; attempts lost to infrastructure do not fail a request, f
 import pytest
 
 from gateway.operator import worker_info
-from pdq.registry import ROLES, live_workers
+from pdq.state.registry import ROLES, live_workers
 from tests.scheduler.fakes import wait_for
 from tests.scheduler.harness import ended, harness, spec, token_indices
 

@@ -5,7 +5,7 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2, status_pb2
 
-from pdq.store import TenantPolicy, now_ms
+from pdq.state.store import TenantPolicy, now_ms
 from scheduler import janitor
 from pdq.v1 import internal_pb2 as pb
 from tests.scheduler.fakes import wait_for

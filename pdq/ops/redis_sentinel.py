@@ -1,8 +1,8 @@
 """A Redis primary, its replicas and Redis Sentinels on loopback, for failover tests and drills.
 
-All are the same `redis-server` binary (`pdq.redis_server.find_redis_server`; Sentinels run it
+All are the same `redis-server` binary (`pdq.ops.redis_server.find_redis_server`; Sentinels run it
 with `--sentinel`), each a child process on a free port that dies with the process that started
-it. `SentinelGroup.url` is the redis+sentinel:// URL pdq takes (`pdq.redis_url`).
+it. `SentinelGroup.url` is the redis+sentinel:// URL pdq takes (`pdq.state.redis_url`).
 """
 
 import os
@@ -15,8 +15,8 @@ import time
 
 import redis
 
-from pdq.child import spawn, stop
-from pdq.redis_server import RedisServer, find_redis_server, free_port
+from pdq.ops.child import spawn, stop
+from pdq.ops.redis_server import RedisServer, find_redis_server, free_port
 
 HOST = "127.0.0.1"
 NODE_ARGS = ("--repl-diskless-sync-delay", "0")  # a replica syncs at once, not after 5 s waiting for others

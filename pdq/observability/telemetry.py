@@ -8,7 +8,7 @@ the rest itself (`OTEL_TRACES_SAMPLER`, `OTEL_BSP_*`, `OTEL_EXPORTER_OTLP_HEADER
 Otherwise `enabled()` is False: no provider is installed, no interceptor traces, and every
 helper here returns at once (`None` spans), so the hot loops do no tracing work at all.
 
-Context travels as W3C `traceparent`: in gRPC metadata between processes (`pdq.telemetry_grpc`),
+Context travels as W3C `traceparent`: in gRPC metadata between processes (`pdq.observability.telemetry_grpc`),
 and in `RequestSpec.traceparent`, which the gateway sets to its server span before
 Submit and which is stored with the request in Redis, so every later hop (queue wait, prefill,
 KV transfer, decode, cancel, requeue) continues the request's trace, on any worker, at any

@@ -1,10 +1,10 @@
-"""The request store: typed calls to the Lua scripts (`pdq/lua/`, loaded by `pdq.keys`).
+"""The request store: typed calls to the Lua scripts (`pdq/lua/`, loaded by `pdq.state.keys`).
 
 Works with a sync `redis.Redis` (workers, whose model loop is a thread) and with a
 `redis.asyncio.Redis` (gateway, scheduler): every method returns its result, or an awaitable of
 it for an async client. Clients must use `decode_responses=False` (records hold protobuf bytes).
-Every write is safe to repeat (a `pdq.redisconn` client re-sends a command whose reply was lost);
-`pdq.keys` says why for each script. How a request ends, by every path: `pdq.ending`.
+Every write is safe to repeat (a `pdq.state.redisconn` client re-sends a command whose reply was lost);
+`pdq.state.keys` says why for each script. How a request ends, by every path: `pdq.state.ending`.
 """
 
 import inspect
@@ -15,9 +15,9 @@ from typing import Any, Callable
 
 from redis.exceptions import NoScriptError
 
-from pdq.ending import FAILURE, KINDS, LOST, Ending
-from pdq.keys import SCRIPTS, Keys
-from pdq.request import State
+from pdq.state.ending import FAILURE, KINDS, LOST, Ending
+from pdq.state.keys import SCRIPTS, Keys
+from pdq.state.request import State
 from pdq.v1 import internal_pb2 as pb
 
 UNBOUNDED = 1 << 62
@@ -201,7 +201,7 @@ class TenantBacklog:
 
 @dataclass(frozen=True)
 class StepArgs:
-    """A step's arguments for the STEP script (`pdq.keys`): items grouped into runs, each run the
+    """A step's arguments for the STEP script (`pdq.state.keys`): items grouped into runs, each run the
     consecutive tokens of one request (index i, i+1, ...) and maybe its end, so Redis checks
     each request once and gets 10 arguments for a run instead of 8 for every token. `runs`:
     items per run, to give each item its run's answer."""
@@ -638,7 +638,7 @@ class RequestStore:
 
     def end(self, rid: str, ending: Ending, epoch: int | None = None) -> Any:
         """Ends a request from outside its worker's step: the one call of every such path (see
-        `pdq.ending`). With `epoch`, only while that attempt is the current one (a worker ending
+        `pdq.state.ending`). With `epoch`, only while that attempt is the current one (a worker ending
         its own attempt). Ends it once: a request that has ended keeps its state.
         -> the state after, None if unknown."""
         args = [rid, ending.state.value, ending.reason, ending.error, now_ms(), self.result_ttl_s,

@@ -4,7 +4,7 @@ Starts a private Redis server (unless --redis-url is given), the scheduler (or s
 leads, the others stand by), N prefill workers,
 M decode workers (or, colocated, M workers serving both roles) and the gateway as separate
 processes, waits until every one reports SERVING on grpc.health.v1, then supervises them (a
-process that exits is started again the same way: same port, same worker id; pdq.supervisor)
+process that exits is started again the same way: same port, same worker id; pdq.ops.supervisor)
 until Ctrl-C / SIGTERM stops them all (children also die with this process, so nothing is left
 behind).
 
@@ -28,11 +28,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdq.devkeys import remove_dev_keys, write_dev_keys
-from pdq.child import spawn
-from pdq.mtls import InternalTLS, dev_certificates, sync_channel
-from pdq.redis_server import RedisServer, free_port
-from pdq.supervisor import Child, RestartPolicy, Supervisor
+from pdq.ops.devkeys import remove_dev_keys, write_dev_keys
+from pdq.ops.child import spawn
+from pdq.transport.mtls import InternalTLS, dev_certificates, sync_channel
+from pdq.ops.redis_server import RedisServer, free_port
+from pdq.ops.supervisor import Child, RestartPolicy, Supervisor
 
 __all__ = ["Child", "Cluster", "RestartPolicy", "cpu_share_env", "run"]
 
@@ -63,7 +63,7 @@ def cpu_share_env(workers: int, env: dict) -> dict:
     step). (`Cluster` gives prefill workers cores // prefill workers: they go first, decode
     workers run nicer.) Idle OpenMP threads spin OMP_SPIN_COUNT rounds, then sleep, unless
     OMP_WAIT_POLICY or GOMP_SPINCOUNT is set (see OMP_SPIN_COUNT). A worker alone on the
-    machine pins its threads one per core (PDQ_PIN_THREADS; pdq.cpu.pin_model_threads).
+    machine pins its threads one per core (PDQ_PIN_THREADS; pdq.ops.cpu.pin_model_threads).
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     out = {}
@@ -96,8 +96,8 @@ class Cluster:
     port: int = 50051
     host: str = "127.0.0.1"
     durable: bool = False
-    auth: bool = True  # write dev API keys (pdq.devkeys) and start the gateway with them
-    mtls: bool = False  # mutual TLS between the roles, with a throwaway CA (pdq.mtls.dev_certificates)
+    auth: bool = True  # write dev API keys (pdq.ops.devkeys) and start the gateway with them
+    mtls: bool = False  # mutual TLS between the roles, with a throwaway CA (pdq.transport.mtls.dev_certificates)
     # Each decode worker also prefills, in one process (decode_worker --colocate): one model and
     # KV pool, prompt chunks and decode rows in one forward pass; no prefill-only workers start.
     colocate: bool = False
@@ -108,9 +108,9 @@ class Cluster:
     # give its cores up to every burst of the gateway and the clients, losing throughput).
     decode_nice: int | None = field(default_factory=lambda: int(os.environ["PDQ_UP_DECODE_NICE"])
                                     if os.environ.get("PDQ_UP_DECODE_NICE") else None)
-    # CPU policy (pdq.cpu) of the processes that do not run the model: Redis, the scheduler and
+    # CPU policy (pdq.ops.cpu) of the processes that do not run the model: Redis, the scheduler and
     # the gateway. "batch": they do not preempt the model's threads when they wake, and run when a
-    # core frees up (see pdq.cpu); "normal": as any process.
+    # core frees up (see pdq.ops.cpu); "normal": as any process.
     control_policy: str = field(default_factory=lambda: os.environ.get("PDQ_UP_CONTROL_POLICY") or "batch")
     # /metrics ports: 0 = a free port per process; N = gateway N, scheduler N+1, prefill-i N+10+i,
     # decode-i N+20+i (what deploy/prometheus.yml scrapes); -1 = no metrics endpoints

@@ -7,7 +7,7 @@ through (logged once per streak, counted), `stopped()` when it ends. They are th
 
 A loop that cannot go on (its dependency stayed down past its window, or it broke in a way it
 cannot repair) calls `fatal(reason)`: the process's `on_fatal` handler (set by
-`pdq.serving.run_until_signal`) turns health NOT_SERVING and stops the process with exit code 1,
+`pdq.transport.serving.run_until_signal`) turns health NOT_SERVING and stops the process with exit code 1,
 so its supervisor (Kubernetes, `pdq up`) restarts it. Never a silent thread death.
 """
 
@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from pdq import metrics
+from pdq.observability import metrics
 
 log = logging.getLogger("pdq.liveness")
 

@@ -1,5 +1,5 @@
 """What prefill and decode workers share: the model thread, the model loops' life, model loading,
-registry heartbeats (cancel notices: `pdq.cancel_listener`)."""
+registry heartbeats (cancel notices: `pdq.state.cancel_listener`)."""
 
 import asyncio
 import functools
@@ -9,12 +9,12 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from pdq import liveness
+from pdq.observability import liveness
 from pdq.config import WorkerConfig
-from pdq.keys import Keys
-from pdq.liveness import Liveness
-from pdq.registry import MAX_PREFIXES, PREFIX_HEX, WorkerInfo, deregister, heartbeat
-from pdq.store import RequestStore, RetryLimits
+from pdq.state.keys import Keys
+from pdq.observability.liveness import Liveness
+from pdq.state.registry import MAX_PREFIXES, PREFIX_HEX, WorkerInfo, deregister, heartbeat
+from pdq.state.store import RequestStore, RetryLimits
 
 log = logging.getLogger("pdq.worker")
 
@@ -75,7 +75,7 @@ class ModelLoop:
     `_run` beats `liveness` once a round. It rides what it can (a failed forward pass gives its
     sequences back; Redis errors are ridden by the store's client for redis_outage_s); whatever
     escapes it (Redis unreachable past that window, a bug) takes the process down through
-    `pdq.liveness.fatal`: never a loop that died while its worker goes on taking work. `alive`
+    `pdq.observability.liveness.fatal`: never a loop that died while its worker goes on taking work. `alive`
     says whether it runs and was not told to stop: workers grant work only then."""
 
     thread_name = "model-loop"
@@ -152,12 +152,12 @@ def load_runner(config: WorkerConfig, kv_budget_tokens: int, warm_up: tuple[int,
     runs a full-size pass to warm it up (`warm_up`: tokens of the pass and the longest chunk,
     `ModelRunner.warm_up`; 0 tokens: none) and faults in `heap_reserve_mb` of heap on CPU. Call
     it in the `ModelThread` that will run the model. Freed memory stays with the process
-    (pdq.memory); with `pin_threads`, the model's threads are pinned one per CPU if they are as
-    many as the CPUs (pdq.cpu)."""
+    (pdq.ops.memory); with `pin_threads`, the model's threads are pinned one per CPU if they are as
+    many as the CPUs (pdq.ops.cpu)."""
     import torch
 
     from pdq.engine.runner import ModelRunner
-    from pdq.memory import keep_freed_memory, reserve_heap
+    from pdq.ops.memory import keep_freed_memory, reserve_heap
     from pdq.model.loader import resolve_model
 
     keep_freed_memory()
@@ -172,7 +172,7 @@ def load_runner(config: WorkerConfig, kv_budget_tokens: int, warm_up: tuple[int,
     if runner.device.type == "cpu" and config.heap_reserve_mb:
         reserve_heap(config.heap_reserve_mb << 20)
     if config.pin_threads and runner.device.type == "cpu":
-        from pdq.cpu import pin_torch_threads
+        from pdq.ops.cpu import pin_torch_threads
 
         pinned = pin_torch_threads()
         if pinned.threads:

@@ -1,5 +1,5 @@
 -- ARGV: prefix, id, state, reason, error, now, ttl, epoch ('' = any)
--- Ends a request from outside its worker (cancel, timeout, failure; see pdq.ending); a timeout
+-- Ends a request from outside its worker (cancel, timeout, failure; see pdq.state.ending); a timeout
 -- only while the record's deadline has passed (lib.lua `moved_past`).
 -- -> the state after the call (not terminal: it goes on); false when the request does not exist.
 -- Replay: the request has ended: the replay answers its state (the one the first run wrote) and

@@ -5,7 +5,7 @@ arguments, so the same port and worker id) after a bounded exponential backoff: 
 twice as long after each exit that came less than `healthy_s` after its start, at most `max_s`.
 It never sleeps: `poll()` notices exits and starts what is due, and is meant to be called often
 (every ~0.1-0.2 s) from the thread that started the children, since a child started by
-`pdq.child.spawn` dies with the thread that spawned it.
+`pdq.ops.child.spawn` dies with the thread that spawned it.
 """
 
 import signal

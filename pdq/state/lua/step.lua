@@ -1,7 +1,7 @@
--- ARGV: prefix, now, ttl, then per run 10 values (`pdq.store.StepArgs`):
+-- ARGV: prefix, now, ttl, then per run 10 values (`pdq.state.store.StepArgs`):
 -- id, epoch, first index ('' = no token), n tokens, token ids ("a,b,c"), their texts joined,
 -- their texts' byte lengths ("1,0,3"), final state ('' = none), finish reason, the tokens'
--- log-probability records joined by "," ('' = none asked; `pdq.store.encode_logprobs`)
+-- log-probability records joined by "," ('' = none asked; `pdq.state.store.encode_logprobs`)
 -- A run is the consecutive tokens of one request, written as one stream entry, then maybe its end.
 -- Tokens at indices already written (a replay) are skipped; a gap is an error. A TIMED_OUT end
 -- whose record's deadline has moved past `now` is not applied (lib.lua `moved_past`). -> per run

@@ -14,11 +14,11 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from pdq import redisconn
-from pdq.keys import Keys
-from pdq.liveness import Liveness
-from pdq.request import TERMINAL
-from pdq.store import RequestStore
+from pdq.state import redisconn
+from pdq.state.keys import Keys
+from pdq.observability.liveness import Liveness
+from pdq.state.request import TERMINAL
+from pdq.state.store import RequestStore
 
 log = logging.getLogger("pdq.worker")
 

@@ -1,7 +1,7 @@
 """Regenerates the checked-in Python stubs in `pdq/v1/` from `protos/`.
 
-    python -m pdq.protogen          # rewrite the stubs
-    python -m pdq.protogen --check  # exit 1 when the checked-in stubs are stale
+    python -m pdq.ops.protogen          # rewrite the stubs
+    python -m pdq.ops.protogen --check  # exit 1 when the checked-in stubs are stale
 
 Other languages compile the same sources with `protoc -Iprotos protos/pdq/v1/*.proto`.
 """
@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROTOS = ROOT / "protos"
 STUBS = ROOT / "pdq" / "v1"
 SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         stale = stale_files()
         if stale:
-            print("stale stubs (run `python -m pdq.protogen`): " + ", ".join(stale), file=sys.stderr)
+            print("stale stubs (run `python -m pdq.ops.protogen`): " + ", ".join(stale), file=sys.stderr)
             return 1
         return 0
     for path in generate(ROOT):

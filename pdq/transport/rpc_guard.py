@@ -7,7 +7,7 @@ For every `/pdq.*` method it
 - parses the request itself: a message that does not parse (e.g. invalid UTF-8 in a string
   field) gets INVALID_ARGUMENT naming the field, not a parse error from inside gRPC;
 - maps what the handler raises: `StatusError` -> its status; Redis unreachable (past the
-  outage window, `pdq.redisconn`) -> UNAVAILABLE with a retry hint; anything else is a bug:
+  outage window, `pdq.state.redisconn`) -> UNAVAILABLE with a retry hint; anything else is a bug:
   logged with its traceback, counted (`pdq_rpc_unexpected_errors_total`), and answered
   UNAVAILABLE with a retry hint, so the caller retries instead of failing on UNKNOWN.
 """
@@ -22,8 +22,9 @@ import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError, Message
 
-from pdq import metrics, redisconn
-from pdq.status import StatusError
+from pdq.observability import metrics
+from pdq.state import redisconn
+from pdq.transport.status import StatusError
 
 log = logging.getLogger("pdq.rpc")
 

@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 import grpc
 
-from pdq.mtls import InternalTLS
+from pdq.transport.mtls import InternalTLS
 
 log = logging.getLogger("pdq.kv_tcp")
 

@@ -11,10 +11,10 @@ import redis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdq import liveness
+from pdq.observability import liveness
 from pdq.model.arch import UnsupportedModelError
-from pdq.mtls import InternalTLS
-from pdq.rpc_guard import GuardInterceptor
+from pdq.transport.mtls import InternalTLS
+from pdq.transport.rpc_guard import GuardInterceptor
 
 log = logging.getLogger("pdq")
 
@@ -45,10 +45,10 @@ class Server:
     def __init__(self, host: str, port: int, service_names: Iterable[str], tls: tuple[str, str] | None = None,
                  mtls: "InternalTLS | None" = None):
         """tls: (certificate chain PEM path, private key PEM path) to serve TLS instead of plaintext;
-        mtls: serve mutual TLS (an internal role's port, `pdq.mtls`)."""
-        from pdq import telemetry_grpc
+        mtls: serve mutual TLS (an internal role's port, `pdq.transport.mtls`)."""
+        from pdq.observability import telemetry_grpc
 
-        self.ready = False  # True from the end of start() to the beginning of stop(): see pdq.rpc_guard
+        self.ready = False  # True from the end of start() to the beginning of stop(): see pdq.transport.rpc_guard
         interceptors = [*telemetry_grpc.server_interceptors(), GuardInterceptor(lambda: self.ready)]
         self.grpc = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
@@ -101,7 +101,7 @@ class StartupError(RuntimeError):
 
 async def run_until_signal(server: Server, grace_s: float, ready: Callable[[], Any] | None = None) -> int:
     """Starts the server and serves until SIGINT/SIGTERM, or until a loop it needs cannot go on
-    (`pdq.liveness.fatal`), then stops gracefully. -> the exit status: 0, or 1 after a fatal."""
+    (`pdq.observability.liveness.fatal`), then stops gracefully. -> the exit status: 0, or 1 after a fatal."""
     stop = asyncio.Event()
     failed: list[str] = []
     loop = asyncio.get_running_loop()
@@ -159,7 +159,7 @@ def run_service(role: str, config_cls: type, build_server: Callable[[Any], Serve
     except ValueError as exc:
         parser.error(str(exc))
     setup_logging(role)
-    from pdq import metrics, telemetry
+    from pdq.observability import metrics, telemetry
 
     telemetry.setup(role, getattr(config, "worker_id", "") or "")
     metrics.serve(config.metrics_port, config.host)

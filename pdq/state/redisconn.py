@@ -8,7 +8,7 @@ Contract of a client made by `connect()` (sync or asyncio):
   exponential backoff and jitter (first retry at once, then up to 1 s apart), for up to
   `outage_s` from its first failure; then the error is raised. A command may thus be applied
   twice (the reply of the first was lost): every multi-key write of pdq is a Lua script that is
-  safe to repeat (pdq.keys says how each one is).
+  safe to repeat (pdq.state.keys says how each one is).
 - Idle connections are checked (PING) before reuse; a hung Redis fails a command after
   SOCKET_TIMEOUT_S (then it is retried, as above).
 
@@ -16,7 +16,7 @@ Contract of a client made by `connect()` (sync or asyncio):
 UNAVAILABLE with a retry hint, loops back off and carry on); anything else from Redis is a bug.
 
 A URL is redis://, rediss:// or unix:// (as redis-py reads them), or a Sentinel URL
-(`pdq.redis_url`): then every connection asks the Sentinels for the primary's address when it
+(`pdq.state.redis_url`): then every connection asks the Sentinels for the primary's address when it
 connects, so after a failover the next connection (the retry of a command that failed on the old
 primary) goes to the new one.
 """
@@ -36,7 +36,7 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.retry import Retry
 
-from pdq.redis_url import SentinelURL, parse_sentinel_url
+from pdq.state.redis_url import SentinelURL, parse_sentinel_url
 
 log = logging.getLogger("pdq.redis")
 

@@ -12,7 +12,7 @@ import sys
 
 import grpc
 
-from pdq import cpu
+from pdq.ops import cpu
 from pdq.config import UP_COLOCATE_HELP, UP_SEPARATE_HELP, UP_CONTROL_POLICY_HELP
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -20,7 +20,7 @@ INTERRUPTED = 130  # the exit status after Ctrl-C, as a shell reports a command 
 
 
 def _up(args: argparse.Namespace) -> int:
-    from pdq.up import Cluster, run
+    from pdq.ops.up import Cluster, run
 
     if args.colocate and args.prefill is not None:
         print("pdq up: --prefill starts prefill-only workers, which only --separate has (colocated workers "
@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_chaos_arguments(chaos)
     chaos.set_defaults(func=_chaos)
 
-    from pdq.cli_operator import add_parsers as add_operator_parsers
+    from pdq.cli.operator import add_parsers as add_operator_parsers
 
     add_operator_parsers(sub)
 

@@ -60,7 +60,7 @@ the current attempt), failures / lost (attempts that failed / were lost to infra
 retry_at (ms: not dispatched before, after a failure), avoid (ids of the workers of its failed
 attempts, space-separated, the latest 8), requeued (what the last requeue did, for its replay).
 
-Every script is safe to run twice in a row with the same arguments: a client of `pdq.redisconn`
+Every script is safe to run twice in a row with the same arguments: a client of `pdq.state.redisconn`
 re-sends a command whose reply was lost, so the first run may have been applied. Each script's
 comment says why its replay is harmless; tests/test_replay.py runs each one twice.
 
@@ -79,7 +79,7 @@ when none is), so idle time banks no credit.
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdq.request import TERMINAL
+from pdq.state.request import TERMINAL
 
 
 @dataclass(frozen=True)
@@ -191,7 +191,7 @@ class Keys:
 # The scripts, one file each in pdq/lua/ (its ARGV documented at its top), loaded by name; each
 # runs with lib.lua (key names mirroring Keys, the queue, fair-share counters, leases, the one way
 # a request ends) before it, and before that the terminal states, generated from
-# `pdq.request.State` (tests/test_keys_states.py checks every state name the scripts use).
+# `pdq.state.request.State` (tests/test_keys_states.py checks every state name the scripts use).
 _LUA = Path(__file__).resolve().parent / "lua"
 _LIB = ("local TERMINAL = {" + ", ".join(f"{s.value}=true" for s in sorted(TERMINAL)) + "}\n"
         + (_LUA / "lib.lua").read_text())

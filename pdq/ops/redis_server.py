@@ -15,7 +15,7 @@ from pathlib import Path
 
 import redis
 
-from pdq.child import spawn, stop
+from pdq.ops.child import spawn, stop
 
 
 def find_redis_server() -> str:
@@ -60,7 +60,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class RedisServer:
     """A redis-server child process. `durable=True` turns on AOF with appendfsync always;
-    `cpu_policy` is its scheduling policy (pdq.cpu); `extra_args` go last on its command line
+    `cpu_policy` is its scheduling policy (pdq.ops.cpu); `extra_args` go last on its command line
     (e.g. `("--replicaof", host, port)`).
 
     It keeps its port and directory for its whole life: `start()` again after the process died

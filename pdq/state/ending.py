@@ -26,12 +26,12 @@ Enders inside Lua:
 
 from dataclasses import dataclass
 
-from pdq.request import State
+from pdq.state.request import State
 
 # Kinds of a given-back attempt (`RequestStore.requeue`): the request's own failure (a failed
 # hand-off, an error running it on a worker) or an attempt lost to infrastructure (its worker
 # died, shut down or lost Redis; its prefill lease expired). Only failures count towards
-# max_attempts; losses are bounded by `pdq.store.RetryLimits.max_lost`. A preempted attempt (a decode
+# max_attempts; losses are bounded by `pdq.state.store.RetryLimits.max_lost`. A preempted attempt (a decode
 # worker made room for a better tier's request) counts towards neither.
 FAILURE = "failure"
 LOST = "lost"
@@ -41,7 +41,7 @@ KINDS = (FAILURE, LOST, PREEMPTED)
 
 @dataclass(frozen=True)
 class Ending:
-    """A terminal state, its finish reason (`pdq.request.FINISH_REASONS`) and the error shown."""
+    """A terminal state, its finish reason (`pdq.state.request.FINISH_REASONS`) and the error shown."""
 
     state: State
     reason: str

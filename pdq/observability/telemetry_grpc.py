@@ -1,4 +1,4 @@
-"""gRPC plumbing of `pdq.telemetry`: the server interceptor every pdq server runs (RPC metrics;
+"""gRPC plumbing of `pdq.observability.telemetry`: the server interceptor every pdq server runs (RPC metrics;
 with tracing on, a SERVER span per call, continued from the caller's `traceparent`) and the
 client interceptors that put the current span's `traceparent` on internal calls."""
 
@@ -10,7 +10,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from pdq import metrics, telemetry
+from pdq.observability import metrics, telemetry
 
 PUBLIC_SERVICES = ("pdq.v1.Generation", "pdq.v1.Operator")  # traced even when the caller sent no context
 
@@ -21,7 +21,7 @@ def _split_method(full: str) -> tuple[str, str]:
 
 
 class ServerInterceptor(grpc.aio.ServerInterceptor):
-    """Counts every pdq RPC (`pdq.metrics`) and, with tracing on, runs it inside a SERVER span:
+    """Counts every pdq RPC (`pdq.observability.metrics`) and, with tracing on, runs it inside a SERVER span:
     continued from the caller's `traceparent` metadata, or a new root for the public API."""
 
     def __init__(self, tracing: bool):

@@ -1,9 +1,9 @@
 """Child processes that die with their parent, started without running Python after fork.
 
-`spawn(args)` starts `python -m pdq.child PARENT_PID NICE POLICY -- args...`. That small process
+`spawn(args)` starts `python -m pdq.ops.child PARENT_PID NICE POLICY -- args...`. That small process
 asks the kernel to send it SIGTERM when its parent dies (PR_SET_PDEATHSIG, kept across exec),
 checks that the parent is still there, lowers its priority by NICE, takes the CPU policy
-POLICY (`pdq.cpu`, inherited by every thread it starts), and execs `args`: the pid
+POLICY (`pdq.ops.cpu`, inherited by every thread it starts), and execs `args`: the pid
 stays, so the caller's Popen is the real child. Nothing is left behind when a test or `pdq up`
 dies. A `preexec_fn` would do the same from inside the parent's image between fork and exec;
 in a process whose gRPC threads are busy that child can abort in gRPC's fork handlers
@@ -15,14 +15,14 @@ import signal
 import subprocess
 import sys
 
-from pdq import cpu
+from pdq.ops import cpu
 
 
 def spawn(args: list[str], nice: int = 0, cpu_policy: str = "normal", **popen_kwargs) -> subprocess.Popen:
     """Popen(args) for a child that dies with this process (and runs `nice` nicer, under
-    `cpu_policy`: see pdq.cpu)."""
+    `cpu_policy`: see pdq.ops.cpu)."""
     cpu.native(cpu_policy)  # a bad name fails here, not in the child
-    return subprocess.Popen([sys.executable, "-m", "pdq.child", str(os.getpid()), str(nice), cpu_policy, "--", *args],
+    return subprocess.Popen([sys.executable, "-m", "pdq.ops.child", str(os.getpid()), str(nice), cpu_policy, "--", *args],
                             **popen_kwargs)
 
 

@@ -1,12 +1,12 @@
 -- The shared part of every script: key names (mirroring Keys), the queue, fair-share counters,
 -- leases and the one way a request ends. ARGV[1] is always the prefix. `TERMINAL` (the terminal
--- states) is put before this file by pdq.keys, generated from `pdq.request.State`.
+-- states) is put before this file by pdq.state.keys, generated from `pdq.state.request.State`.
 local P = ARGV[1]
 
 local function key(...) return table.concat({P, ...}, ':') end
 local function num(x, default) return tonumber(x) or default end
 
--- A leading scheduler's write carries its epoch (pdq.keys: 'leader:epoch'); once another
+-- A leading scheduler's write carries its epoch (pdq.state.keys: 'leader:epoch'); once another
 -- scheduler has been elected the write is refused (the script answers 'FENCED', changing
 -- nothing). '0': an unfenced write (a tool or a test, with no election).
 local FENCED = 'FENCED'

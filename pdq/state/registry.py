@@ -14,8 +14,8 @@ queue (`RequestStore.reap_worker`).
 from dataclasses import dataclass
 from typing import Any
 
-from pdq.keys import Keys
-from pdq.store import RequestStore, _str, _then, now_ms
+from pdq.state.keys import Keys
+from pdq.state.store import RequestStore, _str, _then, now_ms
 
 
 ROLES = ("prefill", "decode")

@@ -1,0 +1,7 @@
+"""`python -m pdq.cli`: the `pdq` command."""
+
+import sys
+
+from pdq.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Observability: OpenTelemetry traces (and their gRPC interceptors), Prometheus metrics, loop liveness."""

@@ -175,12 +175,14 @@ def test_a_decode_loop_rides_a_redis_crash_that_loses_a_steps_reply_and_its_rest
 
         def crash_and_restart() -> None:
             wait_for("tokens from the loop", lambda: all(int(rig.record(r)["n_out"]) >= 3 for r in rids))
+            rig.loop.step_delay_s = 0.05  # a step's reply stays unread for a whole (slowed) forward pass: seen below
             server.process.send_signal(signal.SIGSTOP)  # the next step is sent and never answered
             wait_for("a step waiting for its reply", lambda: rig.loop._sent is not None and rig.loop._sent[0] is not None)
             time.sleep(0.3)  # the loop is blocked reading that reply (it reads it before the next send)
             server.process.send_signal(signal.SIGKILL)
             server.process.wait()
             server.start()  # same port, same AOF
+            rig.loop.step_delay_s = 0.0
 
         run_to_completion(rig, rids, crash_and_restart)
         assert any("reply of a decode step lost" in r.getMessage() for r in caplog.records)

@@ -22,8 +22,6 @@ import time
 from pdq.bench.arrivals import Arrivals
 from pdq.bench.capacity_policy import Step, SweepPlan, best, bottleneck, next_rate, why_broken
 
-START_ATTEMPTS = 3
-
 
 def say(*parts: object) -> None:
     print(*parts, file=sys.stderr, flush=True)
@@ -200,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     from pdq.bench.service import warm_up
     from pdq.bench.workload import vocabulary
     from pdq.model.loader import resolve_model
-    from pdq.ops.up import Cluster
+    from pdq.bench.spawn import start_cluster
 
     try:
         sweeps = plans(args)
@@ -212,18 +210,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     vocab = vocabulary(model_dir)
     env = dict(pair.split("=", 1) for pair in args.env)
-    for attempt in range(1, START_ATTEMPTS + 1):
-        say(f"pdq bench: starting a cluster for the capacity sweep (model {args.model!r}) ...")
-        cluster = Cluster(prefill=args.prefill, decode=args.decode, model=args.model, colocate=args.colocate,
-                          control_policy=args.control_policy, redis_url=args.redis_url, port=0, auth=False,
-                          extra_env=env)
-        try:
-            cluster.start()
-            break
-        except (RuntimeError, TimeoutError) as exc:
-            if attempt == START_ATTEMPTS:
-                raise
-            say(f"pdq bench: the cluster did not start ({exc}); trying again")
+    cluster = start_cluster(f"the capacity sweep (model {args.model!r})", say, prefill=args.prefill,
+                            decode=args.decode, model=args.model, colocate=args.colocate,
+                            control_policy=args.control_policy, redis_url=args.redis_url, port=0, auth=False,
+                            extra_env=env)
     cores = os.cpu_count() or 1
     results, redis_bench = [], None
     try:

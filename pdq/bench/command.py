@@ -25,8 +25,6 @@ if TYPE_CHECKING:
     from pdq.bench.prefix import PrefixProbe
     from pdq.bench.procstat import CpuProbe
 
-START_ATTEMPTS = 3
-
 
 def say(*parts: object) -> None:
     print(*parts, file=sys.stderr, flush=True)
@@ -120,25 +118,17 @@ class Bench:
         from pdq.ops.redis_server import free_port
         from pdq.bench.procstat import cluster_probe
         from pdq.bench.tenancy import write_auth_file
-        from pdq.ops.up import Cluster
+        from pdq.bench.spawn import start_cluster
 
         opts = self.opts
         with tempfile.TemporaryDirectory(prefix="pdq-bench-") as tmp:
             auth_file = Path(tmp) / "auth.json"
             keys = write_auth_file(auth_file, self.workload.tenants, opts.api_keys)
             env = {**opts.env, "PDQ_STRATEGY": strategy, "PDQ_AUTH_FILE": str(auth_file)}
-            for attempt in range(1, START_ATTEMPTS + 1):
-                say(f"pdq bench: starting a cluster for strategy {strategy!r} ...")
-                cluster = Cluster(prefill=opts.prefill, decode=opts.decode, model=opts.model, colocate=opts.colocate,
-                                  control_policy=opts.control_policy, redis_url=opts.redis_url, port=0, auth=False,
-                                  extra_env=env, http_port=free_port() if "http" in opts.doors else 0)
-                try:
-                    cluster.start()
-                    break
-                except (RuntimeError, TimeoutError) as exc:
-                    if attempt == START_ATTEMPTS:
-                        raise
-                    say(f"pdq bench: the cluster did not start ({exc}); trying again")
+            cluster = start_cluster(f"strategy {strategy!r}", say, prefill=opts.prefill, decode=opts.decode,
+                                    model=opts.model, colocate=opts.colocate, control_policy=opts.control_policy,
+                                    redis_url=opts.redis_url, port=0, auth=False, extra_env=env,
+                                    http_port=free_port() if "http" in opts.doors else 0)
             try:
                 # one cluster, each door in turn (in alternating order, as the systems of a repeat)
                 for door in opts.doors if self.repeat % 2 == 0 else opts.doors[::-1]:

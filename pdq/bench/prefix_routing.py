@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     if opts.json:
         doc = report.document(med, {**config_json(opts, model_dir, workload), "groups": args.groups},
                               sys.argv if argv is None else argv)
+        doc["command"] = " ".join(["python -m pdq.bench.prefix_routing", *(sys.argv[1:] if argv is None else argv)])
         doc["prefix_routing"] = summary
         if opts.repeat > 1:
             doc["all_runs"] = runs

@@ -59,6 +59,14 @@ def test_an_unreachable_redis_is_one_clear_line_without_the_password():
     assert "hunter2" not in out.stderr and "Traceback" not in out.stderr
 
 
+def test_pdq_up_refuses_a_malformed_redis_url_at_once_without_showing_its_password():
+    for url, says in (("http://:hunter2@redis:6379/0", "must start with redis://"),
+                      ("redis+sentinel://:hunter2@s1:26379", "service")):
+        out = subprocess.run(PDQ + ["up", "--redis-url", url], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and says in out.stderr and out.stderr.startswith("pdq up: --redis-url: ")
+        assert "hunter2" not in out.stderr and "Traceback" not in out.stderr
+
+
 def test_an_http_port_in_use_is_one_clear_line(redis_server):
     import socket
 

@@ -29,6 +29,14 @@ def _up(args: argparse.Namespace) -> int:
     if args.schedulers < 1:
         print(f"pdq up: --schedulers must be at least 1, got {args.schedulers}", file=sys.stderr)
         return 2
+    if args.redis_url:
+        from pdq.state.redis_url import check_redis_url
+
+        try:
+            check_redis_url(args.redis_url)
+        except ValueError as exc:
+            print(f"pdq up: --redis-url: {exc}", file=sys.stderr)
+            return 2
     env = {"PDQ_KV_TRANSPORT": args.kv_transport} if args.kv_transport else {}
     prefill = 1 if args.prefill is None else args.prefill
     return run(Cluster(prefill=prefill, decode=args.decode, schedulers=args.schedulers, model=args.model,

@@ -29,7 +29,7 @@ def check_redis_url(url: str) -> None:
     """Raises ValueError saying what is wrong with `url`, if anything."""
     if not url.startswith(SCHEMES):
         raise ValueError(f"redis_url must start with redis://, rediss://, unix:// or {SENTINEL_SCHEME}://, "
-                         f"got {url!r}")
+                         f"got {_redacted(url)!r}")
     parse_sentinel_url(url)
 
 

@@ -76,6 +76,7 @@ is lifted, as it joins the backlog, to the lowest counter of the backlogged tena
 when none is), so idle time banks no credit.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,14 +189,53 @@ class Keys:
         return f"{self.prefix}:health:{worker_id}"
 
 
-# The scripts, one file each in pdq/lua/ (its ARGV documented at its top), loaded by name; each
-# runs with lib.lua (key names mirroring Keys, the queue, fair-share counters, leases, the one way
-# a request ends) before it, and before that the terminal states, generated from
-# `pdq.state.request.State` (tests/test_keys_states.py checks every state name the scripts use).
+# The scripts, one file each in pdq/state/lua/, loaded by name. Each names its arguments on its
+# first line, `-- ARGS: name ... [| what follows]`: a script reads them as `A.name` (a prelude
+# binds them to ARGV in that order, after the key prefix) and the tail, if any, from
+# ARGV[TAIL] on; the store passes them by name (`pack`). Each runs with lib.lua (key names
+# mirroring Keys, the queue, fair-share counters, leases, the one way a request ends) before
+# it, and before that the terminal states, generated from `pdq.state.request.State`
+# (tests/test_keys_states.py checks every state name the scripts use).
 _LUA = Path(__file__).resolve().parent / "lua"
 _LIB = ("local TERMINAL = {" + ", ".join(f"{s.value}=true" for s in sorted(TERMINAL)) + "}\n"
         + (_LUA / "lib.lua").read_text())
 SCRIPT_NAMES = ("submit", "claim", "requeue", "transition", "step", "finish", "expire_deadlines", "reap_worker",
                 "expire_leases", "snapshot", "cancel_tenant", "set_deadline", "list_requests", "heartbeat",
                 "workers", "handoffs", "quarantine", "lead", "resign")
-SCRIPTS = {name: _LIB + (_LUA / f"{name}.lua").read_text() for name in SCRIPT_NAMES}
+
+
+@dataclass(frozen=True)
+class ScriptArgs:
+    """A script's named arguments, in wire order, and whether a tail of values follows them."""
+
+    names: tuple[str, ...]
+    tail: bool
+
+    @classmethod
+    def of(cls, source: str) -> "ScriptArgs":
+        first = source.split("\n", 1)[0]
+        if not first.startswith("-- ARGS: "):
+            raise ValueError(f"a script's first line names its arguments (-- ARGS: ...), got {first!r}")
+        names, bar, _ = first[len("-- ARGS: "):].partition("|")
+        return cls(tuple(names.split()), bool(bar))
+
+    def prelude(self) -> str:
+        binds = ", ".join(f"{n} = ARGV[{i}]" for i, n in enumerate(self.names, start=2))
+        return f"local A = {{{binds}}}\nlocal TAIL = {len(self.names) + 2}\n"
+
+
+_SOURCES = {name: (_LUA / f"{name}.lua").read_text() for name in SCRIPT_NAMES}
+ARGS = {name: ScriptArgs.of(src) for name, src in _SOURCES.items()}
+SCRIPTS = {name: _LIB + ARGS[name].prelude() + src for name, src in _SOURCES.items()}
+
+
+def pack(name: str, named: dict, tail: Sequence = ()) -> list:
+    """The arguments of script `name` in wire order (after the key prefix): its named ones, every
+    one given and no other, then the tail. TypeError names what is missing or unknown."""
+    spec = ARGS[name]
+    if set(named) != set(spec.names):
+        missing, unknown = sorted(set(spec.names) - set(named)), sorted(set(named) - set(spec.names))
+        raise TypeError(f"script {name}: missing {missing}, unknown {unknown}")
+    if tail and not spec.tail:
+        raise TypeError(f"script {name} takes no values after its named ones")
+    return [named[n] for n in spec.names] + list(tail)

@@ -11,12 +11,13 @@ import inspect
 import time
 import uuid
 from dataclasses import dataclass, fields, replace
+from collections.abc import Sequence
 from typing import Any, Callable
 
 from redis.exceptions import NoScriptError
 
 from pdq.state.ending import FAILURE, KINDS, LOST, Ending
-from pdq.state.keys import SCRIPTS, Keys
+from pdq.state.keys import SCRIPTS, Keys, pack
 from pdq.state.request import State
 from pdq.v1 import internal_pb2 as pb
 
@@ -229,8 +230,13 @@ def decode_logprobs(record: str) -> tuple[float, list[tuple[int, float]]]:
     return float(head), [(int(t), float(v)) for t, v in (x.split(":") for x in top)]
 
 
+def _transition_args(rid: str, epoch: int, state: State, fields: dict) -> list[Any]:
+    return pack("transition", {"id": rid, "epoch": epoch, "state": state.value},
+                [x for name, value in fields.items() for x in (name, value)])
+
+
 def _step_args(items: list[StepItem], result_ttl_s: int) -> StepArgs:
-    args: list[Any] = [now_ms(), result_ttl_s]
+    args: list[Any] = []  # the runs, 10 values each (step.lua); `pack` puts now and ttl before them
     runs: list[int] = []
     i, n = 0, len(items)
     while i < n:
@@ -252,7 +258,7 @@ def _step_args(items: list[StepItem], result_ttl_s: int) -> StepArgs:
                  ",".join(it.logprobs for it in run) if first.index is not None and first.logprobs else ""]
         runs.append(len(run))
         i = j
-    return StepArgs(args, runs)
+    return StepArgs(pack("step", {"now": now_ms(), "ttl": result_ttl_s}, args), runs)
 
 
 class SentStep:
@@ -315,7 +321,12 @@ class RequestStore:
         self._scripts = {name: client.register_script(src) for name, src in SCRIPTS.items()}
 
     def _run(self, name: str, args: list[Any]) -> Any:
+        """Runs script `name` with `args` in wire order (`pack`), after the key prefix."""
         return self._scripts[name](keys=[], args=[self.keys.prefix, *args])
+
+    def _call(self, name: str, tail: Sequence[Any] = (), **named: Any) -> Any:
+        """Runs script `name` with its arguments by name (its `-- ARGS:` line), then `tail`."""
+        return self._run(name, pack(name, named, tail))
 
     # -- the queue: the scheduler's calls --------------------------------------------------
 
@@ -343,11 +354,14 @@ class RequestStore:
 
     def _submit_args(self, spec: pb.RequestSpec, idempotency_key: str, limits: QueueLimits, seq: int,
                      score: float | None) -> list[Any]:
-        return [spec.request_id, spec.SerializeToString(), spec.tenant, spec.tier, spec.arrival_ms,
-                spec.deadline_ms, len(spec.prompt_token_ids), spec.sampling.max_tokens, seq,
-                "" if score is None else score, idempotency_key, self.result_ttl_s,
-                limits.max_queued, limits.max_queued_tokens, limits.tenant_max_queued, limits.tenant_max_queued_tokens,
-                uuid.uuid4().hex[:16], spec.content_hash, spec.client_request_id or idempotency_key]
+        return pack("submit", dict(
+            id=spec.request_id, spec=spec.SerializeToString(), tenant=spec.tenant, tier=spec.tier,
+            now=spec.arrival_ms, deadline_ms=spec.deadline_ms, prompt_tokens=len(spec.prompt_token_ids),
+            max_tokens=spec.sampling.max_tokens, seq=seq, score="" if score is None else score, idem=idempotency_key,
+            idem_ttl=self.result_ttl_s, max_queued=limits.max_queued, max_queued_tokens=limits.max_queued_tokens,
+            tenant_max_queued=limits.tenant_max_queued, tenant_max_queued_tokens=limits.tenant_max_queued_tokens,
+            token=uuid.uuid4().hex[:16], content_hash=spec.content_hash,
+            client_request_id=spec.client_request_id or idempotency_key))
 
     def snapshot(self, tiers: list[str], max_tenants: int, max_heads: int) -> Any:
         """A bounded view of the queue: per tier (in the order given), up to `max_tenants`
@@ -366,7 +380,7 @@ class RequestStore:
                 out[tier] = backlogs
             out.next_retry_ms = int(raw[len(tiers)])
             return out
-        return _then(self._run("snapshot", [max_tenants, max_heads, now_ms(), *tiers]), parse)
+        return _then(self._call("snapshot", tiers, max_tenants=max_tenants, max_heads=max_heads, now=now_ms()), parse)
 
     def claim(self, placed: list[tuple[str, str]], worker_id: str, address: str = "", lease_ms: int = 60_000,
               default_weight: float = 1.0, token: str = "", fence: int = 0) -> Any:
@@ -377,19 +391,19 @@ class RequestStore:
         epochs and specs. `fence`: the leader epoch it is made under (0: unfenced); Deposed
         when another scheduler leads. -> [Claimed]"""
         now = now_ms()
-        args: list[Any] = [now, worker_id, address, now + lease_ms, default_weight, token or uuid.uuid4().hex[:16],
-                           fence]
-        for rid, decode_id in placed:
-            args += [rid, decode_id]
+        pairs = [x for rid, decode_id in placed for x in (rid, decode_id)]
 
         def parse(r: list) -> list[Claimed]:
             return [Claimed(rid, int(ep), spec or None) for (rid, _), (ep, spec) in zip(placed, r)]
-        return _then(self._run("claim", args), _fenced(parse))
+        return _then(self._call("claim", pairs, now=now, worker=worker_id, address=address, lease_until=now + lease_ms,
+                                weight=default_weight, token=token or uuid.uuid4().hex[:16], fence=fence),
+                     _fenced(parse))
 
     def expire_deadlines(self, limit: int = 256, fence: int = 0) -> Any:
         """Ends (TIMED_OUT) live requests past their deadline. -> how many were due.
         `fence`: as for claim."""
-        return _then(self._run("expire_deadlines", [now_ms(), limit, self.result_ttl_s, fence]), _fenced(int))
+        return _then(self._call("expire_deadlines", now=now_ms(), limit=limit, ttl=self.result_ttl_s, fence=fence),
+                     _fenced(int))
 
     def next_deadline_ms(self) -> Any:
         """The earliest deadline (Unix ms) of a live request, or None."""
@@ -401,49 +415,51 @@ class RequestStore:
         """Gives back the attempts of a worker that stopped heartbeating: lost attempts (they
         count towards `retry.max_lost`, not max_attempts). `fence`: as for claim.
         -> (requeued, failed)"""
-        args = [worker_id, now_ms(), max_attempts, self.result_ttl_s, self.retry.max_lost, fence]
-        return _then(self._run("reap_worker", args), _fenced(lambda r: (int(r[0]), int(r[1]))))
+        return _then(self._call("reap_worker", worker=worker_id, now=now_ms(), max_attempts=max_attempts,
+                                ttl=self.result_ttl_s, max_lost=self.retry.max_lost, fence=fence),
+                     _fenced(lambda r: (int(r[0]), int(r[1]))))
 
     def expire_leases(self, max_attempts: int, limit: int = 256, fence: int = 0) -> Any:
         """Gives back requests whose prefill lease expired: lost attempts. `fence`: as for
         claim. -> (requeued, failed)"""
-        args = [now_ms(), max_attempts, self.result_ttl_s, limit, self.retry.max_lost, fence]
-        return _then(self._run("expire_leases", args), _fenced(lambda r: (int(r[0]), int(r[1]))))
+        return _then(self._call("expire_leases", now=now_ms(), max_attempts=max_attempts, ttl=self.result_ttl_s,
+                                limit=limit, max_lost=self.retry.max_lost, fence=fence),
+                     _fenced(lambda r: (int(r[0]), int(r[1]))))
 
     # -- who dispatches: the scheduler's lease (scheduler.leader) ----------------------------
 
     def lead(self, scheduler_id: str, lease_ms: int) -> Any:
         """Takes or renews the dispatch lease for `scheduler_id`, for `lease_ms`.
         -> (epoch it leads under, holder id); epoch 0 while another scheduler holds it."""
-        return _then(self._run("lead", [scheduler_id, lease_ms]), lambda r: (int(r[0]), _str(r[1])))
+        return _then(self._call("lead", id=scheduler_id, lease=lease_ms), lambda r: (int(r[0]), _str(r[1])))
 
     def resign(self, scheduler_id: str) -> Any:
         """Frees the dispatch lease if `scheduler_id` holds it. -> whether it did."""
-        return _then(self._run("resign", [scheduler_id]), lambda r: bool(int(r)))
+        return _then(self._call("resign", id=scheduler_id), lambda r: bool(int(r)))
 
     def handoffs(self, event: str, outcomes: list[tuple[str, str, bool]]) -> Any:
         """Counts KV hand-off outcomes, in order: (worker id, the other side's id, ok) each, a
         hand-off counting for both of its workers (pass it once per side). `event` names the
         call (the batch id): a replay is not counted twice. -> [HandoffRecord] per worker."""
-        args: list[Any] = [event, HEALTH_TTL_MS]
+        args: list[Any] = []
         for worker, peer, ok in outcomes:
             args += [worker, peer, int(ok)]
-        return _then(self._run("handoffs", args),
+        return _then(self._call("handoffs", args, event=event, ttl=HEALTH_TTL_MS),
                      lambda r: [HandoffRecord(_str(w), int(s), int(p), int(t), int(u)) for w, s, p, t, u in r])
 
     def quarantine(self, worker_id: str, until_ms: int, reason: str, times: int) -> Any:
         """Quarantines a worker until `until_ms`, unless its quarantine count moved on from
         `times` (someone else did it). -> True when quarantined."""
-        args = [worker_id, until_ms, reason, times, now_ms(), HEALTH_TTL_MS]
-        return _then(self._run("quarantine", args), bool)
+        return _then(self._call("quarantine", worker=worker_id, until_ms=until_ms, reason=reason, times=times,
+                                now=now_ms(), ttl=HEALTH_TTL_MS), bool)
 
     def heartbeat(self, worker_id: str, role: str, ttl_ms: int, facts: dict[str, Any]) -> Any:
         """Registers or refreshes a worker's registry entry (`facts`: its hash fields), expiring
         after ttl_ms; tells the scheduler on the heartbeat channel while requests are queued."""
-        args: list[Any] = [worker_id, role, ttl_ms, now_ms()]
+        args: list[Any] = []
         for name, value in facts.items():
             args += [name, value]
-        return self._run("heartbeat", args)
+        return self._call("heartbeat", args, worker=worker_id, role=role, ttl=ttl_ms, now=now_ms())
 
     def workers(self, roles: tuple[str, ...], cutoff_ms: int) -> Any:
         """The registry in one round trip: the workers of each role that heartbeat at or after
@@ -457,7 +473,7 @@ class RequestStore:
                               (int(q[0]), _str(q[1]), int(q[2])))
                              for wid, flat, q in rows]
             return out, {_str(d) for d in raw[len(roles)]}
-        return _then(self._run("workers", [cutoff_ms, *roles]), parse)
+        return _then(self._call("workers", roles, cutoff=cutoff_ms), parse)
 
     def load(self) -> Any:
         """Queued work: {"n": requests, "tokens": tokens, "n:{tenant}": ..., "tokens:{tenant}": ...},
@@ -539,20 +555,21 @@ class RequestStore:
         -> how many"""
         if ending.state != State.CANCELLED:
             raise ValueError("a tenant's requests end only CANCELLED")
-        return _then(self._run("cancel_tenant", [tenant, ending.error, now_ms(), self.result_ttl_s]), int)
+        return _then(self._call("cancel_tenant", tenant=tenant, reason=ending.error, now=now_ms(), ttl=self.result_ttl_s),
+                     int)
 
     def set_deadline(self, rid: str, deadline_ms: int) -> Any:
         """Moves a live request's absolute deadline: the scheduler's janitor enforces it, workers
         running the request hear of it on the deadline channel. -> state, None if unknown"""
-        return _then(self._run("set_deadline", [rid, deadline_ms]), lambda r: State(_str(r)) if r else None)
+        return _then(self._call("set_deadline", id=rid, deadline=deadline_ms), lambda r: State(_str(r)) if r else None)
 
     def list_requests(self, tenant: str = "", state: str = "", tier: str = "", limit: int = 100,
                       cursor: str = "", max_scan: int = 5000) -> Any:
         """Request ids newest first (by arrival), filtered by tenant, state and tier, looking at
         no more than `max_scan` index entries (so a page may be short). `cursor` is a previous
         call's next cursor. -> (ids, next cursor; "" when there is no more)"""
-        args = [tenant, state, tier, limit, cursor, max_scan]
-        return _then(self._run("list_requests", args), lambda r: ([_str(i) for i in r[0]], _str(r[1])))
+        return _then(self._call("list_requests", tenant=tenant, state=state, tier=tier, limit=limit, cursor=cursor,
+                                scan=max_scan), lambda r: ([_str(i) for i in r[0]], _str(r[1])))
 
     def records(self, rids: list[str]) -> Any:
         """The records of several requests (see `record`), in order; {} for unknown ids."""
@@ -581,17 +598,14 @@ class RequestStore:
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         r = self.retry
-        args = [rid, epoch, now_ms(), max_attempts, error, self.result_ttl_s, kind, r.max_lost, r.backoff_ms,
-                r.backoff_max_ms]
-        return _then(self._run("requeue", args), lambda r: _str(r) if r else None)
+        return _then(self._call("requeue", id=rid, epoch=epoch, now=now_ms(), max_attempts=max_attempts, error=error,
+                                ttl=self.result_ttl_s, kind=kind, max_lost=r.max_lost, backoff_ms=r.backoff_ms,
+                                backoff_max_ms=r.backoff_max_ms), lambda r: _str(r) if r else None)
 
     def transition(self, rid: str, epoch: int, state: State, **fields: Any) -> Any:
         """Moves a live request of this epoch to `state`, setting fields. -> Moved, or False
         when the epoch is stale or the request ended."""
-        args: list[Any] = [rid, epoch, state.value]
-        for name, value in fields.items():
-            args += [name, value]
-        return _then(self._run("transition", args), _moved)
+        return _then(self._run("transition", _transition_args(rid, epoch, state, fields)), _moved)
 
     def step(self, items: list[StepItem]) -> Any:
         """Appends tokens / ends requests in one round trip. -> per item True (kept) / False (drop)."""
@@ -608,10 +622,7 @@ class RequestStore:
         step = _step_args(items, self.result_ttl_s)
         calls = [("step", step.args)]
         for rid, epoch, state, extra in moves:
-            args: list[Any] = [rid, epoch, state.value]
-            for name, value in extra.items():
-                args += [name, value]
-            calls.append(("transition", args))
+            calls.append(("transition", _transition_args(rid, epoch, state, extra)))
         pipe = self.client.pipeline(transaction=False)
         for name, args in calls:  # EVALSHA without redis-py's per-execute SCRIPT EXISTS round trip
             pipe.evalsha(self._scripts[name].sha, 0, self.keys.prefix, *args)
@@ -641,9 +652,9 @@ class RequestStore:
         `pdq.state.ending`). With `epoch`, only while that attempt is the current one (a worker ending
         its own attempt). Ends it once: a request that has ended keeps its state.
         -> the state after, None if unknown."""
-        args = [rid, ending.state.value, ending.reason, ending.error, now_ms(), self.result_ttl_s,
-                "" if epoch is None else epoch]
-        return _then(self._run("finish", args), lambda r: State(_str(r)) if r else None)
+        return _then(self._call("finish", id=rid, state=ending.state.value, reason=ending.reason, error=ending.error,
+                                now=now_ms(), ttl=self.result_ttl_s, epoch="" if epoch is None else epoch),
+                     lambda r: State(_str(r)) if r else None)
 
     def record(self, rid: str) -> Any:
         """The request record as {field: str}, with `spec` left as bytes; {} when unknown."""

@@ -1,3 +1,4 @@
+-- ARGS: event ttl | per hand-off outcome: worker id, the other side's worker id, ok
 -- ARGV: prefix, event (this call's token: the batch id), ttl (ms), then per hand-off outcome:
 -- worker id, the other side's worker id, ok (1 | 0)
 -- Counts KV hand-offs per worker, in order: a failure adds one to the worker's streak and the
@@ -5,13 +6,13 @@
 -- {id, streak, distinct peers in the streak, quarantines so far, quarantined until (ms)}
 -- Replay: each worker's record names this call's event: it is not counted again.
 local seen, order = {}, {}
-for i = 4, #ARGV, 3 do
+for i = TAIL, #ARGV, 3 do
   local w, peer, ok = ARGV[i], ARGV[i + 1], ARGV[i + 2] == '1'
   local hk = key('health', w)
   if seen[w] == nil then
-    seen[w] = redis.call('HGET', hk, 'event') ~= ARGV[2]
+    seen[w] = redis.call('HGET', hk, 'event') ~= A.event
     order[#order + 1] = w
-    if seen[w] then redis.call('HSET', hk, 'event', ARGV[2]) end
+    if seen[w] then redis.call('HSET', hk, 'event', A.event) end
   end
   if seen[w] then
     if ok then
@@ -26,7 +27,7 @@ for i = 4, #ARGV, 3 do
       if not has and #peers < 8 then peers[#peers + 1] = peer end
       redis.call('HSET', hk, 'peers', table.concat(peers, ' '))
     end
-    if redis.call('PTTL', hk) < tonumber(ARGV[3]) then redis.call('PEXPIRE', hk, ARGV[3]) end
+    if redis.call('PTTL', hk) < tonumber(A.ttl) then redis.call('PEXPIRE', hk, A.ttl) end
   end
 end
 local out = {}

@@ -1,3 +1,4 @@
+-- ARGS: tenant state tier limit cursor scan
 -- ARGV: prefix, tenant ('' = all), state ('' = any), tier ('' = any), limit,
 -- cursor (list below this arrival seq; '' = from the newest), most index entries to look at
 -- Requests newest first, filtered. Looks at a bounded number of entries, so a page may be short;
@@ -5,10 +6,10 @@
 -- -> {ids, next cursor ('' = no more)}
 -- Replay: its only writes drop index entries of expired records, which stay dropped.
 local idx = key('index')
-if ARGV[2] ~= '' then idx = key('index', ARGV[2]) end
-local limit, budget = tonumber(ARGV[5]), tonumber(ARGV[7])
+if A.tenant ~= '' then idx = key('index', A.tenant) end
+local limit, budget = tonumber(A.limit), tonumber(A.scan)
 local top = '+inf'
-if ARGV[6] ~= '' then top = '(' .. ARGV[6] end
+if A.cursor ~= '' then top = '(' .. A.cursor end
 local out, last = {}, nil
 while #out < limit and budget > 0 do
   local rows = redis.call('ZREVRANGEBYSCORE', idx, top, '-inf', 'WITHSCORES', 'LIMIT', 0, math.min(budget, 256))
@@ -20,7 +21,7 @@ while #out < limit and budget > 0 do
     local h = redis.call('HMGET', key('req', id), 'state', 'tier')
     if not h[1] then
       redis.call('ZREM', idx, id)
-    elseif (ARGV[3] == '' or h[1] == ARGV[3]) and (ARGV[4] == '' or h[2] == ARGV[4]) then
+    elseif (A.state == '' or h[1] == A.state) and (A.tier == '' or h[2] == A.tier) then
       out[#out + 1] = id
       if #out == limit then break end
     end

@@ -1,3 +1,4 @@
+-- ARGS: max_tenants max_heads now | tier names
 -- ARGV: prefix, max tenants per tier, max requests per tenant, now, tier1, tier2, ...
 -- A bounded, read-only view of the queue: per tier, the backlogged tenants with the lowest
 -- counters, each with its weight ('' = default) and the head of its queue. Paused tiers and
@@ -6,7 +7,7 @@
 -- -> {per tier {{tenant, counter, weight, {id, prompt_tokens, max_tokens, created_ms, deadline_ms,
 -- avoid, ...}}, ...}, ..., next retry_at}
 -- Replay: read-only.
-local max_tenants, max_heads, now = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local max_tenants, max_heads, now = tonumber(A.max_tenants), tonumber(A.max_heads), tonumber(A.now)
 local paused = key('paused')
 local next_retry = 0
 
@@ -35,7 +36,7 @@ local function heads_of(tier, tenant)
 end
 
 local out = {}
-for t = 5, #ARGV do
+for t = TAIL, #ARGV do
   local tier = ARGV[t]
   local tenants = {}
   if redis.call('SISMEMBER', paused, 'tier:' .. tier) == 0 then

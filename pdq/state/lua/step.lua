@@ -1,3 +1,4 @@
+-- ARGS: now ttl | per run 10 values
 -- ARGV: prefix, now, ttl, then per run 10 values (`pdq.state.store.StepArgs`):
 -- id, epoch, first index ('' = no token), n tokens, token ids ("a,b,c"), their texts joined,
 -- their texts' byte lengths ("1,0,3"), final state ('' = none), finish reason, the tokens'
@@ -15,7 +16,7 @@ local function split(s)
   return out
 end
 local res = {}
-for a = 4, #ARGV, 10 do
+for a = TAIL, #ARGV, 10 do
   local id = ARGV[a]
   local rk = key('req', id)
   local h = redis.call('HMGET', rk, 'state', 'epoch', 'n_out', 'finish_reason')
@@ -46,11 +47,11 @@ for a = 4, #ARGV, 10 do
           redis.call('XADD', key('req', id, 'out'), '*', 'i', n_out, 't', ids, 'x', text, 'l', lens)
         end
         redis.call('HSET', rk, 'n_out', first + n)
-        if n_out == 0 then redis.call('HSET', rk, 'first_token_ms', ARGV[2]) end
+        if n_out == 0 then redis.call('HSET', rk, 'first_token_ms', A.now) end
       end
     end
-    if ARGV[a + 7] ~= '' and not moved_past(rk, ARGV[a + 7], ARGV[2]) then
-      finish(id, ARGV[a + 7], ARGV[a + 8], '', ARGV[2], ARGV[3], true)
+    if ARGV[a + 7] ~= '' and not moved_past(rk, ARGV[a + 7], A.now) then
+      finish(id, ARGV[a + 7], ARGV[a + 8], '', A.now, A.ttl, true)
     end
     res[#res + 1] = 1
   end

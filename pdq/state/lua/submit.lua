@@ -1,3 +1,4 @@
+-- ARGS: id spec tenant tier now deadline_ms prompt_tokens max_tokens seq score idem idem_ttl max_queued max_queued_tokens tenant_max_queued tenant_max_queued_tokens token content_hash client_request_id
 -- ARGV: prefix, id, spec, tenant, tier, now, deadline_ms, prompt_tokens, max_tokens, seq (0 = next),
 -- score ('' = seq), idem key ('' = none), idem_ttl, max_queued, max_queued_tokens,
 -- tenant_max_queued, tenant_max_queued_tokens, token (this call's), content_hash ('' = none),
@@ -9,8 +10,8 @@
 -- | {-2, existing id} conflict
 -- Replay: the record exists and carries this call's token, so the replay answers {1, id} again
 -- (a client's retry comes with another token and gets {0, id}); nothing is written twice.
-local id, tenant, tier = ARGV[2], ARGV[4], ARGV[5]
-local idem, token, hash = ARGV[12], ARGV[18], ARGV[19]
+local id, tenant, tier = A.id, A.tenant, A.tier
+local idem, token, hash = A.idem, A.token, A.content_hash
 local function known(rid)
   local h = redis.call('HMGET', key('req', rid), 'state', 'submit', 'content_hash')
   if not h[1] then return nil end
@@ -25,10 +26,10 @@ if idem ~= '' then
 end
 local got = known(id)
 if got then return got end
-local cost = tonumber(ARGV[8]) + tonumber(ARGV[9])
+local cost = tonumber(A.prompt_tokens) + tonumber(A.max_tokens)
 local l = redis.call('HMGET', key('load'), 'n:' .. tenant, 'tokens:' .. tenant, 'n', 'tokens')
-local checks = {{'TENANT_QUEUE_FULL', 'TENANT_QUEUE_TOKENS_FULL', l[1], l[2], ARGV[16], ARGV[17]},
-                {'QUEUE_FULL', 'QUEUE_TOKENS_FULL', l[3], l[4], ARGV[14], ARGV[15]}}
+local checks = {{'TENANT_QUEUE_FULL', 'TENANT_QUEUE_TOKENS_FULL', l[1], l[2], A.tenant_max_queued, A.tenant_max_queued_tokens},
+                {'QUEUE_FULL', 'QUEUE_TOKENS_FULL', l[3], l[4], A.max_queued, A.max_queued_tokens}}
 for _, c in ipairs(checks) do
   local n, tokens = num(c[3], 0), num(c[4], 0)
   if n > 0 then
@@ -36,20 +37,20 @@ for _, c in ipairs(checks) do
     if tokens + cost > tonumber(c[6]) then return {-1, c[2], tokens + cost - tonumber(c[6])} end
   end
 end
-local seq = tonumber(ARGV[10])
+local seq = tonumber(A.seq)
 if seq == 0 then seq = redis.call('INCR', key('seq')) end
-local score = ARGV[11]
+local score = A.score
 if score == '' then score = seq end
-local rec = {'id', id, 'spec', ARGV[3], 'tenant', tenant, 'tier', tier, 'state', 'QUEUED', 'epoch', 0, 'seq', seq,
-  'score', score, 'created_ms', ARGV[6], 'deadline_ms', ARGV[7], 'prompt_tokens', ARGV[8], 'max_tokens', ARGV[9],
+local rec = {'id', id, 'spec', A.spec, 'tenant', tenant, 'tier', tier, 'state', 'QUEUED', 'epoch', 0, 'seq', seq,
+  'score', score, 'created_ms', A.now, 'deadline_ms', A.deadline_ms, 'prompt_tokens', A.prompt_tokens, 'max_tokens', A.max_tokens,
   'cost', cost, 'n_out', 0, 'attempts', 0, 'submit', token}
 if hash ~= '' then rec[#rec + 1] = 'content_hash'; rec[#rec + 1] = hash end
-if ARGV[20] ~= '' then rec[#rec + 1] = 'client_request_id'; rec[#rec + 1] = ARGV[20] end
+if A.client_request_id ~= '' then rec[#rec + 1] = 'client_request_id'; rec[#rec + 1] = A.client_request_id end
 redis.call('HSET', key('req', id), unpack(rec))
 enqueue(id, tier, tenant, score, cost)
 redis.call('SADD', key('live', tenant), id)
 redis.call('ZADD', key('index'), seq, id)
 redis.call('ZADD', key('index', tenant), seq, id)
-if tonumber(ARGV[7]) > 0 then redis.call('ZADD', key('deadlines'), ARGV[7], id) end
-if idem ~= '' then redis.call('SET', key('idem', tenant, idem), id, 'EX', ARGV[13]) end
+if tonumber(A.deadline_ms) > 0 then redis.call('ZADD', key('deadlines'), A.deadline_ms, id) end
+if idem ~= '' then redis.call('SET', key('idem', tenant, idem), id, 'EX', A.idem_ttl) end
 return {1, id}

@@ -78,10 +78,8 @@ def _wrap(handler: grpc.RpcMethodHandler, service: str, method: str, parent) -> 
             otel_context.detach(token)
         span.end()
 
-    if handler.unary_unary:
-        inner = handler.unary_unary
-
-        async def unary_unary(request, context):
+    def unary(inner):  # one response: the span ends when the handler returns
+        async def call(request, context):
             state, exc = begin(), None
             try:
                 return await inner(request, context)
@@ -90,56 +88,37 @@ def _wrap(handler: grpc.RpcMethodHandler, service: str, method: str, parent) -> 
                 raise
             finally:
                 finish(state, context, exc)
-        return grpc.unary_unary_rpc_method_handler(unary_unary, handler.request_deserializer, handler.response_serializer)
+        return call
+
+    def streaming(inner):  # a response stream: the span ends when the stream is done or closed
+        async def call(request, context):
+            state, exc = begin(), None
+            responses = inner(request, context)
+            try:
+                async for item in responses:
+                    yield item
+            except BaseException as e:
+                exc = e
+                raise
+            finally:
+                try:
+                    await _close(responses, state)
+                finally:
+                    finish(state, context, exc, detach=False)
+        return call
+
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), handler.request_deserializer,
+                                                   handler.response_serializer)
     if handler.unary_stream:
-        inner_us = handler.unary_stream
-
-        async def unary_stream(request, context):
-            state, exc = begin(), None
-            responses = inner_us(request, context)
-            try:
-                async for item in responses:
-                    yield item
-            except BaseException as e:
-                exc = e
-                raise
-            finally:
-                try:
-                    await _close(responses, state)
-                finally:
-                    finish(state, context, exc, detach=False)
-        return grpc.unary_stream_rpc_method_handler(unary_stream, handler.request_deserializer, handler.response_serializer)
+        return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), handler.request_deserializer,
+                                                    handler.response_serializer)
     if handler.stream_unary:
-        inner_su = handler.stream_unary
-
-        async def stream_unary(request_iterator, context):
-            state, exc = begin(), None
-            try:
-                return await inner_su(request_iterator, context)
-            except BaseException as e:
-                exc = e
-                raise
-            finally:
-                finish(state, context, exc)
-        return grpc.stream_unary_rpc_method_handler(stream_unary, handler.request_deserializer, handler.response_serializer)
+        return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), handler.request_deserializer,
+                                                    handler.response_serializer)
     if handler.stream_stream:
-        inner_ss = handler.stream_stream
-
-        async def stream_stream(request_iterator, context):
-            state, exc = begin(), None
-            responses = inner_ss(request_iterator, context)
-            try:
-                async for item in responses:
-                    yield item
-            except BaseException as e:
-                exc = e
-                raise
-            finally:
-                try:
-                    await _close(responses, state)
-                finally:
-                    finish(state, context, exc, detach=False)
-        return grpc.stream_stream_rpc_method_handler(stream_stream, handler.request_deserializer, handler.response_serializer)
+        return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), handler.request_deserializer,
+                                                     handler.response_serializer)
     return handler
 
 

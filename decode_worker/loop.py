@@ -372,8 +372,10 @@ class DecodeLoop(ModelLoop):
             if seq.done or self.running.get(seq.rid) is not seq:
                 continue
             need = seq.position + 1
-            while self.running.get(seq.rid) is seq and self.runner.blocks_for(need) > len(
-                    self.runner.pool.table(seq.rid)) + max(0, self.runner.free_blocks - self.promised()):
+            missing = self.runner.blocks_for(need) - len(self.runner.pool.table(seq.rid))
+            if missing <= 0:  # most steps: its last block has room
+                continue
+            while self.running.get(seq.rid) is seq and missing > self.runner.free_blocks - self.promised():
                 victim = memory_victim(list(self.running.values()), self.tiers)
                 if victim is None:
                     break

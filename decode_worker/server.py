@@ -87,7 +87,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         """KV blocks free for new grants: the pool's free blocks less those granted, not yet taken."""
         if self.runner is None:
             return 0
-        return max(0, self.runner.free_blocks - sum(self.pending.values()) - self.spare_blocks)
+        return max(0, self.runner.free_blocks - self.promised_blocks() - self.spare_blocks)
 
     @property
     def free_slots(self) -> int:

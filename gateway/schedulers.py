@@ -5,8 +5,9 @@ to the replica that answered last; when that one is unreachable (UNAVAILABLE: it
 is partitioned off) the same message goes to the next, in the listed order. With one address (a
 Kubernetes Service in front of the replicas) a call that did not reach a scheduler is sent once
 more, waiting up to RECONNECT_S for the channel to reconnect (to another replica behind the
-Service, or to a restarted one). Both calls are safe to send twice: a submit's spec carries the request id the gateway gave it (a second submit of it
-answers `created=False`, the same request), and a cancel of an ended request changes nothing.
+Service, or to a restarted one). Both calls are safe to send twice: a submit's spec carries the
+request id the gateway gave it (a second submit of it answers `created=False`, the same request),
+and a cancel of an ended request changes nothing.
 """
 
 import grpc

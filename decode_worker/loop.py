@@ -5,7 +5,7 @@ admits it; with `continuous` that is the next step. It leaves the step it finish
 cancelled or times out, and its KV slot is freed then. With the request-level strategies a
 finished sequence keeps its seat until its whole batch is done, as naive servers run. Each
 step's tokens (and ends) go to Redis in one command, whose reply is read after the next
-forward pass (`RequestStore.send_step`): Redis applies them while the model runs.
+forward pass (`SyncStore.send_step`): Redis applies them while the model runs.
 
 Redis trouble never gives sequences back: every write is retried (the store's client rides an
 outage for redis_outage_s; a step whose reply was lost with its connection is applied again
@@ -37,7 +37,7 @@ from pdq.ops.faults import Faults
 from pdq.model.output_text import TextOutput
 from pdq.state.request import State
 from pdq.state.ending import FAILURE, LOST, PREEMPTED, Ending
-from pdq.state.store import Moved, RequestStore, SentStep, StepItem, now_ms
+from pdq.state.store import Moved, SyncStore, SentStep, StepItem, now_ms
 from pdq.engine.worker import IDLE_BEAT_S, ModelLoop
 
 log = logging.getLogger("pdq.decode")
@@ -124,7 +124,7 @@ class LoopStats:
 class DecodeLoop(ModelLoop):
     thread_name = "decode-loop"
 
-    def __init__(self, runner: Any, store: RequestStore, cancels: CancelListener, tokenizer: Any,
+    def __init__(self, runner: Any, store: SyncStore, cancels: CancelListener, tokenizer: Any,
                  eos_ids: list[int], worker_address: str, on_leave: Callable[[list[str]], None],
                  strategy: Strategy = Strategy(), threads: Callable[[], int] | None = None, max_attempts: int = 3,
                  prefilling: Callable[[], bool] | None = None, yield_to_prefill_ms: float = 0.0,
@@ -475,7 +475,7 @@ class DecodeLoop(ModelLoop):
         self._last_step_end = time.monotonic()
 
     def _send(self, items: list[StepItem]) -> SentStep | None:
-        """Sends a step (`RequestStore.send_step`). -> None when it could not be sent (its
+        """Sends a step (`SyncStore.send_step`). -> None when it could not be sent (its
         connection broke): `settle` applies it through the store's client."""
         try:
             return self.store.send_step(items)

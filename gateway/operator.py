@@ -1,7 +1,7 @@
 """`pdq.v1.Operator` on the gateway: see and control requests, tenants, queues and workers.
 
 Every RPC needs an admin API key (UNAUTHENTICATED without a valid key, PERMISSION_DENIED for a
-client key). Everything acts on Redis through `RequestStore` and `pdq.state.registry`; a cancel goes
+client key). Everything acts on Redis through `AsyncStore` and `pdq.state.registry`; a cancel goes
 through the scheduler like `Generation.Cancel`, so workers drop the request at their next step.
 """
 
@@ -21,7 +21,7 @@ from pdq.state.ending import Ending
 from pdq.state.registry import ROLES, WorkerInfo, live_workers, set_drained
 from pdq.state.request import State
 from pdq.transport.status import StatusError
-from pdq.state.store import RequestStore, TenantPolicy, now_ms
+from pdq.state.store import AsyncStore, TenantPolicy, now_ms
 from pdq.v1 import operator_pb2 as op_pb
 from pdq.v1 import operator_pb2_grpc as op_grpc
 
@@ -89,7 +89,7 @@ def check_policy(p: op_pb.TenantPolicy, tiers: list[str]) -> TenantPolicy:
 
 
 class OperatorService(op_grpc.OperatorServicer):
-    def __init__(self, config: GatewayConfig, store: RequestStore, generation: "GenerationService", keys: KeyRing):
+    def __init__(self, config: GatewayConfig, store: AsyncStore, generation: "GenerationService", keys: KeyRing):
         self.config = config
         self.store = store
         self.generation = generation  # its request-id resolution and cancel path

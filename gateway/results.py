@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from gateway.follower import COUNT, OutputFollower
 from pdq.state.request import FINISH_REASONS, State
-from pdq.state.store import RequestStore, _str, decode_logprobs
+from pdq.state.store import AsyncStore, _str, decode_logprobs
 from pdq.v1 import generation_pb2 as gen_pb
 
 # A request's usage and timing fields, in its record and (in this order) on its end entry.
@@ -47,7 +47,7 @@ def token_logprob(token_id: int, record: str) -> gen_pb.TokenLogprob:
                                top=[gen_pb.TopLogprob(token_id=t, logprob=v) for t, v in top])
 
 
-async def follow(store: RequestStore, follower: OutputFollower, rid: str,
+async def follow(store: AsyncStore, follower: OutputFollower, rid: str,
                  wait_ms: int | None = None) -> AsyncIterator[Event]:
     """Yields the request's output stream from its first entry until its end entry; with
     wait_ms, stops early (without an end) once that long has passed (0: what is there now).
@@ -90,7 +90,7 @@ async def follow(store: RequestStore, follower: OutputFollower, rid: str,
         follower.unsubscribe(sub)
 
 
-async def _entries(store: RequestStore, key: str, upto: bytes) -> AsyncIterator[dict]:
+async def _entries(store: AsyncStore, key: str, upto: bytes) -> AsyncIterator[dict]:
     """The stream's entries from its first to `upto` (an entry id, or b"+": its last), read
     COUNT at a time."""
     start = b"-"
@@ -119,7 +119,7 @@ class Collected:
             self.end = event
 
 
-async def usage_and_timings(store: RequestStore, rid: str, end: Event | None = None
+async def usage_and_timings(store: AsyncStore, rid: str, end: Event | None = None
                             ) -> tuple[gen_pb.Usage, gen_pb.Timings]:
     """The request's usage and timings: from its end entry when that carries them (the stream's
     `finish` writes them there), else from its record."""
@@ -136,7 +136,7 @@ async def usage_and_timings(store: RequestStore, rid: str, end: Event | None = N
     return usage, timings
 
 
-async def response(store: RequestStore, rid: str, got: Collected) -> gen_pb.GenerateResponse:
+async def response(store: AsyncStore, rid: str, got: Collected) -> gen_pb.GenerateResponse:
     out = gen_pb.GenerateResponse(request_id=rid, text="".join(got.text), token_ids=got.token_ids,
                                   logprobs=got.logprobs)
     if got.end is not None:

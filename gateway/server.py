@@ -28,7 +28,7 @@ from pdq.model.tokenizer import load_tokenizer
 from pdq.state.request import FINISH_REASONS, STATUS_OF_STATE, State
 from pdq.transport.serving import Server
 from pdq.transport.status import StatusError
-from pdq.state.store import RequestStore, TenantPolicy
+from pdq.state.store import AsyncStore, TenantPolicy
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import generation_pb2_grpc as gen_grpc
 from pdq.v1 import internal_pb2 as pb
@@ -51,7 +51,7 @@ SCHEDULER_MARGIN_S = 5.0
 
 
 class GenerationService(gen_grpc.GenerationServicer):
-    def __init__(self, config: GatewayConfig, store: RequestStore, scheduler: Schedulers,
+    def __init__(self, config: GatewayConfig, store: AsyncStore, scheduler: Schedulers,
                  tokenizer, limits: Limits, keys: KeyRing):
         self.config = config
         self.store = store
@@ -399,7 +399,7 @@ def build_server(config: GatewayConfig) -> Server:
     if keys.open:
         log.warning("no --auth-file: running open, every caller is tenant 'default' with the admin role")
     client = config.redis()
-    store = RequestStore(client, config.key_prefix)
+    store = AsyncStore(client, config.key_prefix)
     schedulers = Schedulers(config.scheduler_addresses, mtls.InternalTLS.from_config(config))
     service = GenerationService(config, store, schedulers, tokenizer, limits, keys)
     server = Server(config.host, config.port, [gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name,

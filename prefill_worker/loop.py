@@ -28,7 +28,7 @@ from pdq.engine.sequence import end_reason
 from pdq.model.output_text import TextOutput
 from pdq.state.ending import Ending
 from pdq.state.request import State
-from pdq.state.store import RequestStore, StepItem, now_ms
+from pdq.state.store import Moved, StepItem, SyncStore, now_ms
 from pdq.v1 import internal_pb2 as pb
 from pdq.engine.worker import IDLE_BEAT_S, ModelLoop, kv_reserve_tokens
 from prefill_worker.chunking import plan_chunks, waits_for_shared_prefix
@@ -96,7 +96,7 @@ class PrefillLoop(ModelLoop):
 
     thread_name = "prefill-loop"
 
-    def __init__(self, runner: Any, store: RequestStore, cancels: CancelListener, tokenizer: Any,
+    def __init__(self, runner: Any, store: SyncStore, cancels: CancelListener, tokenizer: Any,
                  eos_ids: list[int], max_batched_tokens: int, prefill_chunk: int,
                  local: Callable[[pb.PrefillItem], bool] | None = None,
                  adopt: Callable[[pb.KVHeader, Any, bool | None], str | None] | None = None,
@@ -355,7 +355,7 @@ class PrefillLoop(ModelLoop):
         """Whether the job's decode worker is this process (its K/V stays in place)."""
         return self.local is not None and self.local(job.item)
 
-    def _handoff(self, job: Job, generated: list[int], moved: bool | None = None) -> None:
+    def _handoff(self, job: Job, generated: list[int], moved: Moved | bool | None = None) -> None:
         """moved: for a local hand-off, whether the request was moved to DECODING already (None:
         not tried; the decode side does it)."""
         if self._local(job):

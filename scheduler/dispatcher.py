@@ -29,7 +29,7 @@ from pdq.config import SchedulerConfig
 from pdq.observability.liveness import Liveness
 from pdq.state.registry import ROLES, WorkerInfo, live_workers
 from pdq.transport.serving import GRPC_OPTIONS
-from pdq.state.store import Deposed, RequestStore, TenantBacklog, now_ms, spec_from_bytes
+from pdq.state.store import Deposed, AsyncStore, TenantBacklog, now_ms, spec_from_bytes
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 from scheduler.policies import (Candidate, DecodeSlots, DrainRate, Headroom, TenantQueue, TierQueue,
@@ -85,7 +85,7 @@ def to_tier_queues(snapshot: dict[str, list[TenantBacklog]], tiers: list[str],
 
 
 class Dispatcher:
-    def __init__(self, config: SchedulerConfig, store: RequestStore, leader: Leadership | Sole | None = None):
+    def __init__(self, config: SchedulerConfig, store: AsyncStore, leader: Leadership | Sole | None = None):
         self.config = config
         self.store = store
         self.leader = leader or Sole()  # rounds run only while it leads; its epoch fences the claims

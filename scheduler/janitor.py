@@ -26,7 +26,7 @@ from pdq.state import redisconn
 from pdq.config import SchedulerConfig
 from pdq.observability.liveness import Liveness
 from pdq.state.registry import forget, heartbeats
-from pdq.state.store import Deposed, RequestStore, now_ms
+from pdq.state.store import Deposed, AsyncStore, now_ms
 from scheduler.leader import Leadership, Sole
 from scheduler.policies import HeartbeatWatch
 
@@ -48,7 +48,7 @@ def sleep_s(next_deadline_ms: int | None, now_ms_: int, until_reap_s: float) -> 
 
 
 class Janitor:
-    def __init__(self, config: SchedulerConfig, store: RequestStore, on_requeue: Callable[[], None],
+    def __init__(self, config: SchedulerConfig, store: AsyncStore, on_requeue: Callable[[], None],
                  leader: Leadership | Sole | None = None):
         self.config = config
         self.store = store

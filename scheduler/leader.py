@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pdq.observability import metrics
 from pdq.state import redisconn
 from pdq.observability.liveness import Liveness
-from pdq.state.store import RequestStore
+from pdq.state.store import AsyncStore
 
 log = logging.getLogger("pdq.scheduler")
 
@@ -30,7 +30,7 @@ class Leadership:
     """This scheduler's side of the election. `leading` and `epoch` are read by the dispatch
     loop and the janitor before each round; `on_change(leading)` is called on every change."""
 
-    def __init__(self, store: RequestStore, scheduler_id: str, lease_s: float,
+    def __init__(self, store: AsyncStore, scheduler_id: str, lease_s: float,
                  on_change: Callable[[bool], None] = lambda leading: None):
         self.store = store
         self.id = scheduler_id

@@ -5,12 +5,12 @@ against the prefixes the worker reports and those this scheduler sent it lately.
 from collections.abc import Iterable
 
 from pdq.state.registry import PREFIX_HEX, WorkerInfo
-from pdq.state.store import RequestStore, now_ms
+from pdq.state.store import AsyncStore, now_ms
 from scheduler.policies import Candidate, PrefixRouting, SentPrefixes, chain_hashes, matched_tokens, place_prefill
 
 
 class PrefixRouter:
-    def __init__(self, store: RequestStore, weight: float):
+    def __init__(self, store: AsyncStore, weight: float):
         self.store = store
         self.policy = PrefixRouting(weight)
         self.sent = SentPrefixes()

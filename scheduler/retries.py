@@ -19,7 +19,7 @@ from pdq.observability import metrics, telemetry
 from pdq.config import SchedulerConfig
 from pdq.state.registry import WorkerInfo
 from pdq.state.ending import LOST
-from pdq.state.store import RequestStore, now_ms
+from pdq.state.store import AsyncStore, now_ms
 from pdq.v1 import internal_pb2 as pb
 from scheduler.policies import DecodeSlots, Quarantine, classify
 
@@ -57,7 +57,7 @@ class BatchOutcome:
 
 
 class Retries:
-    def __init__(self, config: SchedulerConfig, store: RequestStore,
+    def __init__(self, config: SchedulerConfig, store: AsyncStore,
                  release: Callable[[DecodeSlots, str], Awaitable[None]]):
         self.config = config
         self.store = store
@@ -96,7 +96,7 @@ class Retries:
 
 
 class HandoffHealth:
-    def __init__(self, config: SchedulerConfig, store: RequestStore):
+    def __init__(self, config: SchedulerConfig, store: AsyncStore):
         self.store = store
         self.policy = Quarantine(config.quarantine_after, int(config.quarantine_s * 1000),
                                  int(config.quarantine_max_s * 1000))

@@ -20,7 +20,7 @@ from pdq.transport.mtls import InternalTLS
 from pdq.state.request import State
 from pdq.transport.serving import Server
 from pdq.transport.status import StatusError
-from pdq.state.store import QueueLimits, RequestStore, RetryLimits, TenantPolicy, spec_from_bytes
+from pdq.state.store import QueueLimits, AsyncStore, RetryLimits, TenantPolicy, spec_from_bytes
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 from scheduler.dispatcher import Dispatcher
@@ -54,7 +54,7 @@ def retry_metadata(reason: str, message: str, delay_ms: int) -> tuple:
 
 
 class SchedulerService(pb_grpc.SchedulerServicer):
-    def __init__(self, config: SchedulerConfig, store: RequestStore, dispatcher: Dispatcher):
+    def __init__(self, config: SchedulerConfig, store: AsyncStore, dispatcher: Dispatcher):
         self.config = config
         self.store = store
         self.dispatcher = dispatcher
@@ -138,7 +138,7 @@ def build_server(config: SchedulerConfig) -> Server:
     """Builds (does not start) the scheduler: gRPC server, Redis store, its side of the election
     (`scheduler.leader`), and the dispatcher and janitor that run while it leads."""
     client = config.redis()
-    store = RequestStore(client, config.key_prefix, config.result_ttl_s, RetryLimits.of(config))
+    store = AsyncStore(client, config.key_prefix, config.result_ttl_s, RetryLimits.of(config))
 
     def on_change(leading: bool) -> None:
         if leading:

@@ -11,7 +11,7 @@ from pdq.state.ending import Ending
 from pdq.state.keys import Keys
 from pdq.ops.redis_server import RedisServer
 from pdq.state.request import State
-from pdq.state.store import RequestStore
+from pdq.state.store import SyncStore
 from pdq.state.cancel_listener import CancelListener
 from tests.test_store import make_spec
 
@@ -26,10 +26,10 @@ def wait_for(what: str, check, timeout_s: float = 30.0):
 
 @pytest.fixture
 def store(redis_client, prefix):
-    return RequestStore(redis_client, prefix, result_ttl_s=60)
+    return SyncStore(redis_client, prefix, result_ttl_s=60)
 
 
-def claimed(store: RequestStore, rid: str, **spec) -> int:
+def claimed(store: SyncStore, rid: str, **spec) -> int:
     """Submits and claims a request. -> its epoch"""
     store.submit(make_spec(rid, **spec))
     return store.claim([(rid, "decode-1")], "prefill-1")[0].epoch

@@ -12,7 +12,7 @@ from gateway.follower import FollowerUnavailable, OutputFollower
 from gateway.results import Event, follow
 from pdq.state import redisconn
 from pdq.ops.redis_server import RedisServer
-from pdq.state.store import RequestStore
+from pdq.state.store import AsyncStore
 
 
 async def next_batch(sub, timeout: float = 10.0):
@@ -98,7 +98,7 @@ async def test_every_follower_of_one_stream_gets_all_of_it_however_late_it_joins
     # cold reader to a hot one and more entries come: each still sees every entry once, in order
     monkeypatch.setattr(follower_mod, "WAKES_PER_TURN", 8)
     other = aioredis.Redis.from_url(redis_server.url)
-    store = RequestStore(other, prefix)
+    store = AsyncStore(other, prefix)
     follower = OutputFollower(redis_server.url, other)
     key = store.keys.output("r1")
 
@@ -176,7 +176,7 @@ async def test_an_entry_that_does_not_parse_fails_its_own_streams_followers_only
 
 async def test_a_long_poll_returns_what_came_within_its_wait(redis_server, prefix):
     other = aioredis.Redis.from_url(redis_server.url)
-    store = RequestStore(other, prefix)
+    store = AsyncStore(other, prefix)
     follower = OutputFollower(redis_server.url, other)
     await other.xadd(store.keys.output("r2"), {"i": 0, "t": 5, "x": "a"})
     got = [event.index async for event in follow(store, follower, "r2", wait_ms=200)]

@@ -10,13 +10,13 @@ from pdq.state.ending import Ending
 from pdq.state.keys import Keys
 from pdq.state.registry import WorkerInfo, forget, heartbeat, live_workers, set_drained
 from pdq.state.request import State
-from pdq.state.store import RequestStore
+from pdq.state.store import AsyncStore, SyncStore
 from pdq.state.cancel_listener import CancelListener
 from tests.test_store import make_spec
 
 
 def store_of(redis_client, prefix, ttl=60):
-    return RequestStore(redis_client, prefix, result_ttl_s=ttl)
+    return SyncStore(redis_client, prefix, result_ttl_s=ttl)
 
 
 def list_all(store, **kw):
@@ -87,7 +87,7 @@ def test_set_deadline_tells_the_workers(redis_server, redis_client, prefix):
 def test_a_heartbeat_tells_the_scheduler_only_while_requests_are_queued(redis_client, prefix):
     """The heartbeat channel wakes the dispatcher for queued work: with none queued a heartbeat
     only refreshes the registry; with a request queued it is published."""
-    store = RequestStore(redis_client, prefix)
+    store = SyncStore(redis_client, prefix)
     pubsub = redis_client.pubsub()
     pubsub.subscribe(store.keys.heartbeat_channel)
     assert pubsub.get_message(timeout=5.0)["type"] == "subscribe"
@@ -111,7 +111,7 @@ def test_a_heartbeat_tells_the_scheduler_only_while_requests_are_queued(redis_cl
 def test_an_operator_drain_survives_the_workers_heartbeats(redis_server, prefix):
     async def run():
         client = aioredis.Redis.from_url(redis_server.url)
-        store = RequestStore(client, prefix)
+        store = AsyncStore(client, prefix)
         keys = store.keys
         info = WorkerInfo("d1", "decode", "127.0.0.1:1", free_slots=4, capacity=4)
 

@@ -15,7 +15,8 @@ from pdq.state.keys import SCRIPTS
 from pdq.state.registry import WorkerInfo, heartbeat
 from pdq.state.request import State
 from pdq.state.ending import LOST, Ending
-from pdq.state.store import RequestStore, StepItem, now_ms
+from pdq.state.calls import Call, Script
+from pdq.state.store import SyncStore, StepItem, now_ms
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import internal_pb2 as pb
 
@@ -43,49 +44,51 @@ class Replayed:
     after_second: dict
 
 
-def run_twice(store: RequestStore, call: Callable[[RequestStore], Any]) -> Replayed:
+def run_twice(store: SyncStore, call: Callable[[SyncStore], Any]) -> Replayed:
     """Runs `call(store)`, whose one script goes to Redis twice with the same arguments."""
     seen: list[Replayed] = []
-    plain = store._run
+    plain = store.run
 
-    def twice(name: str, args: list) -> Any:
+    def twice(sent: Call[Any]) -> Any:
+        assert len(sent.parts) == 1 and isinstance(sent.parts[0], Script), "one script per call"
+        name, args = sent.parts[0].name, sent.parts[0].args
         script = store._scripts[name]
         first = script(keys=[], args=[store.keys.prefix, *args])
         after_first = dump(store.client, store.keys.prefix)
         second = script(keys=[], args=[store.keys.prefix, *args])
         seen.append(Replayed(name, first, second, after_first, dump(store.client, store.keys.prefix)))
-        return first
-    store._run = twice  # type: ignore[method-assign]
+        return sent.parse([first])
+    store.run = twice  # type: ignore[method-assign]
     try:
         call(store)
     finally:
-        store._run = plain  # type: ignore[method-assign]
+        store.run = plain  # type: ignore[method-assign]
     assert len(seen) == 1, "one script per call"
     return seen[0]
 
 
-def claimed(store: RequestStore, rid: str = "r", prefill: str = "p1", decode: str = "d1") -> int:
+def claimed(store: SyncStore, rid: str = "r", prefill: str = "p1", decode: str = "d1") -> int:
     store.submit(spec(rid))
     return store.claim([(rid, decode)], prefill)[0].epoch
 
 
-def decoding(store: RequestStore, rid: str = "r") -> None:
+def decoding(store: SyncStore, rid: str = "r") -> None:
     claimed(store, rid)
     store.step([StepItem(rid, 1, 0, 7, "a")])
     store.transition(rid, 1, State.DECODING, decode_worker="host:2")
 
 
-def beating(store: RequestStore) -> None:
+def beating(store: SyncStore) -> None:
     heartbeat(store, WorkerInfo("d1", "decode", "host:2", free_slots=3, capacity=4), ttl_s=60)
 
 
-def failed_handoffs(store: RequestStore) -> None:
+def failed_handoffs(store: SyncStore) -> None:
     store.handoffs("batch-0", [("p1", "d1", False), ("p1", "d2", False)])
 
 
 # (script, what it needs first, the call; "same": the replay answers as the first run,
 #  else the replay's answer: it found nothing left to do)
-CASES: list[tuple[str, Callable[[RequestStore], Any], Callable[[RequestStore], Any], Any]] = [
+CASES: list[tuple[str, Callable[[SyncStore], Any], Callable[[SyncStore], Any], Any]] = [
     ("submit", lambda s: None, lambda s: s.submit(spec("r"), "key-1"), "same"),
     ("claim", lambda s: s.submit(spec("r")), lambda s: s.claim([("r", "d1")], "p1"), "same"),
     ("requeue", claimed, lambda s: s.requeue("r", 1, "KV hand-off failed", 3), "same"),
@@ -119,7 +122,7 @@ def test_every_script_has_a_replay_case():
 @pytest.mark.parametrize("name, setup, call, replay", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
 def test_a_script_run_twice_in_a_row_changes_nothing_the_second_time_and_answers_consistently(
         redis_client, prefix, name, setup, call, replay):
-    store = RequestStore(redis_client, prefix, result_ttl_s=60)
+    store = SyncStore(redis_client, prefix, result_ttl_s=60)
     setup(store)
     got = run_twice(store, call)
     assert got.name == name
@@ -131,7 +134,7 @@ def test_a_script_run_twice_in_a_row_changes_nothing_the_second_time_and_answers
 
 
 def test_a_replayed_claim_hands_out_the_same_attempt_instead_of_dropping_it(redis_client, prefix):
-    store = RequestStore(redis_client, prefix, result_ttl_s=60)
+    store = SyncStore(redis_client, prefix, result_ttl_s=60)
     store.submit(spec("r"))
     got = run_twice(store, lambda s: s.claim([("r", "d1")], "p1"))
     assert got.second == got.first and got.first[0][0] == 1 and got.first[0][1]  # epoch 1 and its spec, twice
@@ -140,7 +143,7 @@ def test_a_replayed_claim_hands_out_the_same_attempt_instead_of_dropping_it(redi
 
 
 def test_a_replayed_submit_answers_created_and_a_clients_retry_answers_existing(redis_client, prefix):
-    store = RequestStore(redis_client, prefix, result_ttl_s=60)
+    store = SyncStore(redis_client, prefix, result_ttl_s=60)
     got = run_twice(store, lambda s: s.submit(spec("r"), "key-1"))
     assert got.first == got.second == [1, b"r"]
     retry = store.submit(spec("r2"), "key-1")  # the same client id again, from a client: the first request

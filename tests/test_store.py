@@ -5,7 +5,7 @@ import pytest
 
 from pdq.state.ending import Ending
 from pdq.state.request import State
-from pdq.state.store import Moved, QueueLimits, RequestStore, StepItem
+from pdq.state.store import Moved, QueueLimits, SyncStore, StepItem
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import internal_pb2 as pb
 
@@ -18,7 +18,7 @@ def make_spec(rid: str, tenant: str = "acme", prompt=(1, 2, 3), max_tokens: int 
 
 @pytest.fixture
 def store(redis_client, prefix):
-    return RequestStore(redis_client, prefix, result_ttl_s=60)
+    return SyncStore(redis_client, prefix, result_ttl_s=60)
 
 
 def tokens(store, rid):

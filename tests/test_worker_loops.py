@@ -24,7 +24,7 @@ from pdq.model.loader import eos_token_ids, resolve_model
 from pdq.model.tokenizer import load_tokenizer
 from pdq.ops.redis_server import RedisServer
 from pdq.state.request import State
-from pdq.state.store import RequestStore, StepItem, now_ms
+from pdq.state.store import SyncStore, StepItem, now_ms
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import internal_pb2 as pb
 from pdq.engine.worker import ModelThread
@@ -63,7 +63,7 @@ class Rig:
         self.runner = ModelRunner.from_pretrained(path, kv_budget_tokens=kv_budget_tokens or 6 * max_seq_len,
                                                   max_seq_len=max_seq_len)
         self.client = redisconn.connect(url, outage_s=outage_s)
-        self.store = RequestStore(self.client, prefix, result_ttl_s=600)
+        self.store = SyncStore(self.client, prefix, result_ttl_s=600)
         self.cancels = CancelListener(url, Keys(prefix), outage_s)
         self.left: list[str] = []
         self.loop = DecodeLoop(self.runner, self.store, self.cancels, self.tokenizer, self.eos, "here", self.left.extend)

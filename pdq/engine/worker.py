@@ -14,7 +14,7 @@ from pdq.config import WorkerConfig
 from pdq.state.keys import Keys
 from pdq.observability.liveness import Liveness
 from pdq.state.registry import MAX_PREFIXES, PREFIX_HEX, WorkerInfo, deregister, heartbeat
-from pdq.state.store import RequestStore, RetryLimits
+from pdq.state.store import AsyncStore, RetryLimits, SyncStore
 
 log = logging.getLogger("pdq.worker")
 
@@ -194,7 +194,7 @@ class Heartbeat:
         self.info = info
         self.alive = alive
         self.client = config.redis()
-        self.store = RequestStore(self.client, keys.prefix)
+        self.store = AsyncStore(self.client, keys.prefix)
         self.liveness = Liveness(f"heartbeat-{info().role}")
         self.registered = False
         self._poke = asyncio.Event()
@@ -257,7 +257,7 @@ class Heartbeat:
             await self.client.aclose()
 
 
-async def reclaim_previous_life(store: RequestStore, worker_id: str, max_attempts: int) -> None:
+async def reclaim_previous_life(store: SyncStore, worker_id: str, max_attempts: int) -> None:
     """Run at start, before the first heartbeat. A worker id can outlive its process: a fixed
     --worker-id, or a container restarted with the same hostname and pid 1, heartbeats again
     before the scheduler's worker_timeout_s has noticed the old process died, so the scheduler
@@ -294,5 +294,5 @@ def kv_info(runner: Any, prefixes: bool = True) -> dict[str, Any]:
             "kv_block_size": runner.block_size, "prefixes": tuple(h.hex()[:PREFIX_HEX] for h in held)}
 
 
-def sync_store(config: WorkerConfig) -> RequestStore:
-    return RequestStore(config.redis(aio=False), config.key_prefix, config.result_ttl_s, RetryLimits.of(config))
+def sync_store(config: WorkerConfig) -> SyncStore:
+    return SyncStore(config.redis(aio=False), config.key_prefix, config.result_ttl_s, RetryLimits.of(config))

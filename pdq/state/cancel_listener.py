@@ -18,7 +18,7 @@ from pdq.state import redisconn
 from pdq.state.keys import Keys
 from pdq.observability.liveness import Liveness
 from pdq.state.request import TERMINAL
-from pdq.state.store import RequestStore
+from pdq.state.store import SyncStore
 
 log = logging.getLogger("pdq.worker")
 
@@ -128,7 +128,7 @@ class CancelListener:
                 self.deadlines.clear()
             self.deadlines[rid] = deadline
 
-    def catch_up(self, store: RequestStore, held: list[tuple[str, int]]) -> None:
+    def catch_up(self, store: SyncStore, held: list[tuple[str, int]]) -> None:
         """After a gap (`gaps` changed; read it before calling): reads the state, epoch and
         deadline of each held (request id, epoch) in one round trip, and notes as ended those
         that ended or moved on to another attempt, and the deadlines of the rest, as the
@@ -146,7 +146,7 @@ class CancelListener:
             elif deadline is not None:
                 self.note_deadline(rid, int(deadline))
 
-    def caught_up(self, seen: int, store: RequestStore, held: Callable[[], list[tuple[str, int]]]) -> int:
+    def caught_up(self, seen: int, store: SyncStore, held: Callable[[], list[tuple[str, int]]]) -> int:
         """`catch_up` on `held()` if the listener had a gap since `seen` (the count of gaps the
         calling model loop caught up on). -> that count now."""
         gaps = self.gaps
@@ -154,7 +154,7 @@ class CancelListener:
             self.catch_up(store, held())
         return gaps
 
-    def reread_deadlines(self, store: RequestStore, rids: list[str]) -> list[int]:
+    def reread_deadlines(self, store: SyncStore, rids: list[str]) -> list[int]:
         """The deadlines (Unix ms, 0 = none) the records of `rids` hold now, in one round trip
         (none for no rids), noted as if heard. A model loop calls it before it times requests
         out: an operator may have moved a deadline and the notice missed this listener."""

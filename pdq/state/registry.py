@@ -12,10 +12,12 @@ queue (`RequestStore.reap_worker`).
 """
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Awaitable, overload
+
+import redis.asyncio as aioredis
 
 from pdq.state.keys import Keys
-from pdq.state.store import RequestStore, _str, _then, now_ms
+from pdq.state.store import AsyncStore, SyncStore, _str, now_ms
 
 
 ROLES = ("prefill", "decode")
@@ -48,7 +50,13 @@ class WorkerInfo:
         return self.quarantined_until_ms > now_ms_
 
 
-def heartbeat(store: RequestStore, info: WorkerInfo, ttl_s: float) -> Any:
+@overload
+def heartbeat(store: AsyncStore, info: WorkerInfo, ttl_s: float) -> Awaitable[None]: ...
+@overload
+def heartbeat(store: SyncStore, info: WorkerInfo, ttl_s: float) -> None: ...
+
+
+def heartbeat(store: AsyncStore | SyncStore, info: WorkerInfo, ttl_s: float) -> Awaitable[None] | None:
     """Registers or refreshes a worker (sync or async store), in one round trip, and tells the
     scheduler on the heartbeat channel while requests are queued (a heartbeat on change is how
     it learns that a slot is free). Entries expire after ttl_s."""
@@ -60,58 +68,54 @@ def heartbeat(store: RequestStore, info: WorkerInfo, ttl_s: float) -> Any:
                             "prefixes": " ".join(info.prefixes[:MAX_PREFIXES])})
 
 
-def deregister(client: Any, keys: Keys, worker_id: str, role: str) -> Any:
+async def deregister(client: aioredis.Redis, keys: Keys, worker_id: str, role: str) -> None:
     """Takes no new work from now on (draining); the entry goes when the scheduler reaps it."""
     pipe = client.pipeline(transaction=True)
     pipe.hset(keys.worker(worker_id), "draining", 1)
     pipe.expire(keys.worker(worker_id), 60)  # never a key without expiry, even if it had lapsed
-    return pipe.execute()
+    await pipe.execute()
 
 
-def heartbeats(client: Any, keys: Keys, roles: tuple[str, ...] = ROLES) -> Any:
-    """Every registered worker's last heartbeat (ms, as its worker wrote it), in one round trip
-    (async client). -> {worker id: (role, heartbeat ms)}"""
+async def heartbeats(client: aioredis.Redis, keys: Keys, roles: tuple[str, ...] = ROLES
+                     ) -> dict[str, tuple[str, float]]:
+    """Every registered worker's last heartbeat (ms, as its worker wrote it), in one round trip.
+    -> {worker id: (role, heartbeat ms)}"""
     pipe = client.pipeline(transaction=False)
     for role in roles:
         pipe.zrange(keys.workers(role), 0, -1, withscores=True)
-
-    def parse(raw: list) -> dict[str, tuple[str, float]]:
-        return {_str(wid): (role, float(score)) for role, rows in zip(roles, raw) for wid, score in rows}
-    return _then(pipe.execute(), parse)
+    raw = await pipe.execute()
+    return {_str(wid): (role, float(score)) for role, rows in zip(roles, raw) for wid, score in rows}
 
 
-def forget(client: Any, keys: Keys, worker_id: str, role: str) -> Any:
+async def forget(client: aioredis.Redis, keys: Keys, worker_id: str, role: str) -> None:
     """Removes a reaped worker from the registry (and ends an operator drain of it; a quarantine
     is kept: a worker restarted under the same id is still quarantined until it ends)."""
     pipe = client.pipeline(transaction=True)
     pipe.zrem(keys.workers(role), worker_id)
     pipe.delete(keys.worker(worker_id))
     pipe.srem(keys.drained, worker_id)
-    return pipe.execute()
+    await pipe.execute()
 
 
-def set_drained(client: Any, keys: Keys, worker_id: str, drained: bool) -> Any:
+async def set_drained(client: aioredis.Redis, keys: Keys, worker_id: str, drained: bool) -> None:
     """An operator drains (or undrains) a worker: while drained it gets no new work and
     finishes what it runs. Kept until undrained or the worker is reaped."""
-    return (client.sadd if drained else client.srem)(keys.drained, worker_id)
+    await (client.sadd if drained else client.srem)(keys.drained, worker_id)
 
 
-def live_workers(store: RequestStore, roles: tuple[str, ...], timeout_s: float) -> Any:
-    """The workers of each of `roles` that sent a heartbeat within timeout_s, in one round trip
-    (async store). -> {role: [WorkerInfo]}"""
-    def parse(got: tuple[dict[str, list[tuple[str, dict[str, str], tuple[int, str, int]]]], set[str]]
-              ) -> dict[str, list[WorkerInfo]]:
-        rows, drained = got
-        return {role: [WorkerInfo(worker_id=wid, role=role, address=h["address"],
-                                  free_slots=int(h.get("free_slots", 0)), capacity=int(h.get("capacity", 0)),
-                                  running=int(h.get("running", 0)),
-                                  kv_free_tokens=int(h.get("kv_free_tokens", 0)),
-                                  kv_total_tokens=int(h.get("kv_total_tokens", 0)),
-                                  kv_block_size=int(h.get("kv_block_size", 0)), reserved=int(h.get("reserved", 0)),
-                                  prefixes=tuple(h.get("prefixes", "").split()),
-                                  draining=h.get("draining") == "1" or wid in drained,
-                                  heartbeat_ms=int(h.get("heartbeat_ms", 0)), quarantined_until_ms=until,
-                                  quarantine_reason=reason, handoff_streak=streak)
-                       for wid, h, (until, reason, streak) in rows[role] if "address" in h]
-                for role in roles}
-    return _then(store.workers(roles, now_ms() - int(timeout_s * 1000)), parse)
+async def live_workers(store: AsyncStore, roles: tuple[str, ...], timeout_s: float) -> dict[str, list[WorkerInfo]]:
+    """The workers of each of `roles` that sent a heartbeat within timeout_s, in one round trip.
+    -> {role: [WorkerInfo]}"""
+    rows, drained = await store.workers(roles, now_ms() - int(timeout_s * 1000))
+    return {role: [WorkerInfo(worker_id=wid, role=role, address=h["address"],
+                              free_slots=int(h.get("free_slots", 0)), capacity=int(h.get("capacity", 0)),
+                              running=int(h.get("running", 0)),
+                              kv_free_tokens=int(h.get("kv_free_tokens", 0)),
+                              kv_total_tokens=int(h.get("kv_total_tokens", 0)),
+                              kv_block_size=int(h.get("kv_block_size", 0)), reserved=int(h.get("reserved", 0)),
+                              prefixes=tuple(h.get("prefixes", "").split()),
+                              draining=h.get("draining") == "1" or wid in drained,
+                              heartbeat_ms=int(h.get("heartbeat_ms", 0)), quarantined_until_ms=until,
+                              quarantine_reason=reason, handoff_streak=streak)
+                   for wid, h, (until, reason, streak) in rows[role] if "address" in h]
+            for role in roles}

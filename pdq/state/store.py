@@ -1,23 +1,28 @@
-"""The request store: typed calls to the Lua scripts (`pdq/lua/`, loaded by `pdq.state.keys`).
+"""The request store: typed calls to the Lua scripts (`pdq/state/lua/`, loaded by `pdq.state.keys`).
 
-Works with a sync `redis.Redis` (workers, whose model loop is a thread) and with a
-`redis.asyncio.Redis` (gateway, scheduler): every method returns its result, or an awaitable of
-it for an async client. Clients must use `decode_responses=False` (records hold protobuf bytes).
+`RequestStore` writes each operation once, as the `Call` it sends (`pdq.state.calls`); two stores
+run them: `AsyncStore` on a `redis.asyncio.Redis`, the services' (gateway, scheduler, a worker's
+RPC and heartbeat side), whose methods are `async def`; and `SyncStore` on a `redis.Redis`, the
+writer of a worker's model thread (and of tools and tests), whose methods return their result.
+Clients must use `decode_responses=False` (records hold protobuf bytes).
 Every write is safe to repeat (a `pdq.state.redisconn` client re-sends a command whose reply was lost);
 `pdq.state.keys` says why for each script. How a request ends, by every path: `pdq.state.ending`.
 """
 
-import inspect
+from __future__ import annotations
+
 import time
 import uuid
 from dataclasses import dataclass, fields, replace
 from collections.abc import Sequence
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
+import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
 from pdq.state.ending import FAILURE, KINDS, LOST, Ending
-from pdq.state.keys import SCRIPTS, Keys, pack
+from pdq.state.calls import AsyncRunner, Call, Command, Script, SyncRunner, command, op, pipeline, script
+from pdq.state.keys import Keys, pack
 from pdq.state.request import State
 from pdq.v1 import internal_pb2 as pb
 
@@ -28,22 +33,17 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def _then(value: Any, fn: Callable[[Any], Any]) -> Any:
-    if inspect.isawaitable(value):
-        async def run() -> Any:
-            return fn(await value)
-        return run()
-    return fn(value)
-
-
 class Deposed(Exception):
     """A leading scheduler's write was refused: another scheduler has been elected since
     (`scheduler.leader`); nothing was written."""
 
 
-def _fenced(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+R = TypeVar("R")
+
+
+def _fenced(fn: Callable[[Any], R]) -> Callable[[Any], R]:
     """Parses a fenced script's answer: 'FENCED' raises Deposed, anything else goes to fn."""
-    def parse(r: Any) -> Any:
+    def parse(r: Any) -> R:
         if r in (b"FENCED", "FENCED"):
             raise Deposed("another scheduler leads now: this one's write was refused")
         return fn(r)
@@ -54,7 +54,7 @@ def _str(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _record(raw: dict) -> dict:
+def _record(raw: dict[Any, Any]) -> dict[str, Any]:
     """A request hash as {field: str}, with `spec` (protobuf bytes) left as bytes."""
     return {_str(f): (v if _str(f) == "spec" else _str(v)) for f, v in raw.items()}
 
@@ -126,7 +126,7 @@ class Submitted:
     replicas: int = -1  # replicas that confirmed the write (`submit_replicated`); -1: not asked
 
 
-def _submitted(r: list) -> Submitted:
+def _submitted(r: list[Any]) -> Submitted:
     kind = int(r[0])
     if kind == -1:
         return Submitted("rejected", reason=_str(r[1]), drain_tokens=int(r[2]))
@@ -153,7 +153,7 @@ class TenantPolicy:
     max_queued_tokens: int | None = None
 
     @classmethod
-    def from_hash(cls, raw: dict) -> "TenantPolicy":
+    def from_hash(cls, raw: dict[Any, Any]) -> "TenantPolicy":
         """Reads the hash; a missing, malformed or non-positive number means the default."""
         h = {_str(k): _str(v) for k, v in raw.items()}
         return cls(weight=_positive(h.get("weight"), float), tier=h.get("tier") or None,
@@ -182,7 +182,7 @@ class QueuedHead:
     avoid: frozenset[str] = frozenset()
 
 
-class Snapshot(dict):
+class Snapshot(dict[str, list["TenantBacklog"]]):
     """{tier: [TenantBacklog]}, and `next_retry_ms`: the earliest time (Unix ms) a request held
     back after a failure may be dispatched (0 = none held back)."""
 
@@ -210,7 +210,7 @@ class StepArgs:
     args: list[Any]
     runs: list[int]
 
-    def kept(self, reply: list) -> list[bool]:
+    def kept(self, reply: list[Any]) -> list[bool]:
         """The script's answer per run -> True (kept) / False (drop) per item."""
         out: list[bool] = []
         for n, ok in zip(self.runs, reply):
@@ -230,7 +230,7 @@ def decode_logprobs(record: str) -> tuple[float, list[tuple[int, float]]]:
     return float(head), [(int(t), float(v)) for t, v in (x.split(":") for x in top)]
 
 
-def _transition_args(rid: str, epoch: int, state: State, fields: dict) -> list[Any]:
+def _transition_args(rid: str, epoch: int, state: State, fields: dict[str, Any]) -> list[Any]:
     return pack("transition", {"id": rid, "epoch": epoch, "state": state.value},
                 [x for name, value in fields.items() for x in (name, value)])
 
@@ -261,41 +261,6 @@ def _step_args(items: list[StepItem], result_ttl_s: int) -> StepArgs:
     return StepArgs(pack("step", {"now": now_ms(), "ttl": result_ttl_s}, args), runs)
 
 
-class SentStep:
-    """A step sent by `RequestStore.send_step` whose reply is not read yet. `result()` reads it
-    once: -> per item True (kept) / False (drop); raises what the call would have raised."""
-
-    def __init__(self, store: "RequestStore", args: StepArgs):
-        self._store, self._args = store, args
-        self._pool = store.client.connection_pool
-        self._conn: Any = self._pool.get_connection()
-        try:
-            self._conn.send_command("EVALSHA", store._scripts["step"].sha, 0, store.keys.prefix, *args.args)
-        except BaseException:
-            self._release(broken=True)
-            raise
-
-    def result(self) -> list[bool]:
-        if self._conn is None:
-            raise RuntimeError("a step's reply is read once")
-        try:
-            reply = self._conn.read_response()
-        except NoScriptError:  # this Redis had not seen the script: nothing was applied, run it whole
-            self._release()
-            return self._store._apply_step(self._args)
-        except BaseException:
-            self._release(broken=True)
-            raise
-        self._release()
-        return self._args.kept(reply)
-
-    def _release(self, broken: bool = False) -> None:
-        if broken:
-            self._conn.disconnect()  # a reply may be in flight: never hand this socket out again
-        self._pool.release(self._conn)
-        self._conn = None
-
-
 @dataclass(frozen=True)
 class HandoffRecord:
     """A worker's KV hand-off record after HANDOFFS counted a batch: failed hand-offs in a row,
@@ -312,45 +277,53 @@ class HandoffRecord:
 HEALTH_TTL_MS = 3600_000  # a worker's hand-off record lasts this long after its last change
 
 
+def _pair(r: Any) -> tuple[int, int]:
+    return int(r[0]), int(r[1])
+
+
+def _state(r: Any) -> State | None:
+    return State(_str(r)) if r else None
+
+
+Registry = tuple[dict[str, list[tuple[str, dict[str, str], tuple[int, str, int]]]], set[str]]
+
+
 class RequestStore:
-    def __init__(self, client: Any, prefix: str = "pdq", result_ttl_s: int = 3600, retry: RetryLimits = RetryLimits()):
-        self.client = client
-        self.keys = Keys(prefix)
+    """The operations on pdq's Redis state, each written once as the `Call` it sends (`@op`);
+    run by an `AsyncStore` or a `SyncStore`."""
+
+    keys: Keys
+
+    def __init__(self, result_ttl_s: int = 3600, retry: RetryLimits = RetryLimits()):
         self.result_ttl_s = result_ttl_s
         self.retry = retry
-        self._scripts = {name: client.register_script(src) for name, src in SCRIPTS.items()}
 
-    def _run(self, name: str, args: list[Any]) -> Any:
-        """Runs script `name` with `args` in wire order (`pack`), after the key prefix."""
-        return self._scripts[name](keys=[], args=[self.keys.prefix, *args])
-
-    def _call(self, name: str, tail: Sequence[Any] = (), **named: Any) -> Any:
-        """Runs script `name` with its arguments by name (its `-- ARGS:` line), then `tail`."""
-        return self._run(name, pack(name, named, tail))
+    def _script(self, name: str, parse: Callable[[Any], R], tail: Sequence[Any] = (), **named: Any) -> Call[R]:
+        """A call of script `name` with its arguments by name (its `-- ARGS:` line), then `tail`."""
+        return script(name, pack(name, named, tail), parse)
 
     # -- the queue: the scheduler's calls --------------------------------------------------
 
+    @op
     def submit(self, spec: pb.RequestSpec, idempotency_key: str = "", limits: QueueLimits = QueueLimits(),
-               seq: int = 0, score: float | None = None) -> Any:
+               seq: int = 0, score: float | None = None) -> Call[Submitted]:
         """Writes and queues a request in its tier and tenant queue, unless a bound is reached.
         `score` orders it in its tenant's queue (default: `seq`, arrival order); seq 0 takes the
         next arrival number. The record keeps `spec.content_hash` and the client's request id
         (`spec.client_request_id`, else the idempotency key); a key or request id that names a
         request with another content hash is a "conflict". A replay of this call (its reply
         lost) answers as the first run did. -> Submitted."""
-        return _then(self._run("submit", self._submit_args(spec, idempotency_key, limits, seq, score)), _submitted)
+        return script("submit", self._submit_args(spec, idempotency_key, limits, seq, score), _submitted)
 
-    async def submit_replicated(self, spec: pb.RequestSpec, idempotency_key: str, limits: QueueLimits, seq: int,
-                                score: float | None, replicas: int, timeout_ms: int) -> "Submitted":
-        """`submit` (asyncio client only), then Redis's WAIT on the same connection: it answers
-        once `replicas` replicas have the write, or after `timeout_ms`. -> Submitted, with
-        `replicas` the number that confirmed it."""
-        pipe = self.client.pipeline(transaction=False)
-        await self._scripts["submit"](keys=[], args=[self.keys.prefix, *self._submit_args(
-            spec, idempotency_key, limits, seq, score)], client=pipe)
-        pipe.execute_command("WAIT", replicas, timeout_ms)
-        reply, confirmed = await pipe.execute()
-        return replace(_submitted(reply), replicas=int(confirmed))
+    @op
+    def submit_replicated(self, spec: pb.RequestSpec, idempotency_key: str, limits: QueueLimits, seq: int,
+                          score: float | None, replicas: int, timeout_ms: int) -> Call[Submitted]:
+        """`submit`, then Redis's WAIT on the same connection: it answers once `replicas` replicas
+        have the write, or after `timeout_ms`. -> Submitted, with `replicas` the number that
+        confirmed it."""
+        return Call((Script("submit", self._submit_args(spec, idempotency_key, limits, seq, score)),
+                     ("WAIT", replicas, timeout_ms)),
+                    lambda r: replace(_submitted(r[0]), replicas=int(r[1])))
 
     def _submit_args(self, spec: pb.RequestSpec, idempotency_key: str, limits: QueueLimits, seq: int,
                      score: float | None) -> list[Any]:
@@ -363,12 +336,13 @@ class RequestStore:
             token=uuid.uuid4().hex[:16], content_hash=spec.content_hash,
             client_request_id=spec.client_request_id or idempotency_key))
 
-    def snapshot(self, tiers: list[str], max_tenants: int, max_heads: int) -> Any:
+    @op
+    def snapshot(self, tiers: list[str], max_tenants: int, max_heads: int) -> Call[Snapshot]:
         """A bounded view of the queue: per tier (in the order given), up to `max_tenants`
         backlogged tenants with the lowest counters, each with up to `max_heads` requests from
         the head of its queue, leaving out requests held back after a failure (until their
         retry_at). -> Snapshot"""
-        def parse(raw: list) -> Snapshot:
+        def parse(raw: list[Any]) -> Snapshot:
             out = Snapshot()
             for tier, rows in zip(tiers, raw):
                 backlogs = []
@@ -380,10 +354,11 @@ class RequestStore:
                 out[tier] = backlogs
             out.next_retry_ms = int(raw[len(tiers)])
             return out
-        return _then(self._call("snapshot", tiers, max_tenants=max_tenants, max_heads=max_heads, now=now_ms()), parse)
+        return self._script("snapshot", parse, tiers, max_tenants=max_tenants, max_heads=max_heads, now=now_ms())
 
+    @op
     def claim(self, placed: list[tuple[str, str]], worker_id: str, address: str = "", lease_ms: int = 60_000,
-              default_weight: float = 1.0, token: str = "", fence: int = 0) -> Any:
+              default_weight: float = 1.0, token: str = "", fence: int = 0) -> Call[list[Claimed]]:
         """Moves queued requests to PREFILLING on prefill worker `worker_id` (at `address`), each
         leased to it and to its decode worker: `placed` is [(request id, decode worker id)].
         The prefill lease runs `lease_ms`. Charges each tenant's counter. `token` names this
@@ -393,204 +368,215 @@ class RequestStore:
         now = now_ms()
         pairs = [x for rid, decode_id in placed for x in (rid, decode_id)]
 
-        def parse(r: list) -> list[Claimed]:
+        def parse(r: list[Any]) -> list[Claimed]:
             return [Claimed(rid, int(ep), spec or None) for (rid, _), (ep, spec) in zip(placed, r)]
-        return _then(self._call("claim", pairs, now=now, worker=worker_id, address=address, lease_until=now + lease_ms,
-                                weight=default_weight, token=token or uuid.uuid4().hex[:16], fence=fence),
-                     _fenced(parse))
+        return self._script("claim", _fenced(parse), pairs, now=now, worker=worker_id, address=address,
+                            lease_until=now + lease_ms, weight=default_weight, token=token or uuid.uuid4().hex[:16],
+                            fence=fence)
 
-    def expire_deadlines(self, limit: int = 256, fence: int = 0) -> Any:
+    @op
+    def expire_deadlines(self, limit: int = 256, fence: int = 0) -> Call[int]:
         """Ends (TIMED_OUT) live requests past their deadline. -> how many were due.
         `fence`: as for claim."""
-        return _then(self._call("expire_deadlines", now=now_ms(), limit=limit, ttl=self.result_ttl_s, fence=fence),
-                     _fenced(int))
+        return self._script("expire_deadlines", _fenced(int), now=now_ms(), limit=limit, ttl=self.result_ttl_s,
+                            fence=fence)
 
-    def next_deadline_ms(self) -> Any:
+    @op
+    def next_deadline_ms(self) -> Call[int | None]:
         """The earliest deadline (Unix ms) of a live request, or None."""
-        def first(rows: list) -> int | None:
-            return int(rows[0][1]) if rows else None
-        return _then(self.client.zrange(self.keys.deadlines, 0, 0, withscores=True), first)
+        return command("ZRANGE", self.keys.deadlines, 0, 0, "WITHSCORES",
+                       parse=lambda flat: int(float(flat[1])) if flat else None)
 
-    def reap_worker(self, worker_id: str, max_attempts: int, fence: int = 0) -> Any:
+    @op
+    def reap_worker(self, worker_id: str, max_attempts: int, fence: int = 0) -> Call[tuple[int, int]]:
         """Gives back the attempts of a worker that stopped heartbeating: lost attempts (they
         count towards `retry.max_lost`, not max_attempts). `fence`: as for claim.
         -> (requeued, failed)"""
-        return _then(self._call("reap_worker", worker=worker_id, now=now_ms(), max_attempts=max_attempts,
-                                ttl=self.result_ttl_s, max_lost=self.retry.max_lost, fence=fence),
-                     _fenced(lambda r: (int(r[0]), int(r[1]))))
+        return self._script("reap_worker", _fenced(_pair), worker=worker_id, now=now_ms(), max_attempts=max_attempts,
+                            ttl=self.result_ttl_s, max_lost=self.retry.max_lost, fence=fence)
 
-    def expire_leases(self, max_attempts: int, limit: int = 256, fence: int = 0) -> Any:
+    @op
+    def expire_leases(self, max_attempts: int, limit: int = 256, fence: int = 0) -> Call[tuple[int, int]]:
         """Gives back requests whose prefill lease expired: lost attempts. `fence`: as for
         claim. -> (requeued, failed)"""
-        return _then(self._call("expire_leases", now=now_ms(), max_attempts=max_attempts, ttl=self.result_ttl_s,
-                                limit=limit, max_lost=self.retry.max_lost, fence=fence),
-                     _fenced(lambda r: (int(r[0]), int(r[1]))))
+        return self._script("expire_leases", _fenced(_pair), now=now_ms(), max_attempts=max_attempts,
+                            ttl=self.result_ttl_s, limit=limit, max_lost=self.retry.max_lost, fence=fence)
 
     # -- who dispatches: the scheduler's lease (scheduler.leader) ----------------------------
 
-    def lead(self, scheduler_id: str, lease_ms: int) -> Any:
+    @op
+    def lead(self, scheduler_id: str, lease_ms: int) -> Call[tuple[int, str]]:
         """Takes or renews the dispatch lease for `scheduler_id`, for `lease_ms`.
         -> (epoch it leads under, holder id); epoch 0 while another scheduler holds it."""
-        return _then(self._call("lead", id=scheduler_id, lease=lease_ms), lambda r: (int(r[0]), _str(r[1])))
+        return self._script("lead", lambda r: (int(r[0]), _str(r[1])), id=scheduler_id, lease=lease_ms)
 
-    def resign(self, scheduler_id: str) -> Any:
+    @op
+    def resign(self, scheduler_id: str) -> Call[bool]:
         """Frees the dispatch lease if `scheduler_id` holds it. -> whether it did."""
-        return _then(self._call("resign", id=scheduler_id), lambda r: bool(int(r)))
+        return self._script("resign", lambda r: bool(int(r)), id=scheduler_id)
 
-    def handoffs(self, event: str, outcomes: list[tuple[str, str, bool]]) -> Any:
+    # -- workers: hand-off health and the registry -------------------------------------------
+
+    @op
+    def handoffs(self, event: str, outcomes: list[tuple[str, str, bool]]) -> Call[list[HandoffRecord]]:
         """Counts KV hand-off outcomes, in order: (worker id, the other side's id, ok) each, a
         hand-off counting for both of its workers (pass it once per side). `event` names the
         call (the batch id): a replay is not counted twice. -> [HandoffRecord] per worker."""
         args: list[Any] = []
         for worker, peer, ok in outcomes:
             args += [worker, peer, int(ok)]
-        return _then(self._call("handoffs", args, event=event, ttl=HEALTH_TTL_MS),
-                     lambda r: [HandoffRecord(_str(w), int(s), int(p), int(t), int(u)) for w, s, p, t, u in r])
+        return self._script("handoffs", lambda r: [HandoffRecord(_str(w), int(s), int(p), int(t), int(u))
+                                                   for w, s, p, t, u in r],
+                            args, event=event, ttl=HEALTH_TTL_MS)
 
-    def quarantine(self, worker_id: str, until_ms: int, reason: str, times: int) -> Any:
+    @op
+    def quarantine(self, worker_id: str, until_ms: int, reason: str, times: int) -> Call[bool]:
         """Quarantines a worker until `until_ms`, unless its quarantine count moved on from
         `times` (someone else did it). -> True when quarantined."""
-        return _then(self._call("quarantine", worker=worker_id, until_ms=until_ms, reason=reason, times=times,
-                                now=now_ms(), ttl=HEALTH_TTL_MS), bool)
+        return self._script("quarantine", bool, worker=worker_id, until_ms=until_ms, reason=reason, times=times,
+                            now=now_ms(), ttl=HEALTH_TTL_MS)
 
-    def heartbeat(self, worker_id: str, role: str, ttl_ms: int, facts: dict[str, Any]) -> Any:
+    @op
+    def heartbeat(self, worker_id: str, role: str, ttl_ms: int, facts: dict[str, Any]) -> Call[None]:
         """Registers or refreshes a worker's registry entry (`facts`: its hash fields), expiring
         after ttl_ms; tells the scheduler on the heartbeat channel while requests are queued."""
         args: list[Any] = []
         for name, value in facts.items():
             args += [name, value]
-        return self._call("heartbeat", args, worker=worker_id, role=role, ttl=ttl_ms, now=now_ms())
+        return self._script("heartbeat", lambda r: None, args, worker=worker_id, role=role, ttl=ttl_ms, now=now_ms())
 
-    def workers(self, roles: tuple[str, ...], cutoff_ms: int) -> Any:
+    @op
+    def workers(self, roles: tuple[str, ...], cutoff_ms: int) -> Call[Registry]:
         """The registry in one round trip: the workers of each role that heartbeat at or after
         cutoff_ms, each with its hash and its quarantine (until ms, reason) and hand-off failure
         streak, and the ids an operator drained.
         -> ({role: [(worker id, {field: value}, (until ms, reason, streak))]}, {drained ids})"""
-        def parse(raw: list) -> tuple[dict[str, list[tuple[str, dict[str, str], tuple[int, str, int]]]], set[str]]:
+        def parse(raw: list[Any]) -> Registry:
             out = {}
             for role, rows in zip(roles, raw):
                 out[role] = [(_str(wid), {_str(flat[i]): _str(flat[i + 1]) for i in range(0, len(flat), 2)},
                               (int(q[0]), _str(q[1]), int(q[2])))
                              for wid, flat, q in rows]
             return out, {_str(d) for d in raw[len(roles)]}
-        return _then(self._call("workers", roles, cutoff=cutoff_ms), parse)
+        return self._script("workers", parse, roles, cutoff=cutoff_ms)
 
-    def load(self) -> Any:
+    # -- queue state and tenants: the operator's calls ----------------------------------------
+
+    @op
+    def load(self) -> Call[dict[str, int]]:
         """Queued work: {"n": requests, "tokens": tokens, "n:{tenant}": ..., "tokens:{tenant}": ...},
         and "running", "running:{tenant}": requests claimed and not ended."""
-        return _then(self.client.hgetall(self.keys.load), lambda raw: {_str(k): int(v) for k, v in raw.items()})
+        return command("HGETALL", self.keys.load, parse=lambda raw: {_str(k): int(v) for k, v in raw.items()})
 
-    def tenant_policy(self, tenant: str) -> Any:
-        return _then(self.client.hgetall(self.keys.tenant(tenant)), TenantPolicy.from_hash)
+    @op
+    def tenant_policy(self, tenant: str) -> Call[TenantPolicy]:
+        return command("HGETALL", self.keys.tenant(tenant), parse=TenantPolicy.from_hash)
 
-    def policy_and_seq(self, tenant: str) -> Any:
+    @op
+    def policy_and_seq(self, tenant: str) -> Call[tuple[TenantPolicy, int]]:
         """The tenant's policy and the next arrival number (for an order score computed before
         submit), in one round trip (a replay skips an arrival number: harmless, the numbers only
         order). -> (TenantPolicy, seq)"""
-        pipe = self.client.pipeline(transaction=False)
-        pipe.hgetall(self.keys.tenant(tenant))
-        pipe.incr(self.keys.seq)
-        return _then(pipe.execute(), lambda r: (TenantPolicy.from_hash(r[0]), int(r[1])))
+        return pipeline([("HGETALL", self.keys.tenant(tenant)), ("INCR", self.keys.seq)],
+                        lambda r: (TenantPolicy.from_hash(r[0]), int(r[1])))
 
-    def set_tenant_policy(self, tenant: str, policy: TenantPolicy) -> Any:
+    @op
+    def set_tenant_policy(self, tenant: str, policy: TenantPolicy) -> Call[None]:
         """Writes a tenant's policy; None fields are removed (back to the default)."""
-        pipe = self.client.pipeline(transaction=True)
         key = self.keys.tenant(tenant)
+        cmds: list[Command] = []
         for f in fields(policy):
             value = getattr(policy, f.name)
-            if value is None:
-                pipe.hdel(key, f.name)
-            else:
-                pipe.hset(key, f.name, value)
+            cmds.append(("HDEL", key, f.name) if value is None else ("HSET", key, f.name, value))
         if any(getattr(policy, f.name) is not None for f in fields(policy)):
-            pipe.sadd(self.keys.tenants, tenant)
+            cmds.append(("SADD", self.keys.tenants, tenant))
         else:
-            pipe.srem(self.keys.tenants, tenant)
-        return pipe.execute()
+            cmds.append(("SREM", self.keys.tenants, tenant))
+        return pipeline(cmds, lambda r: None, transaction=True)
 
-    def tenants(self) -> Any:
+    @op
+    def tenants(self) -> Call[list[str]]:
         """Names of the tenants with a policy, sorted."""
-        return _then(self.client.smembers(self.keys.tenants), lambda r: sorted(_str(t) for t in r))
+        return command("SMEMBERS", self.keys.tenants, parse=lambda r: sorted(_str(t) for t in r))
 
-    def depth(self, tiers: list[str]) -> Any:
+    @op
+    def depth(self, tiers: list[str]) -> Call[list[tuple[str, str, int, int]]]:
         """Queued work per tier and tenant: [(tier, tenant, requests, tokens)]."""
-        pipe = self.client.pipeline(transaction=False)
-        for tier in tiers:
-            pipe.hgetall(self.keys.depth(tier))
-
-        def parse(raw: list) -> list[tuple[str, str, int, int]]:
+        def parse(raw: list[Any]) -> list[tuple[str, str, int, int]]:
             out = []
             for tier, h in zip(tiers, raw):
                 h = {_str(k): int(v) for k, v in h.items()}
                 out += [(tier, f[2:], n, h.get("tokens:" + f[2:], 0)) for f, n in sorted(h.items()) if f.startswith("n:")]
             return out
-        return _then(pipe.execute(), parse)
+        return pipeline([("HGETALL", self.keys.depth(tier)) for tier in tiers], parse)
 
-    def pause(self, tier: str = "", tenant: str = "", paused: bool = True) -> Any:
-        """Stops (or with paused=False resumes) dispatching a tier's or a tenant's queued requests."""
+    @op
+    def pause(self, tier: str = "", tenant: str = "", paused: bool = True) -> Call[int]:
+        """Stops (or with paused=False resumes) dispatching a tier's or a tenant's queued
+        requests. -> how many of the names given changed."""
         members = ([f"tier:{tier}"] if tier else []) + ([f"tenant:{tenant}"] if tenant else [])
         if not members:
             raise ValueError("pause needs a tier or a tenant")
         if paused:
-            return self.client.sadd(self.keys.paused, *members)
-        pipe = self.client.pipeline(transaction=True)  # resumed: wake a scheduler whose queue looked empty
-        pipe.srem(self.keys.paused, *members)
-        pipe.publish(self.keys.queued_channel, "")
-        return _then(pipe.execute(), lambda replies: replies[0])
+            return command("SADD", self.keys.paused, *members, parse=int)
+        # resumed: wake a scheduler whose queue looked empty
+        return pipeline([("SREM", self.keys.paused, *members), ("PUBLISH", self.keys.queued_channel, "")],
+                        lambda replies: int(replies[0]), transaction=True)
 
-    def announce(self, request_id: str) -> Any:
+    @op
+    def announce(self, request_id: str) -> Call[int]:
         """Tells the leading scheduler that `request_id` was queued by another one (a standby's
         submit): the queued channel wakes its dispatch loop."""
-        return self.client.publish(self.keys.queued_channel, request_id)
+        return command("PUBLISH", self.keys.queued_channel, request_id, parse=int)
 
-    def paused(self) -> Any:
+    @op
+    def paused(self) -> Call[tuple[list[str], list[str]]]:
         """-> (paused tiers, paused tenants), sorted."""
-        def parse(raw: set) -> tuple[list[str], list[str]]:
+        def parse(raw: set[Any]) -> tuple[list[str], list[str]]:
             names = sorted(_str(m) for m in raw)
             return ([n[5:] for n in names if n.startswith("tier:")], [n[7:] for n in names if n.startswith("tenant:")])
-        return _then(self.client.smembers(self.keys.paused), parse)
+        return command("SMEMBERS", self.keys.paused, parse=parse)
 
-    def end_tenant(self, tenant: str, ending: Ending) -> Any:
+    @op
+    def end_tenant(self, tenant: str, ending: Ending) -> Call[int]:
         """Ends every live request of a tenant, in any state (a cancel: `Ending.cancelled`).
         -> how many"""
         if ending.state != State.CANCELLED:
             raise ValueError("a tenant's requests end only CANCELLED")
-        return _then(self._call("cancel_tenant", tenant=tenant, reason=ending.error, now=now_ms(), ttl=self.result_ttl_s),
-                     int)
+        return self._script("cancel_tenant", int, tenant=tenant, reason=ending.error, now=now_ms(),
+                            ttl=self.result_ttl_s)
 
-    def set_deadline(self, rid: str, deadline_ms: int) -> Any:
+    @op
+    def set_deadline(self, rid: str, deadline_ms: int) -> Call[State | None]:
         """Moves a live request's absolute deadline: the scheduler's janitor enforces it, workers
         running the request hear of it on the deadline channel. -> state, None if unknown"""
-        return _then(self._call("set_deadline", id=rid, deadline=deadline_ms), lambda r: State(_str(r)) if r else None)
+        return self._script("set_deadline", _state, id=rid, deadline=deadline_ms)
 
+    @op
     def list_requests(self, tenant: str = "", state: str = "", tier: str = "", limit: int = 100,
-                      cursor: str = "", max_scan: int = 5000) -> Any:
+                      cursor: str = "", max_scan: int = 5000) -> Call[tuple[list[str], str]]:
         """Request ids newest first (by arrival), filtered by tenant, state and tier, looking at
         no more than `max_scan` index entries (so a page may be short). `cursor` is a previous
         call's next cursor. -> (ids, next cursor; "" when there is no more)"""
-        return _then(self._call("list_requests", tenant=tenant, state=state, tier=tier, limit=limit, cursor=cursor,
-                                scan=max_scan), lambda r: ([_str(i) for i in r[0]], _str(r[1])))
+        return self._script("list_requests", lambda r: ([_str(i) for i in r[0]], _str(r[1])), tenant=tenant,
+                            state=state, tier=tier, limit=limit, cursor=cursor, scan=max_scan)
 
-    def records(self, rids: list[str]) -> Any:
+    @op
+    def records(self, rids: list[str]) -> Call[list[dict[str, Any]]]:
         """The records of several requests (see `record`), in order; {} for unknown ids."""
-        pipe = self.client.pipeline(transaction=False)
-        for rid in rids:
-            pipe.hgetall(self.keys.request(rid))
+        return pipeline([("HGETALL", self.keys.request(rid)) for rid in rids], lambda raws: [_record(r) for r in raws])
 
-        return _then(pipe.execute(), lambda raws: [_record(raw) for raw in raws])
-
-    def prompts(self, rids: list[str]) -> Any:
+    @op
+    def prompts(self, rids: list[str]) -> Call[list[tuple[int, ...]]]:
         """The prompt token ids of several requests, in order, in one round trip; () for an
         unknown id (read-only: the scheduler places a request by them before it claims it)."""
-        pipe = self.client.pipeline(transaction=False)
-        for rid in rids:
-            pipe.hget(self.keys.request(rid), "spec")
-        return _then(pipe.execute(), lambda raws: [tuple(spec_from_bytes(raw).prompt_token_ids) if raw else ()
-                                                   for raw in raws])
+        return pipeline([("HGET", self.keys.request(rid), "spec") for rid in rids],
+                        lambda raws: [tuple(spec_from_bytes(raw).prompt_token_ids) if raw else () for raw in raws])
 
     # -- a request's life: the workers' and the gateway's calls ----------------------------
 
-    def requeue(self, rid: str, epoch: int, error: str, max_attempts: int, kind: str = FAILURE) -> Any:
+    @op
+    def requeue(self, rid: str, epoch: int, error: str, max_attempts: int, kind: str = FAILURE) -> Call[str | None]:
         """Gives back attempt `epoch` of a request: back in the queue, or FAILED when its bound
         is reached. kind FAILURE (the request's own: counts towards max_attempts, the attempt's
         workers are avoided next time, after a backoff), LOST (infrastructure: counts towards
@@ -598,97 +584,148 @@ class RequestStore:
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         r = self.retry
-        return _then(self._call("requeue", id=rid, epoch=epoch, now=now_ms(), max_attempts=max_attempts, error=error,
-                                ttl=self.result_ttl_s, kind=kind, max_lost=r.max_lost, backoff_ms=r.backoff_ms,
-                                backoff_max_ms=r.backoff_max_ms), lambda r: _str(r) if r else None)
+        return self._script("requeue", lambda x: _str(x) if x else None, id=rid, epoch=epoch, now=now_ms(),
+                            max_attempts=max_attempts, error=error, ttl=self.result_ttl_s, kind=kind,
+                            max_lost=r.max_lost, backoff_ms=r.backoff_ms, backoff_max_ms=r.backoff_max_ms)
 
-    def transition(self, rid: str, epoch: int, state: State, **fields: Any) -> Any:
+    @op
+    def transition(self, rid: str, epoch: int, state: State, /, **fields: Any) -> Call[Moved | bool]:
         """Moves a live request of this epoch to `state`, setting fields. -> Moved, or False
         when the epoch is stale or the request ended."""
-        return _then(self._run("transition", _transition_args(rid, epoch, state, fields)), _moved)
+        return script("transition", _transition_args(rid, epoch, state, fields), _moved)
 
-    def step(self, items: list[StepItem]) -> Any:
+    @op
+    def step(self, items: list[StepItem]) -> Call[list[bool]]:
         """Appends tokens / ends requests in one round trip. -> per item True (kept) / False (drop)."""
         step = _step_args(items, self.result_ttl_s)
-        return _then(self._run("step", step.args), step.kept)
+        return script("step", step.args, step.kept)
 
-    def step_and_transition(self, items: list[StepItem], moves: list[tuple[str, int, State, dict]]
-                            ) -> tuple[list[bool], list["Moved | bool"]]:
+    @op
+    def step_and_transition(self, items: list[StepItem], moves: list[tuple[str, int, State, dict[str, Any]]]
+                            ) -> Call[tuple[list[bool], list[Moved | bool]]]:
         """`step(items)`, then `transition(rid, epoch, state, **fields)` of each move, applied in
-        that order in one round trip (sync client only): a colocated prefill's first tokens and
-        the DECODING moves of the prompts its decode side takes. -> (step's kept, per move
-        whether it moved). A command whose script this Redis had not seen was not applied; it
-        runs again (loading it), after those before it."""
+        that order in one round trip: a colocated prefill's first tokens and the DECODING moves
+        of the prompts its decode side takes. -> (step's kept, per move whether it moved). A
+        script this Redis had not seen was not applied; it runs again (loading it), after those
+        before it."""
         step = _step_args(items, self.result_ttl_s)
-        calls = [("step", step.args)]
-        for rid, epoch, state, extra in moves:
-            calls.append(("transition", _transition_args(rid, epoch, state, extra)))
-        pipe = self.client.pipeline(transaction=False)
-        for name, args in calls:  # EVALSHA without redis-py's per-execute SCRIPT EXISTS round trip
-            pipe.evalsha(self._scripts[name].sha, 0, self.keys.prefix, *args)
-        replies = pipe.execute(raise_on_error=False)
-        for i, reply in enumerate(replies):
-            if isinstance(reply, NoScriptError):
-                replies[i] = self._run(*calls[i])
-            elif isinstance(reply, Exception):
-                raise reply
-        return step.kept(replies[0]), [_moved(r) for r in replies[1:]]
+        parts = [Script("step", step.args)]
+        parts += [Script("transition", _transition_args(rid, epoch, state, extra)) for rid, epoch, state, extra in moves]
+        return Call(tuple(parts), lambda replies: (step.kept(replies[0]), [_moved(r) for r in replies[1:]]))
 
-    def send_step(self, items: list[StepItem]) -> "SentStep":
-        """`step` in two halves, sync client only: the command goes out now, on a connection of
-        its own, and `SentStep.result()` reads its reply later. A model loop sends a step's tokens
-        and reads the reply after its next forward pass, so Redis applies them meanwhile instead
-        of the model waiting for the round trip. Until the reply is read, a command sent on another
-        connection may be applied before it: a caller that needs the step applied first (a
-        requeue) reads the reply first."""
-        return SentStep(self, _step_args(items, self.result_ttl_s))
-
-    def _apply_step(self, step: StepArgs) -> list[bool]:
-        """`step` with arguments `_step_args` made (a SentStep's fallback)."""
-        return step.kept(self._run("step", step.args))
-
-    def end(self, rid: str, ending: Ending, epoch: int | None = None) -> Any:
+    @op
+    def end(self, rid: str, ending: Ending, epoch: int | None = None) -> Call[State | None]:
         """Ends a request from outside its worker's step: the one call of every such path (see
         `pdq.state.ending`). With `epoch`, only while that attempt is the current one (a worker ending
         its own attempt). Ends it once: a request that has ended keeps its state.
         -> the state after, None if unknown."""
-        return _then(self._call("finish", id=rid, state=ending.state.value, reason=ending.reason, error=ending.error,
-                                now=now_ms(), ttl=self.result_ttl_s, epoch="" if epoch is None else epoch),
-                     lambda r: State(_str(r)) if r else None)
+        return self._script("finish", _state, id=rid, state=ending.state.value, reason=ending.reason,
+                            error=ending.error, now=now_ms(), ttl=self.result_ttl_s,
+                            epoch="" if epoch is None else epoch)
 
-    def record(self, rid: str) -> Any:
+    @op
+    def record(self, rid: str) -> Call[dict[str, Any]]:
         """The request record as {field: str}, with `spec` left as bytes; {} when unknown."""
-        return _then(self.client.hgetall(self.keys.request(rid)), _record)
+        return command("HGETALL", self.keys.request(rid), parse=_record)
 
-    def states(self, rids: list[str]) -> Any:
+    @op
+    def states(self, rids: list[str]) -> Call[list[State | None]]:
         """The states of several requests, in order, in one round trip (None: unknown)."""
-        pipe = self.client.pipeline(transaction=False)
-        for rid in rids:
-            pipe.hget(self.keys.request(rid), "state")
-        return _then(pipe.execute(), lambda raw: [State(_str(v)) if v else None for v in raw])
+        return pipeline([("HGET", self.keys.request(rid), "state") for rid in rids],
+                        lambda raw: [State(_str(v)) if v else None for v in raw])
 
-    def deadlines(self, rids: list[str]) -> Any:
+    @op
+    def deadlines(self, rids: list[str]) -> Call[list[int]]:
         """The deadlines (Unix ms, 0 = none or unknown) the records of `rids` hold now, in one
         round trip. A worker checks them before it times a request out: an operator may have
         moved one and the worker missed the notice."""
-        pipe = self.client.pipeline(transaction=False)
-        for rid in rids:
-            pipe.hget(self.keys.request(rid), "deadline_ms")
-        return _then(pipe.execute(), lambda raw: [int(v or 0) for v in raw])
+        return pipeline([("HGET", self.keys.request(rid), "deadline_ms") for rid in rids],
+                        lambda raw: [int(v or 0) for v in raw])
 
-    def record_fields(self, rid: str, names: tuple[str, ...]) -> Any:
+    @op
+    def record_fields(self, rid: str, names: tuple[str, ...]) -> Call[dict[str, str]]:
         """Some fields of the request record as {field: str}, those it has (no `spec` bytes)."""
-        return _then(self.client.hmget(self.keys.request(rid), names),
-                     lambda values: {n: _str(v) for n, v in zip(names, values) if v is not None})
+        return command("HMGET", self.keys.request(rid), *names,
+                       parse=lambda values: {n: _str(v) for n, v in zip(names, values) if v is not None})
 
-    def streamed_tokens(self, rid: str) -> Any:
+    @op
+    def streamed_tokens(self, rid: str) -> Call[list[int]]:
         """Token ids already written to the output stream, in index order."""
-        def tokens(entries: list) -> list[int]:
-            return [int(t) for _, f in entries if b"i" in f for t in f[b"t"].split(b",")]
-        return _then(self.client.xrange(self.keys.output(rid)), tokens)
+        return command("XRANGE", self.keys.output(rid), "-", "+",
+                       parse=lambda entries: [int(t) for _, f in entries if b"i" in f for t in f[b"t"].split(b",")])
 
-    def lookup_idempotent(self, tenant: str, key: str) -> Any:
-        return _then(self.client.get(self.keys.idempotency(tenant, key)), lambda r: _str(r) if r else None)
+    @op
+    def lookup_idempotent(self, tenant: str, key: str) -> Call[str | None]:
+        """The request an idempotency key names for this tenant, None when none."""
+        return command("GET", self.keys.idempotency(tenant, key), parse=lambda r: _str(r) if r else None)
+
+
+class AsyncStore(RequestStore, AsyncRunner):
+    """The services' store (gateway, scheduler, a worker's RPC and heartbeat side), on a
+    `redis.asyncio.Redis`: each `RequestStore` operation is a coroutine."""
+
+    def __init__(self, client: Any, prefix: str = "pdq", result_ttl_s: int = 3600,
+                 retry: RetryLimits = RetryLimits()):
+        if not isinstance(client, aioredis.Redis):
+            raise TypeError(f"an AsyncStore needs a redis.asyncio.Redis client, got {type(client).__name__}")
+        RequestStore.__init__(self, result_ttl_s, retry)
+        AsyncRunner.__init__(self, client, prefix)
+
+
+class SyncStore(RequestStore, SyncRunner):
+    """A worker model thread's writer (and tools' and tests' store), on a `redis.Redis`: each
+    `RequestStore` operation returns its result; `send_step` sends a step and reads its reply later."""
+
+    def __init__(self, client: Any, prefix: str = "pdq", result_ttl_s: int = 3600,
+                 retry: RetryLimits = RetryLimits()):
+        if isinstance(client, aioredis.Redis):
+            raise TypeError("a SyncStore needs a redis.Redis client, got a redis.asyncio one (use AsyncStore)")
+        RequestStore.__init__(self, result_ttl_s, retry)
+        SyncRunner.__init__(self, client, prefix)
+
+    def send_step(self, items: list[StepItem]) -> SentStep:
+        """`step` in two halves: the command goes out now, on a connection of its own, and
+        `SentStep.result()` reads its reply later. A model loop sends a step's tokens and reads the
+        reply after its next forward pass, so Redis applies them meanwhile instead of the model
+        waiting for the round trip. Until the reply is read, a command sent on another connection
+        may be applied before it: a caller that needs the step applied first (a requeue) reads
+        the reply first."""
+        return SentStep(self, _step_args(items, self.result_ttl_s))
+
+
+class SentStep:
+    """A step sent by `SyncStore.send_step` whose reply is not read yet. `result()` reads it
+    once: -> per item True (kept) / False (drop); raises what the call would have raised."""
+
+    def __init__(self, store: SyncStore, args: StepArgs):
+        self._store, self._args = store, args
+        self._pool = store.client.connection_pool
+        self._conn: Any = self._pool.get_connection()
+        try:
+            self._conn.send_command("EVALSHA", store._scripts["step"].sha, 0, store.keys.prefix, *args.args)
+        except BaseException:
+            self._release(broken=True)
+            raise
+
+    def result(self) -> list[bool]:
+        if self._conn is None:
+            raise RuntimeError("a step's reply is read once")
+        try:
+            reply = self._conn.read_response()
+        except NoScriptError:  # this Redis had not seen the script: nothing was applied, run it whole
+            self._release()
+            return self._store.run(script("step", self._args.args, self._args.kept))
+        except BaseException:
+            self._release(broken=True)
+            raise
+        self._release()
+        return self._args.kept(reply)
+
+    def _release(self, broken: bool = False) -> None:
+        if broken:
+            self._conn.disconnect()  # a reply may be in flight: never hand this socket out again
+        self._pool.release(self._conn)
+        self._conn = None
 
 
 def spec_from_bytes(raw: bytes) -> pb.RequestSpec:

@@ -15,7 +15,7 @@ import redis
 
 from pdq.client import Client
 from pdq.config import TIERS
-from pdq.state.store import RequestStore
+from pdq.state.store import SyncStore
 from pdq.ops.up import Cluster
 from tests import oracles
 
@@ -124,7 +124,7 @@ def test_cancel_and_finish_give_every_slot_back(cluster, rdb):
 def test_requests_that_end_in_one_step_all_give_their_slots_back(cluster, rdb):
     """Sequences that finish in the same decode step (one Redis write: one finished_ms) free
     their K/V before that write and release their holds in one notice after it: all of it."""
-    store = RequestStore(redis.Redis.from_url(cluster.redis_url))
+    store = SyncStore(redis.Redis.from_url(cluster.redis_url))
     for tier in TIERS:  # queue them all, then let one dispatch take them together
         store.pause(tier=tier)
     try:

@@ -139,9 +139,9 @@ async def test_a_worker_restarted_under_its_old_id_gives_back_what_that_id_held(
     again before anyone noticed the old process died; its new life requeues the old one's work."""
     import redis
 
-    from pdq.state.store import RequestStore
+    from pdq.state.store import SyncStore
 
-    store = RequestStore(redis.Redis.from_url(redis_server.url), prefix)
+    store = SyncStore(redis.Redis.from_url(redis_server.url), prefix)
     try:
         spec = pb.RequestSpec(request_id="orphan", tenant="t", prompt_token_ids=[5] * 4, arrival_ms=1,
                               sampling=gen_pb.SamplingParams(max_tokens=4))

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdq.client import Client
 from pdq.ops.redis_server import RedisServer
 from pdq.state.request import State
-from pdq.state.store import RequestStore, now_ms
+from pdq.state.store import SyncStore, now_ms
 from pdq.ops.up import Child, Cluster
 
 ENV = {"PDQ_FAULTS": "decode_step_delay_ms=20", "PDQ_GRACE_S": "0.5"}
@@ -90,7 +90,7 @@ def test_a_decode_worker_still_takes_a_deadline_move_after_its_pubsub_connection
     wait_for("tokens from the decode worker", lambda: int(record(r, rid).get("n_out", 0)) >= 3)
     (listener,) = [cl for cl in r.client_list(_type="pubsub") if cl["name"] == f"pdq-cancels-{child.process.pid}"]
     r.client_kill_filter(_id=listener["id"])
-    assert RequestStore(r).set_deadline(rid, now_ms() + 120_000) == State.DECODING
+    assert SyncStore(r).set_deadline(rid, now_ms() + 120_000) == State.DECODING
     wait_for("the request to end", lambda: record(r, rid)["state"] in {"COMPLETED", "TIMED_OUT", "FAILED"})
     rec = record(r, rid)
     assert (rec["state"], rec["n_out"], rec["attempts"]) == ("COMPLETED", "450", "1")

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 from pdq.state.registry import WorkerInfo, heartbeat
 from pdq.state.request import State
-from pdq.state.store import RequestStore, StepItem
+from pdq.state.store import AsyncStore, StepItem
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 
@@ -29,7 +29,7 @@ class Seq:
 class _Worker:
     role = ""
 
-    def __init__(self, store: RequestStore, worker_id: str, heartbeat_s: float = 0.05):
+    def __init__(self, store: AsyncStore, worker_id: str, heartbeat_s: float = 0.05):
         self.store = store
         self.worker_id = worker_id
         self.heartbeat_s = heartbeat_s
@@ -70,7 +70,7 @@ class _Worker:
 class FakeDecode(_Worker, pb_grpc.DecodeWorkerServicer):
     role = "decode"
 
-    def __init__(self, store: RequestStore, worker_id: str, slots: int = 4, step_s: float = 0.005,
+    def __init__(self, store: AsyncStore, worker_id: str, slots: int = 4, step_s: float = 0.005,
                  reservation_timeout_s: float = 2.0, reserve_s: float = 0.0):
         super().__init__(store, worker_id)
         self.reserve_s = reserve_s  # each Reserve(Many) answers this much later (a busy worker)
@@ -158,7 +158,7 @@ class FakeDecode(_Worker, pb_grpc.DecodeWorkerServicer):
 class FakePrefill(_Worker, pb_grpc.PrefillWorkerServicer):
     role = "prefill"
 
-    def __init__(self, store: RequestStore, worker_id: str, decoders: dict[str, FakeDecode], prefill_s: float = 0.002):
+    def __init__(self, store: AsyncStore, worker_id: str, decoders: dict[str, FakeDecode], prefill_s: float = 0.002):
         super().__init__(store, worker_id)
         pb_grpc.add_PrefillWorkerServicer_to_server(self, self.server)
         self.decoders = decoders  # address -> worker
@@ -215,7 +215,7 @@ class FakeWorkers:
 
     async def start(self) -> "FakeWorkers":
         self.client = aioredis.Redis.from_url(self.redis_url)
-        self.store = RequestStore(self.client, self.prefix, 600)
+        self.store = AsyncStore(self.client, self.prefix, 600)
         for i in range(self.decode):
             d = FakeDecode(self.store, f"decode-{i}", self.slots, self.step_s, reserve_s=self.reserve_s)
             self.decoders[d.address] = d

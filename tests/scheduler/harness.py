@@ -9,7 +9,7 @@ import grpc
 
 from pdq.state import redisconn
 from pdq.config import SchedulerConfig
-from pdq.state.store import RequestStore
+from pdq.state.store import AsyncStore
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
@@ -44,7 +44,7 @@ async def token_indices(h: "Harness", rid: str) -> list[int]:
 class Harness:
     config: SchedulerConfig
     stub: pb_grpc.SchedulerStub
-    store: RequestStore
+    store: AsyncStore
     server: object
     workers: FakeWorkers | None
 
@@ -64,7 +64,7 @@ async def harness(redis_url: str, prefix: str, workers: dict | None = None, **co
     """Yields a Harness; `workers` (FakeWorkers options) starts fake workers first, None = none."""
     cfg = SchedulerConfig(redis_url=redis_url, key_prefix=prefix, port=0, **{**FAST, **config})
     client = redisconn.connect_async(redis_url)  # the test's reads ride through a Redis restart
-    h = Harness(cfg, None, RequestStore(client, prefix, 60), None, None)  # type: ignore[arg-type]
+    h = Harness(cfg, None, AsyncStore(client, prefix, 60), None, None)  # type: ignore[arg-type]
     if workers is not None:
         await h.start_workers(**workers)
     server = build_server(cfg)

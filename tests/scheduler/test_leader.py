@@ -9,7 +9,7 @@ import pytest
 
 from pdq.state import redisconn
 from pdq.config import SchedulerConfig
-from pdq.state.store import Deposed, RequestStore
+from pdq.state.store import Deposed, AsyncStore
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 from scheduler.leader import Leadership
@@ -46,13 +46,13 @@ async def store_and_workers(url: str, prefix: str):
     client = redisconn.connect_async(url)
     workers = await FakeWorkers(url, prefix).start()
     try:
-        yield RequestStore(client, prefix, 60), workers
+        yield AsyncStore(client, prefix, 60), workers
     finally:
         await asyncio.wait_for(workers.stop(), 15)
         await client.aclose()
 
 
-async def completed(store: RequestStore, rid: str) -> bool:
+async def completed(store: AsyncStore, rid: str) -> bool:
     return (await store.record(rid)).get("state") == "COMPLETED"
 
 

@@ -13,7 +13,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from pdq.ops.redis_server import RedisServer
-from pdq.state.store import RequestStore, now_ms
+from pdq.state.store import AsyncStore, now_ms
 from pdq.v1 import internal_pb2 as pb
 from tests.scheduler.fakes import wait_for
 from tests.scheduler.harness import ended, harness, spec, token_indices
@@ -81,7 +81,7 @@ async def test_the_janitor_does_not_reap_workers_after_a_redis_outage_but_reaps_
 
 async def test_a_scheduler_that_just_started_waits_a_full_worker_timeout_before_reaping(redis_server, prefix):
     client = aioredis.Redis.from_url(redis_server.url)
-    store = RequestStore(client, prefix, 60)
+    store = AsyncStore(client, prefix, 60)
     await store.submit(spec("r"))
     await store.claim([("r", "ghost")], "prefill-x", lease_ms=600_000)  # held by workers that died long ago
     long_ago = now_ms() - 600_000

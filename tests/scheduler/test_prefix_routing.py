@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from pdq.engine.blocks import BlockManager, block_hashes
 from pdq.state.registry import PREFIX_HEX, WorkerInfo, heartbeat, live_workers
-from pdq.state.store import RequestStore
+from pdq.state.store import AsyncStore
 from scheduler.policies import (Candidate, PrefixRouting, SentPrefixes, chain_hashes, matched_tokens,
                                 place_prefill)
 from tests.scheduler.fakes import wait_for
@@ -127,7 +127,7 @@ def test_what_was_sent_to_a_worker_counts_until_it_expires_or_the_worker_is_gone
 async def test_a_heartbeat_carries_the_prefixes_to_the_scheduler(redis_server, prefix):
     from pdq.state import redisconn
     client = redisconn.connect_async(redis_server.url)
-    store = RequestStore(client, prefix)
+    store = AsyncStore(client, prefix)
     try:
         await heartbeat(store, WorkerInfo("p0", "prefill", "h:1", kv_block_size=16, prefixes=("ab", "cd")), ttl_s=5)
         (got,) = (await live_workers(store, ("prefill",), 5.0))["prefill"]

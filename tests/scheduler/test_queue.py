@@ -5,7 +5,7 @@ import pytest
 
 from pdq.state.ending import LOST, Ending
 from pdq.state.request import State
-from pdq.state.store import QueueLimits, RequestStore, RetryLimits, StepItem, TenantPolicy, now_ms
+from pdq.state.store import QueueLimits, SyncStore, RetryLimits, StepItem, TenantPolicy, now_ms
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import internal_pb2 as pb
 
@@ -20,7 +20,7 @@ def spec(rid, tenant="acme", tier=T, prompt=3, max_tokens=4, deadline_ms=0, crea
 
 @pytest.fixture
 def store(redis_client, prefix):
-    return RequestStore(redis_client, prefix, result_ttl_s=60)
+    return SyncStore(redis_client, prefix, result_ttl_s=60)
 
 
 def queued(store, tenant="acme", tier=T):
@@ -267,7 +267,7 @@ def test_failed_attempts_are_bounded_then_the_request_fails_with_a_reason(store)
 
 
 def test_lost_attempts_do_not_count_towards_max_attempts_and_are_bounded_apart(redis_client, prefix):
-    store = RequestStore(redis_client, prefix, 60, RetryLimits(max_lost=4))
+    store = SyncStore(redis_client, prefix, 60, RetryLimits(max_lost=4))
     store.submit(spec("r"))
     for attempt in range(4):
         assert claim(store, "r", decode=f"d{attempt}") != [0]
@@ -299,7 +299,7 @@ def test_a_failed_attempt_is_held_back_and_avoids_its_workers_a_lost_one_is_not(
 def test_the_backoff_doubles_per_failure_up_to_its_cap(redis_client, prefix, monkeypatch):
     import pdq.state.store
     monkeypatch.setattr(pdq.state.store, "now_ms", lambda: 10_000)  # the time the scripts are given
-    store = RequestStore(redis_client, prefix, 60, RetryLimits(backoff_ms=1000, backoff_max_ms=3000))
+    store = SyncStore(redis_client, prefix, 60, RetryLimits(backoff_ms=1000, backoff_max_ms=3000))
     store.submit(spec("r"))
     waits = []
     for attempt in range(4):

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdq.ops.child import spawn
 from pdq.ops.redis_server import RedisServer, free_port
-from pdq.state.store import RequestStore
+from pdq.state.store import SyncStore
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 from tests.scheduler.fakes import FakeWorkers, wait_for
@@ -91,14 +91,14 @@ def test_a_durable_redis_killed_and_restarted_keeps_every_accepted_request(tmp_p
     port = free_port()
     server = RedisServer(directory=str(tmp_path), port=port, durable=True).start()
     try:
-        store = RequestStore(redis.Redis.from_url(server.url), prefix)
+        store = SyncStore(redis.Redis.from_url(server.url), prefix)
         for k in range(50):
             assert store.submit(spec(f"r{k}", tenant=f"t{k % 3}")).kind == "created"
         store.claim([("r0", "d1")], "p1")
         server.process.kill()  # no shutdown: only what reached the AOF survives
         server.process.wait()
         server = RedisServer(directory=str(tmp_path), port=port, durable=True).start()
-        store = RequestStore(redis.Redis.from_url(server.url), prefix)
+        store = SyncStore(redis.Redis.from_url(server.url), prefix)
         assert store.load()["n"] == 49
         assert store.record("r0")["state"] == "PREFILLING"
         assert all(store.record(f"r{k}")["state"] == "QUEUED" for k in range(1, 50))

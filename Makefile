@@ -6,6 +6,9 @@ PIP    := $(PY) -m pip
 # The CPU wheel; a bare `torch` requirement on a fresh venv would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
+# Two test processes (pytest-xdist), a test file each at a time: most tests wait on servers they
+# started, so two share a 2-core machine well. PYTEST_ARGS= runs them in one process.
+PYTEST_ARGS ?= -n 2 --dist loadfile
 
 .PHONY: up test install protos docs clean bench
 

@@ -293,3 +293,39 @@ def test_a_timeout_read_from_a_stale_deadline_does_not_end_a_request_whose_deadl
     assert store.states(["r", "nobody"]) == [State.PREFILLING, None]
     store.set_deadline("r", now_ms() - 1)  # passed now
     assert store.end("r", Ending.timed_out("during prefill"), epoch=epoch) == State.TIMED_OUT
+
+
+async def test_every_read_answers_the_same_through_the_async_and_the_sync_store(store, redis_server, prefix):
+    import redis.asyncio as aioredis
+    from pdq.state.store import AsyncStore, TenantPolicy
+    store.submit(make_spec("r1", deadline_ms=9_000_000_000_000), "key-1")
+    store.submit(make_spec("r2", tenant="globex", prompt=(4, 5), deadline_ms=8_000_000_000_000))
+    store.set_tenant_policy("acme", TenantPolicy(weight=2.0))
+    store.pause(tenant="globex")
+    epoch = claim(store, "r1")
+    store.step([StepItem("r1", epoch, 0, 7, "a"), StepItem("r1", epoch, 1, 8, "b")])
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        other = AsyncStore(client, prefix, result_ttl_s=60)
+        reads = [
+            ("next_deadline_ms", ()), ("load", ()), ("tenant_policy", ("acme",)), ("tenants", ()),
+            ("depth", (["interactive"],)), ("paused", ()), ("records", (["r1", "nope"],)),
+            ("prompts", (["r2", "nope"],)), ("states", (["r1", "r2", "nope"],)), ("deadlines", (["r1", "nope"],)),
+            ("record_fields", ("r1", ("state", "tenant", "missing"))), ("streamed_tokens", ("r1",)),
+            ("lookup_idempotent", ("acme", "key-1")), ("list_requests", ()), ("record", ("r2",)),
+        ]
+        for name, args in reads:
+            assert await getattr(other, name)(*args) == getattr(store, name)(*args), name
+    finally:
+        await client.aclose()
+    assert store.next_deadline_ms() == 8_000_000_000_000
+    assert store.tenant_policy("acme").weight == 2.0 and store.tenants() == ["acme"]
+    assert store.depth(["interactive"]) == [("interactive", "globex", 1, 2 + 4)]
+    assert store.paused() == ([], ["globex"])
+    assert store.states(["r1", "r2", "nope"]) == [State.PREFILLING, State.QUEUED, None]
+    assert store.streamed_tokens("r1") == [7, 8]
+    assert store.lookup_idempotent("acme", "key-1") == "r1" and store.lookup_idempotent("acme", "other") is None
+    assert store.prompts(["r2", "nope"]) == [(4, 5), ()]
+    assert store.record_fields("r1", ("tenant", "missing")) == {"tenant": "acme"}
+    assert store.pause(tenant="globex", paused=False) == 1 and store.paused() == ([], [])
+    assert store.policy_and_seq("acme")[0].weight == 2.0 and store.announce("r2") == 0  # nobody listens here

@@ -281,6 +281,15 @@ def _pair(r: Any) -> tuple[int, int]:
     return int(r[0]), int(r[1])
 
 
+def _first_score(reply: list[Any]) -> int | None:
+    """A ZRANGE ... WITHSCORES reply's first score: [[member, score], ...] as redis-py reads it, or
+    the flat [member, score, ...] of the wire."""
+    if not reply:
+        return None
+    first = reply[0]
+    return int(float(first[1] if isinstance(first, (list, tuple)) else reply[1]))
+
+
 def _state(r: Any) -> State | None:
     return State(_str(r)) if r else None
 
@@ -384,8 +393,7 @@ class RequestStore:
     @op
     def next_deadline_ms(self) -> Call[int | None]:
         """The earliest deadline (Unix ms) of a live request, or None."""
-        return command("ZRANGE", self.keys.deadlines, 0, 0, "WITHSCORES",
-                       parse=lambda flat: int(float(flat[1])) if flat else None)
+        return command("ZRANGE", self.keys.deadlines, 0, 0, "WITHSCORES", parse=_first_score)
 
     @op
     def reap_worker(self, worker_id: str, max_attempts: int, fence: int = 0) -> Call[tuple[int, int]]:

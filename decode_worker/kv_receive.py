@@ -6,7 +6,10 @@ when the retry of the same request arrives): room for its prompt and every token
 generate, so a running sequence never waits for a block. The leading full blocks its prompt
 shares with blocks this pool holds (an earlier hand-off of the same system prompt) are shared,
 not copied: only the rest of the received K/V is written, so sequences with a common prefix hold
-it once here too. The chunks' bytes land in a staging
+it once here too. A hand-off that left out the K/V of leading positions (`KVHeader.skip_tokens`:
+the scheduler saw this worker's heartbeat name them) needs them among those shared blocks; when
+they were evicted since, it is refused with PREFIX_MISSING (before any byte is written), and the
+prefill worker sends the whole K/V. The chunks' bytes land in a staging
 buffer, copied into the blocks once the stream checked out, while the model thread decodes
 other sequences. Both outcomes go to the decode loop's inbox, so the blocks change hands only on
 the model thread: `Arrived` (all checks passed: the blocks are renamed to the request id and the
@@ -22,7 +25,7 @@ from typing import Any
 import torch
 
 from pdq.engine.blocks import KVPoolFull
-from pdq.transport.kv_transfer import KVTransferError, scatter, tensor_of
+from pdq.transport.kv_transfer import KVTransferError, scatter, sent_tokens, tensor_of
 from pdq.v1 import internal_pb2 as pb
 from pdq.engine.worker import kv_reserve_tokens
 
@@ -68,17 +71,21 @@ class BlockSink:
         except KVPoolFull as exc:
             raise KVTransferError(str(exc)) from None
         self.key = key
+        if self.cached < header.skip_tokens:
+            raise KVTransferError(f"PREFIX_MISSING: the hand-off left out the K/V of {header.skip_tokens} leading "
+                                  f"positions, this worker's prefix cache holds {self.cached} of them; send it whole")
         self.header = header
         self.dtype = self.runner.dtype
         self.itemsize = self.dtype.itemsize
-        self.buf = torch.empty(header.num_layers, 2, header.num_kv_heads, header.num_tokens, header.head_dim,
+        self.buf = torch.empty(header.num_layers, 2, header.num_kv_heads, sent_tokens(header), header.head_dim,
                                dtype=self.dtype)
 
     def write(self, offset: int, data: memoryview) -> None:
         scatter(self.header, offset // self.itemsize, tensor_of(data, self.dtype), self.buf)
 
     def close(self) -> Arrived:
-        c = self.cached
-        self.runner.write_kv(self.key, self.buf[:, :, :, c:], self.tokens[c:] if self.tokens else None, start=c)
+        c, skipped = self.cached, self.header.skip_tokens  # the buffer holds positions skipped.. on
+        self.runner.write_kv(self.key, self.buf[:, :, :, c - skipped:], self.tokens[c:] if self.tokens else None,
+                             start=c)
         self.buf = None
         return Arrived(self.header, self.key)

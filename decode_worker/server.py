@@ -364,7 +364,9 @@ def build_server(config: DecodeConfig) -> Server:
         running = len(service.loop.running) + len(service.loop.waiting) if service.loop else 0
         return WorkerInfo(worker_id, "decode", address, free_slots=service.free_slots,
                           capacity=service.capacity, running=running, reserved=len(service.holds),
-                          **kv_info(state.get("runner"), prefixes=False))  # prefill batches are placed by prefix
+                          # what its prefix cache holds: colocated, the prefill role reports it; separate, the
+                          # scheduler tells prefill workers which prefix a hand-off here may leave out
+                          **kv_info(state.get("runner"), prefixes=prefill is None))
 
     def prefill_info() -> WorkerInfo:
         runner = state.get("runner")

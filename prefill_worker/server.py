@@ -100,16 +100,33 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             if outcome.kind == "finished" or outcome.kind == "dropped":
                 await self._release(item)
             return pb.PrefillItemResult(request_id=rid, ok=True)
-        header = pb.KVHeader(spec=item.spec, epoch=item.epoch, generated_token_ids=outcome.generated)
-        chunks = kv_transfer.encode_frames(header, outcome.layers, self.config.kv_chunk_bytes)
+        tokens = len(item.spec.prompt_token_ids) + len(outcome.generated) - 1
+        skip = item.decode_cached_tokens if item.decode_cached_tokens < tokens else 0
+        error, code = await self._push(item, outcome, skip)
+        if error and skip and code == grpc.StatusCode.DATA_LOSS and "PREFIX_MISSING" in error:
+            metrics.KV_PREFIX_MISSES.inc()  # evicted there since its heartbeat: send the whole K/V
+            error, code = await self._push(item, outcome, 0)
+        if error:  # a decode worker that is down or not serving (restarting) lost the attempt; else it failed
+            failure = pb.ATTEMPT_FAILURE_LOST if code == grpc.StatusCode.UNAVAILABLE else pb.ATTEMPT_FAILURE_HANDOFF
+            return pb.PrefillItemResult(request_id=rid, ok=False, error=error, failure=failure)
+        return pb.PrefillItemResult(request_id=rid, ok=True)
+
+    async def _push(self, item: pb.PrefillItem, outcome: Outcome, skip: int) -> tuple[str | None, grpc.StatusCode]:
+        """Sends the K/V of positions `skip`.. (the decode worker's prefix cache holds those before)
+        to the request's decode worker. -> (error, its status code); (None, OK) when it took it."""
+        rid = item.spec.request_id
+        header = pb.KVHeader(spec=item.spec, epoch=item.epoch, generated_token_ids=outcome.generated, skip_tokens=skip)
+        layers = [(k[:, skip:], v[:, skip:]) for k, v in outcome.layers] if skip else outcome.layers
+        chunks = kv_transfer.encode_frames(header, layers, self.config.kv_chunk_bytes)
         transport = "tcp" if item.decode_kv_address else "grpc"  # the decode worker's data plane, or PushKV
-        n_bytes = sum(t.numel() * t.element_size() for pair in outcome.layers for t in pair)
-        n_chunks = kv_transfer.num_messages(outcome.layers, self.config.kv_chunk_bytes)
+        n_bytes = sum(t.numel() * t.element_size() for pair in layers for t in pair)
+        n_chunks = kv_transfer.num_messages(layers, self.config.kv_chunk_bytes)
         span = telemetry.start("pdq.kv_transfer", item.spec.traceparent, kind=telemetry.SpanKind.CLIENT,
                                attributes={"pdq.request_id": rid, "pdq.attempt": item.epoch,
                                            "pdq.kv.bytes": n_bytes, "pdq.kv.chunks": n_chunks,
-                                           "pdq.kv.layers": len(outcome.layers),
+                                           "pdq.kv.layers": len(layers),
                                            "pdq.kv.tokens": len(item.spec.prompt_token_ids) + len(outcome.generated) - 1,
+                                           "pdq.kv.skipped_tokens": skip,
                                            "server.address": item.decode_kv_address or item.decode_address,
                                            "pdq.kv.transport": transport})
         started = time.perf_counter()
@@ -134,11 +151,10 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         result = "ok" if error is None else "error"
         metrics.KV_TRANSFER.labels(result, transport).observe(time.perf_counter() - started)
         metrics.KV_TRANSFER_BYTES.labels(result, transport).inc(n_bytes)
+        if error is None and skip:
+            metrics.KV_SKIPPED_TOKENS.inc(skip)
         telemetry.end(span, "failed" if error else None, error)
-        if error:  # a decode worker that is down or not serving (restarting) lost the attempt; else it failed
-            failure = pb.ATTEMPT_FAILURE_LOST if code == grpc.StatusCode.UNAVAILABLE else pb.ATTEMPT_FAILURE_HANDOFF
-            return pb.PrefillItemResult(request_id=rid, ok=False, error=error, failure=failure)
-        return pb.PrefillItemResult(request_id=rid, ok=True)
+        return error, code
 
     def _local(self, item: pb.PrefillItem, outcome: Outcome) -> pb.PrefillItemResult:
         """A colocated worker's hand-off to itself, done on the model thread

@@ -27,13 +27,13 @@ from pdq.transport import mtls
 from pdq.state import redisconn
 from pdq.config import SchedulerConfig
 from pdq.observability.liveness import Liveness
-from pdq.state.registry import ROLES, WorkerInfo, live_workers
+from pdq.state.registry import PREFIX_HEX, ROLES, WorkerInfo, live_workers
 from pdq.transport.serving import GRPC_OPTIONS
 from pdq.state.store import Deposed, AsyncStore, TenantBacklog, now_ms, spec_from_bytes
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 from scheduler.policies import (Candidate, DecodeSlots, DrainRate, Headroom, TenantQueue, TierQueue,
-                                choose_decode_worker, fair_policy, form_batch, place_prefill, place_round,
+                                choose_decode_worker, fair_policy, form_batch, handoff_skip, place_prefill, place_round,
                                 preemptible_tiers, prefer_healthy, prefill_priority, schedule, tier_policy)
 from scheduler.leader import Leadership, Sole
 from scheduler.prefix_routing import PrefixRouter
@@ -315,14 +315,19 @@ class Dispatcher:
                 await self._release(dw, cand.request_id)
             return False
         items, reserved = [], []
+        held = {w.worker_id: (w.kv_block_size, frozenset(w.prefixes)) for w in decode
+                if w.prefixes and w.address != target.address}  # separate decode workers' prefix caches
         for (cand, dw, priority, kv_address), got in zip(placed, claimed):
             if got.epoch == 0 or got.spec is None:  # cancelled or ended meanwhile
                 await self._release(dw, cand.request_id)
                 continue
             spec = spec_from_bytes(got.spec)
             spec.deadline_ms = cand.deadline_ms  # the record's: an operator may have moved it
+            block_size, prefixes = held.get(dw.worker_id, (0, frozenset()))
             items.append(pb.PrefillItem(spec=spec, epoch=got.epoch, decode_address=dw.address, priority=priority,
-                                        decode_kv_address=kv_address))
+                                        decode_kv_address=kv_address,
+                                        decode_cached_tokens=handoff_skip(spec.prompt_token_ids, block_size,
+                                                                          prefixes, PREFIX_HEX)))
             reserved.append(dw)
             self.drain.add(time.monotonic(), cand.kv_tokens)
             self._waited(items[-1])

@@ -156,3 +156,23 @@ def test_hand_offs_of_one_prefix_share_its_blocks_and_write_only_the_rest():
     for (k, v), (k1, v1), (k2, v2) in zip(runner.export_kv(key), first, second):
         assert torch.equal(k[:, :48], k1[:, :48]) and torch.equal(v[:, :48], v1[:, :48])  # shared
         assert torch.equal(k[:, 48:], k2[:, 48:]) and torch.equal(v[:, 48:], v2[:, 48:])  # its own
+
+
+def test_a_hand_off_that_skips_leading_positions_carries_only_the_rest_and_says_how_many():
+    full = layers(tokens=40)
+    sent = [(k[:, 16:], v[:, 16:]) for k, v in full]
+    header = pb.KVHeader(spec=pb.RequestSpec(request_id="r"), epoch=1, skip_tokens=16)
+    got = kv_transfer.decode(kv_transfer.encode(header, sent))
+    assert (got.header.num_tokens, got.header.skip_tokens, kv_transfer.sent_tokens(got.header)) == (40, 16, 24)
+    for (k, v), (gk, gv) in zip(sent, got.layers):
+        assert torch.equal(k, gk) and torch.equal(v, gv)
+    whole = sum(len(f) for f in kv_transfer.encode_frames(pb.KVHeader(), full))
+    assert sum(len(f) for f in kv_transfer.encode_frames(header, sent)) < whole * 24 / 40 + 256
+
+
+def test_a_header_that_skips_every_position_is_rejected():
+    header = pb.KVHeader(spec=pb.RequestSpec(request_id="r"), epoch=1, skip_tokens=0)
+    chunks = list(kv_transfer.encode(header, layers(tokens=4)))
+    chunks[0].header.skip_tokens = 4
+    with pytest.raises(kv_transfer.KVTransferError, match="skip_tokens"):
+        kv_transfer.decode(chunks)

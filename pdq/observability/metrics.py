@@ -122,6 +122,10 @@ PREFIX_HITS = Counter("pdq_prefix_cache_hit_tokens", "Prompt tokens found in the
 KV_TRANSFER = Histogram("pdq_kv_transfer_seconds", "Duration of a KV hand-off, prefill to decode worker.",
                         ("outcome", "transport"), buckets=LATENCY_BUCKETS)
 KV_TRANSFER_BYTES = Counter("pdq_kv_transfer_bytes", "KV cache bytes handed off.", ("outcome", "transport"))
+KV_SKIPPED_TOKENS = Counter("pdq_kv_transfer_skipped_tokens", "Prompt positions whose K/V a hand-off left out: the "
+                            "decode worker's prefix cache held them.")
+KV_PREFIX_MISSES = Counter("pdq_kv_transfer_prefix_misses", "Hand-offs sent whole again: the decode worker no longer "
+                           "held the prefix its heartbeat named (PREFIX_MISSING).")
 
 # -- scheduler ----------------------------------------------------------------------------------
 

@@ -3,7 +3,8 @@
 Pure: turns tensors into `KVChunk` messages and back, checking everything on the way in (fails
 closed: any mismatch raises `KVTransferError` and yields nothing to decode). Layout version 2:
 the cache is one byte stream, for each layer K then V, each a contiguous [num_kv_heads,
-num_tokens, head_dim] tensor; each `KVData` carries the bytes at `offset` of that stream, cut
+sent tokens, head_dim] tensor (the sent tokens: positions `skip_tokens`..`num_tokens`-1, all of
+them unless the receiver's prefix cache holds the leading ones, `sent_tokens`); each `KVData` carries the bytes at `offset` of that stream, cut
 every `chunk_bytes` (rounded to the dtype's size), so a message may hold several small layers or
 part of a big one. The receiver writes each chunk where it belongs (`KVSink`): into staging
 tensors (`BufferSink`) or straight into a KV pool slot (the decode worker).
@@ -28,10 +29,17 @@ class KVTransferError(Exception):
     """A hand-off that must not be used: corrupt, truncated, or not what the header said."""
 
 
+def sent_tokens(h: pb.KVHeader) -> int:
+    """Positions whose K/V a hand-off carries: all but the `skip_tokens` leading ones."""
+    return h.num_tokens - h.skip_tokens
+
+
 def _fill_header(header: pb.KVHeader, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """The layout fields, from the sent K/V (positions from header.skip_tokens on)."""
     k0 = layers[0][0]
     header.num_layers = len(layers)
-    header.num_kv_heads, header.num_tokens, header.head_dim = (int(x) for x in k0.shape)
+    header.num_kv_heads, sent, header.head_dim = (int(x) for x in k0.shape)
+    header.num_tokens = header.skip_tokens + sent
     header.dtype = str(k0.dtype).removeprefix("torch.")
     header.layout_version = LAYOUT_VERSION
 
@@ -67,7 +75,8 @@ def num_messages(layers: list[tuple[torch.Tensor, torch.Tensor]], chunk_bytes: i
 def encode(header: pb.KVHeader, layers: list[tuple[torch.Tensor, torch.Tensor]],
            chunk_bytes: int = 1 << 20) -> Iterator[pb.KVChunk]:
     """Yields the messages of one hand-off. `layers[i]` = (k, v) of layer i, shape
-    [num_kv_heads, num_tokens, head_dim]; the header's layout fields are filled in here."""
+    [num_kv_heads, sent tokens, head_dim] (positions from header.skip_tokens on); the header's
+    layout fields are filled in here."""
     _fill_header(header, layers)
     yield pb.KVChunk(header=header)
     digest, total = xxhash.xxh3_64(), 0
@@ -188,9 +197,9 @@ def tensor_of(data: "bytes | bytearray | memoryview", dtype: torch.dtype) -> tor
 
 def scatter(h: pb.KVHeader, offset: int, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copies the stream's elements [offset, offset + len(src)) (in elements, layout 2) into
-    `dst`, a [num_layers, 2, num_kv_heads, >= num_tokens, head_dim] tensor whose last two dims
+    `dst`, a [num_layers, 2, num_kv_heads, >= sent tokens, head_dim] tensor whose last two dims
     are contiguous per head (a staging buffer, or a KV pool slot)."""
-    heads, tokens, dim = h.num_kv_heads, h.num_tokens, h.head_dim
+    heads, tokens, dim = h.num_kv_heads, sent_tokens(h), h.head_dim
     per_head = tokens * dim
     per_tensor = heads * per_head
     dst = dst.flatten(0, 1)  # [layers * 2, heads, seq, dim]
@@ -233,7 +242,7 @@ class KVSink(Protocol):
 @dataclass
 class ReceivedKV:
     header: pb.KVHeader
-    layers: list[tuple[torch.Tensor, torch.Tensor]]  # CPU tensors, [num_kv_heads, num_tokens, head_dim]
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # CPU tensors, [num_kv_heads, sent tokens, head_dim]
 
 
 class BufferSink:
@@ -242,7 +251,7 @@ class BufferSink:
     def open(self, header: pb.KVHeader) -> None:
         self.header = header
         self.dtype = _DTYPES[header.dtype]
-        self.buf = torch.empty(header.num_layers, 2, header.num_kv_heads, header.num_tokens, header.head_dim,
+        self.buf = torch.empty(header.num_layers, 2, header.num_kv_heads, sent_tokens(header), header.head_dim,
                                dtype=self.dtype)
 
     def write(self, offset: int, data: memoryview) -> None:
@@ -311,8 +320,10 @@ class Assembler:
                 raise KVTransferError(f"{name} is {getattr(h, name)}, this worker's model has {want}")
         if h.num_tokens == 0 or h.num_layers == 0 or h.num_kv_heads == 0 or h.head_dim == 0:
             raise KVTransferError("empty KV cache")
+        if h.skip_tokens >= h.num_tokens:
+            raise KVTransferError(f"skip_tokens {h.skip_tokens} leaves none of the {h.num_tokens} positions to send")
         self.itemsize = _DTYPES[h.dtype].itemsize
-        self.size = h.num_layers * 2 * h.num_kv_heads * h.num_tokens * h.head_dim * self.itemsize
+        self.size = h.num_layers * 2 * h.num_kv_heads * sent_tokens(h) * h.head_dim * self.itemsize
         self.sink.open(h)
         self.header = h
 

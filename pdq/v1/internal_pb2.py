@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdq.v1 import generation_pb2 as pdq_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15pdq/v1/internal.proto\x12\x06pdq.v1\x1a\x17pdq/v1/generation.proto\"\x8b\x02\n\x0bRequestSpec\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0c\n\x04tier\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12(\n\x08sampling\x18\x05 \x01(\x0b\x32\x16.pdq.v1.SamplingParams\x12\x12\n\narrival_ms\x18\x06 \x01(\x03\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x07 \x01(\x03\x12\x13\n\x0btraceparent\x18\x08 \x01(\t\x12\x17\n\x0fstream_interval\x18\t \x01(\r\x12\x14\n\x0c\x63ontent_hash\x18\n \x01(\t\x12\x19\n\x11\x63lient_request_id\x18\x0b \x01(\t\"K\n\rSubmitRequest\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.pdq.v1.RequestSpec\x12\x17\n\x0fidempotency_key\x18\x02 \x01(\t\"5\n\x0eSubmitResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"K\n\x15InternalCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\'\n\x16InternalCancelResponse\x12\r\n\x05state\x18\x01 \x01(\t\"\x84\x01\n\x0bPrefillItem\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.pdq.v1.RequestSpec\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x03 \x01(\t\x12\x10\n\x08priority\x18\x04 \x01(\r\x12\x19\n\x11\x64\x65\x63ode_kv_address\x18\x05 \x01(\t\"Y\n\x0cPrefillBatch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\"\n\x05items\x18\x02 \x03(\x0b\x32\x13.pdq.v1.PrefillItem\x12\x13\n\x0bmore_coming\x18\x03 \x01(\x08\"k\n\x11PrefillItemResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\'\n\x07\x66\x61ilure\x18\x04 \x01(\x0e\x32\x16.pdq.v1.AttemptFailure\"@\n\x12PrefillBatchResult\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.pdq.v1.PrefillItemResult\"/\n\x0ePreemptRequest\x12\r\n\x05tiers\x18\x01 \x03(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"%\n\x0fPreemptResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"m\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0e\n\x06tokens\x18\x03 \x01(\r\x12\x11\n\tkeep_free\x18\x04 \x01(\r\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\"J\n\x0fReserveResponse\x12\x0f\n\x07granted\x18\x01 \x01(\x08\x12\x12\n\nfree_slots\x18\x02 \x01(\r\x12\x12\n\nkv_address\x18\x03 \x01(\t\";\n\x12ReserveManyRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.pdq.v1.ReserveRequest\"=\n\x13ReserveManyResponse\x12&\n\x05items\x18\x01 \x03(\x0b\x32\x17.pdq.v1.ReserveResponse\"3\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"\x11\n\x0fReleaseResponse\"\xd0\x01\n\x08KVHeader\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.pdq.v1.RequestSpec\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x1b\n\x13generated_token_ids\x18\x04 \x03(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x16\n\x0elayout_version\x18\t \x01(\r\"?\n\x06KVData\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0cJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03R\x05layerR\x04kind\">\n\tKVTrailer\x12\x0f\n\x07xxh3_64\x18\x03 \x01(\x06\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04J\x04\x08\x01\x10\x02R\x05\x63rc32\"{\n\x07KVChunk\x12\"\n\x06header\x18\x01 \x01(\x0b\x32\x10.pdq.v1.KVHeaderH\x00\x12\x1e\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x0e.pdq.v1.KVDataH\x00\x12$\n\x07trailer\x18\x03 \x01(\x0b\x32\x11.pdq.v1.KVTrailerH\x00\x42\x06\n\x04part\"\"\n\x0ePushKVResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08*\x85\x01\n\x0e\x41ttemptFailure\x12\x1f\n\x1b\x41TTEMPT_FAILURE_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x41TTEMPT_FAILURE_REQUEST\x10\x01\x12\x1b\n\x17\x41TTEMPT_FAILURE_HANDOFF\x10\x02\x12\x18\n\x14\x41TTEMPT_FAILURE_LOST\x10\x03\x32\x8d\x01\n\tScheduler\x12\x37\n\x06Submit\x12\x15.pdq.v1.SubmitRequest\x1a\x16.pdq.v1.SubmitResponse\x12G\n\x06\x43\x61ncel\x12\x1d.pdq.v1.InternalCancelRequest\x1a\x1e.pdq.v1.InternalCancelResponse2L\n\rPrefillWorker\x12;\n\x07Prefill\x12\x14.pdq.v1.PrefillBatch\x1a\x1a.pdq.v1.PrefillBatchResult2\xbf\x02\n\x0c\x44\x65\x63odeWorker\x12:\n\x07Reserve\x12\x16.pdq.v1.ReserveRequest\x1a\x17.pdq.v1.ReserveResponse\x12\x46\n\x0bReserveMany\x12\x1a.pdq.v1.ReserveManyRequest\x1a\x1b.pdq.v1.ReserveManyResponse\x12:\n\x07Release\x12\x16.pdq.v1.ReleaseRequest\x1a\x17.pdq.v1.ReleaseResponse\x12\x33\n\x06PushKV\x12\x0f.pdq.v1.KVChunk\x1a\x16.pdq.v1.PushKVResponse(\x01\x12:\n\x07Preempt\x12\x16.pdq.v1.PreemptRequest\x1a\x17.pdq.v1.PreemptResponseB\x1a\n\ndev.pdq.v1Z\x0cpdq/v1;pdqv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15pdq/v1/internal.proto\x12\x06pdq.v1\x1a\x17pdq/v1/generation.proto\"\x8b\x02\n\x0bRequestSpec\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0c\n\x04tier\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12(\n\x08sampling\x18\x05 \x01(\x0b\x32\x16.pdq.v1.SamplingParams\x12\x12\n\narrival_ms\x18\x06 \x01(\x03\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x07 \x01(\x03\x12\x13\n\x0btraceparent\x18\x08 \x01(\t\x12\x17\n\x0fstream_interval\x18\t \x01(\r\x12\x14\n\x0c\x63ontent_hash\x18\n \x01(\t\x12\x19\n\x11\x63lient_request_id\x18\x0b \x01(\t\"K\n\rSubmitRequest\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.pdq.v1.RequestSpec\x12\x17\n\x0fidempotency_key\x18\x02 \x01(\t\"5\n\x0eSubmitResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"K\n\x15InternalCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\'\n\x16InternalCancelResponse\x12\r\n\x05state\x18\x01 \x01(\t\"\xa2\x01\n\x0bPrefillItem\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.pdq.v1.RequestSpec\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x03 \x01(\t\x12\x10\n\x08priority\x18\x04 \x01(\r\x12\x19\n\x11\x64\x65\x63ode_kv_address\x18\x05 \x01(\t\x12\x1c\n\x14\x64\x65\x63ode_cached_tokens\x18\x06 \x01(\r\"Y\n\x0cPrefillBatch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\"\n\x05items\x18\x02 \x03(\x0b\x32\x13.pdq.v1.PrefillItem\x12\x13\n\x0bmore_coming\x18\x03 \x01(\x08\"k\n\x11PrefillItemResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\'\n\x07\x66\x61ilure\x18\x04 \x01(\x0e\x32\x16.pdq.v1.AttemptFailure\"@\n\x12PrefillBatchResult\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.pdq.v1.PrefillItemResult\"/\n\x0ePreemptRequest\x12\r\n\x05tiers\x18\x01 \x03(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"%\n\x0fPreemptResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"m\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0e\n\x06tokens\x18\x03 \x01(\r\x12\x11\n\tkeep_free\x18\x04 \x01(\r\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\"J\n\x0fReserveResponse\x12\x0f\n\x07granted\x18\x01 \x01(\x08\x12\x12\n\nfree_slots\x18\x02 \x01(\r\x12\x12\n\nkv_address\x18\x03 \x01(\t\";\n\x12ReserveManyRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.pdq.v1.ReserveRequest\"=\n\x13ReserveManyResponse\x12&\n\x05items\x18\x01 \x03(\x0b\x32\x17.pdq.v1.ReserveResponse\"3\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"\x11\n\x0fReleaseResponse\"\xe5\x01\n\x08KVHeader\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.pdq.v1.RequestSpec\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x1b\n\x13generated_token_ids\x18\x04 \x03(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x16\n\x0elayout_version\x18\t \x01(\r\x12\x13\n\x0bskip_tokens\x18\n \x01(\r\"?\n\x06KVData\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0cJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03R\x05layerR\x04kind\">\n\tKVTrailer\x12\x0f\n\x07xxh3_64\x18\x03 \x01(\x06\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04J\x04\x08\x01\x10\x02R\x05\x63rc32\"{\n\x07KVChunk\x12\"\n\x06header\x18\x01 \x01(\x0b\x32\x10.pdq.v1.KVHeaderH\x00\x12\x1e\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x0e.pdq.v1.KVDataH\x00\x12$\n\x07trailer\x18\x03 \x01(\x0b\x32\x11.pdq.v1.KVTrailerH\x00\x42\x06\n\x04part\"\"\n\x0ePushKVResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08*\x85\x01\n\x0e\x41ttemptFailure\x12\x1f\n\x1b\x41TTEMPT_FAILURE_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x41TTEMPT_FAILURE_REQUEST\x10\x01\x12\x1b\n\x17\x41TTEMPT_FAILURE_HANDOFF\x10\x02\x12\x18\n\x14\x41TTEMPT_FAILURE_LOST\x10\x03\x32\x8d\x01\n\tScheduler\x12\x37\n\x06Submit\x12\x15.pdq.v1.SubmitRequest\x1a\x16.pdq.v1.SubmitResponse\x12G\n\x06\x43\x61ncel\x12\x1d.pdq.v1.InternalCancelRequest\x1a\x1e.pdq.v1.InternalCancelResponse2L\n\rPrefillWorker\x12;\n\x07Prefill\x12\x14.pdq.v1.PrefillBatch\x1a\x1a.pdq.v1.PrefillBatchResult2\xbf\x02\n\x0c\x44\x65\x63odeWorker\x12:\n\x07Reserve\x12\x16.pdq.v1.ReserveRequest\x1a\x17.pdq.v1.ReserveResponse\x12\x46\n\x0bReserveMany\x12\x1a.pdq.v1.ReserveManyRequest\x1a\x1b.pdq.v1.ReserveManyResponse\x12:\n\x07Release\x12\x16.pdq.v1.ReleaseRequest\x1a\x17.pdq.v1.ReleaseResponse\x12\x33\n\x06PushKV\x12\x0f.pdq.v1.KVChunk\x1a\x16.pdq.v1.PushKVResponse(\x01\x12:\n\x07Preempt\x12\x16.pdq.v1.PreemptRequest\x1a\x17.pdq.v1.PreemptResponseB\x1a\n\ndev.pdq.v1Z\x0cpdq/v1;pdqv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdq.v1.internal_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\ndev.pdq.v1Z\014pdq/v1;pdqv1'
-  _globals['_ATTEMPTFAILURE']._serialized_start=1952
-  _globals['_ATTEMPTFAILURE']._serialized_end=2085
+  _globals['_ATTEMPTFAILURE']._serialized_start=2003
+  _globals['_ATTEMPTFAILURE']._serialized_end=2136
   _globals['_REQUESTSPEC']._serialized_start=59
   _globals['_REQUESTSPEC']._serialized_end=326
   _globals['_SUBMITREQUEST']._serialized_start=328
@@ -46,43 +46,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INTERNALCANCELRESPONSE']._serialized_start=537
   _globals['_INTERNALCANCELRESPONSE']._serialized_end=576
   _globals['_PREFILLITEM']._serialized_start=579
-  _globals['_PREFILLITEM']._serialized_end=711
-  _globals['_PREFILLBATCH']._serialized_start=713
-  _globals['_PREFILLBATCH']._serialized_end=802
-  _globals['_PREFILLITEMRESULT']._serialized_start=804
-  _globals['_PREFILLITEMRESULT']._serialized_end=911
-  _globals['_PREFILLBATCHRESULT']._serialized_start=913
-  _globals['_PREFILLBATCHRESULT']._serialized_end=977
-  _globals['_PREEMPTREQUEST']._serialized_start=979
-  _globals['_PREEMPTREQUEST']._serialized_end=1026
-  _globals['_PREEMPTRESPONSE']._serialized_start=1028
-  _globals['_PREEMPTRESPONSE']._serialized_end=1065
-  _globals['_RESERVEREQUEST']._serialized_start=1067
-  _globals['_RESERVEREQUEST']._serialized_end=1176
-  _globals['_RESERVERESPONSE']._serialized_start=1178
-  _globals['_RESERVERESPONSE']._serialized_end=1252
-  _globals['_RESERVEMANYREQUEST']._serialized_start=1254
-  _globals['_RESERVEMANYREQUEST']._serialized_end=1313
-  _globals['_RESERVEMANYRESPONSE']._serialized_start=1315
-  _globals['_RESERVEMANYRESPONSE']._serialized_end=1376
-  _globals['_RELEASEREQUEST']._serialized_start=1378
-  _globals['_RELEASEREQUEST']._serialized_end=1429
-  _globals['_RELEASERESPONSE']._serialized_start=1431
-  _globals['_RELEASERESPONSE']._serialized_end=1448
-  _globals['_KVHEADER']._serialized_start=1451
-  _globals['_KVHEADER']._serialized_end=1659
-  _globals['_KVDATA']._serialized_start=1661
-  _globals['_KVDATA']._serialized_end=1724
-  _globals['_KVTRAILER']._serialized_start=1726
-  _globals['_KVTRAILER']._serialized_end=1788
-  _globals['_KVCHUNK']._serialized_start=1790
-  _globals['_KVCHUNK']._serialized_end=1913
-  _globals['_PUSHKVRESPONSE']._serialized_start=1915
-  _globals['_PUSHKVRESPONSE']._serialized_end=1949
-  _globals['_SCHEDULER']._serialized_start=2088
-  _globals['_SCHEDULER']._serialized_end=2229
-  _globals['_PREFILLWORKER']._serialized_start=2231
-  _globals['_PREFILLWORKER']._serialized_end=2307
-  _globals['_DECODEWORKER']._serialized_start=2310
-  _globals['_DECODEWORKER']._serialized_end=2629
+  _globals['_PREFILLITEM']._serialized_end=741
+  _globals['_PREFILLBATCH']._serialized_start=743
+  _globals['_PREFILLBATCH']._serialized_end=832
+  _globals['_PREFILLITEMRESULT']._serialized_start=834
+  _globals['_PREFILLITEMRESULT']._serialized_end=941
+  _globals['_PREFILLBATCHRESULT']._serialized_start=943
+  _globals['_PREFILLBATCHRESULT']._serialized_end=1007
+  _globals['_PREEMPTREQUEST']._serialized_start=1009
+  _globals['_PREEMPTREQUEST']._serialized_end=1056
+  _globals['_PREEMPTRESPONSE']._serialized_start=1058
+  _globals['_PREEMPTRESPONSE']._serialized_end=1095
+  _globals['_RESERVEREQUEST']._serialized_start=1097
+  _globals['_RESERVEREQUEST']._serialized_end=1206
+  _globals['_RESERVERESPONSE']._serialized_start=1208
+  _globals['_RESERVERESPONSE']._serialized_end=1282
+  _globals['_RESERVEMANYREQUEST']._serialized_start=1284
+  _globals['_RESERVEMANYREQUEST']._serialized_end=1343
+  _globals['_RESERVEMANYRESPONSE']._serialized_start=1345
+  _globals['_RESERVEMANYRESPONSE']._serialized_end=1406
+  _globals['_RELEASEREQUEST']._serialized_start=1408
+  _globals['_RELEASEREQUEST']._serialized_end=1459
+  _globals['_RELEASERESPONSE']._serialized_start=1461
+  _globals['_RELEASERESPONSE']._serialized_end=1478
+  _globals['_KVHEADER']._serialized_start=1481
+  _globals['_KVHEADER']._serialized_end=1710
+  _globals['_KVDATA']._serialized_start=1712
+  _globals['_KVDATA']._serialized_end=1775
+  _globals['_KVTRAILER']._serialized_start=1777
+  _globals['_KVTRAILER']._serialized_end=1839
+  _globals['_KVCHUNK']._serialized_start=1841
+  _globals['_KVCHUNK']._serialized_end=1964
+  _globals['_PUSHKVRESPONSE']._serialized_start=1966
+  _globals['_PUSHKVRESPONSE']._serialized_end=2000
+  _globals['_SCHEDULER']._serialized_start=2139
+  _globals['_SCHEDULER']._serialized_end=2280
+  _globals['_PREFILLWORKER']._serialized_start=2282
+  _globals['_PREFILLWORKER']._serialized_end=2358
+  _globals['_DECODEWORKER']._serialized_start=2361
+  _globals['_DECODEWORKER']._serialized_end=2680
 # @@protoc_insertion_point(module_scope)

@@ -78,18 +78,20 @@ class InternalCancelResponse(_message.Message):
     def __init__(self, state: _Optional[str] = ...) -> None: ...
 
 class PrefillItem(_message.Message):
-    __slots__ = ("spec", "epoch", "decode_address", "priority", "decode_kv_address")
+    __slots__ = ("spec", "epoch", "decode_address", "priority", "decode_kv_address", "decode_cached_tokens")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     DECODE_KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     spec: RequestSpec
     epoch: int
     decode_address: str
     priority: int
     decode_kv_address: str
-    def __init__(self, spec: _Optional[_Union[RequestSpec, _Mapping]] = ..., epoch: _Optional[int] = ..., decode_address: _Optional[str] = ..., priority: _Optional[int] = ..., decode_kv_address: _Optional[str] = ...) -> None: ...
+    decode_cached_tokens: int
+    def __init__(self, spec: _Optional[_Union[RequestSpec, _Mapping]] = ..., epoch: _Optional[int] = ..., decode_address: _Optional[str] = ..., priority: _Optional[int] = ..., decode_kv_address: _Optional[str] = ..., decode_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillBatch(_message.Message):
     __slots__ = ("batch_id", "items", "more_coming")
@@ -182,7 +184,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class KVHeader(_message.Message):
-    __slots__ = ("spec", "epoch", "num_tokens", "generated_token_ids", "num_layers", "num_kv_heads", "head_dim", "dtype", "layout_version")
+    __slots__ = ("spec", "epoch", "num_tokens", "generated_token_ids", "num_layers", "num_kv_heads", "head_dim", "dtype", "layout_version", "skip_tokens")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +194,7 @@ class KVHeader(_message.Message):
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SKIP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     spec: RequestSpec
     epoch: int
     num_tokens: int
@@ -201,7 +204,8 @@ class KVHeader(_message.Message):
     head_dim: int
     dtype: str
     layout_version: int
-    def __init__(self, spec: _Optional[_Union[RequestSpec, _Mapping]] = ..., epoch: _Optional[int] = ..., num_tokens: _Optional[int] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., layout_version: _Optional[int] = ...) -> None: ...
+    skip_tokens: int
+    def __init__(self, spec: _Optional[_Union[RequestSpec, _Mapping]] = ..., epoch: _Optional[int] = ..., num_tokens: _Optional[int] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., layout_version: _Optional[int] = ..., skip_tokens: _Optional[int] = ...) -> None: ...
 
 class KVData(_message.Message):
     __slots__ = ("offset", "data")

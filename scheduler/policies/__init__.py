@@ -19,11 +19,11 @@ from scheduler.policies.fair import FAIR_POLICIES, FIFO, VTC, TenantQueue, fair_
 from scheduler.policies.liveness import HeartbeatWatch
 from scheduler.policies.order import ORDER_POLICIES
 from scheduler.policies.plan import TierQueue, schedule
-from scheduler.policies.prefix import PrefixRouting, SentPrefixes, chain_hashes, matched_tokens
+from scheduler.policies.prefix import PrefixRouting, SentPrefixes, chain_hashes, handoff_skip, matched_tokens
 from scheduler.policies.retry import Quarantine, classify, prefer_healthy
 from scheduler.policies.tiers import AgingTiers, StrictTiers, preemptible_tiers, tier_policy
 
 __all__ = ["AgingTiers", "Candidate", "DecodeSlots", "DrainRate", "FAIR_POLICIES", "FIFO", "Headroom", "HeartbeatWatch",
            "ORDER_POLICIES", "Placement", "PrefixRouting", "Quarantine", "SentPrefixes", "StrictTiers", "TenantQueue", "TierQueue", "VTC", "acceptable", "below_share",
-           "chain_hashes", "choose_decode_worker", "classify", "fair_policy", "form_batch", "matched_tokens", "place_prefill", "place_round", "prefer_healthy",
+           "chain_hashes", "choose_decode_worker", "classify", "fair_policy", "form_batch", "handoff_skip", "matched_tokens", "place_prefill", "place_round", "prefer_healthy",
            "preemptible_tiers", "prefill_priority", "resolve_tier", "retry_after_ms", "schedule", "tier_policy"]

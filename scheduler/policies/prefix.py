@@ -47,6 +47,17 @@ def matched_tokens(hashes: Sequence[str], block_size: int, held: Iterable[str]) 
     return 0
 
 
+def handoff_skip(prompt: Sequence[int], block_size: int, held: Iterable[str], digits: int) -> int:
+    """Leading prompt positions a separate decode worker reporting `held` (its heartbeat's chain
+    hashes, cut to `digits`) holds in its prefix cache: a hand-off to it may leave their K/V out
+    (`KVHeader.skip_tokens`). 0 when it reports nothing. A short hash that only collides costs a
+    PREFIX_MISSING refusal and a whole resend, never a wrong cache: the decode worker checks the
+    full chain hashes."""
+    if block_size <= 0 or not held:
+        return 0
+    return matched_tokens(chain_hashes(prompt, block_size, digits), block_size, held)
+
+
 @dataclass(frozen=True)
 class PrefixRouting:
     weight: float = 4.0  # in-flight prompt tokens one cached prefix token outweighs (`SchedulerConfig.prefix_weight`)

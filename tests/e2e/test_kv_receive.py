@@ -41,11 +41,13 @@ def cache(runner, tokens: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.
     return [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(runner.num_layers)]
 
 
-def frames(rid: str, layers, corrupt: bool = False) -> list[bytes]:
-    header = pb.KVHeader(spec=pb.RequestSpec(request_id=rid, prompt_token_ids=[1] * layers[0][0].shape[1],
+def frames(rid: str, layers, corrupt: bool = False, prompt: list[int] | None = None, skip: int = 0) -> list[bytes]:
+    """A hand-off of `layers` (all positions), leaving out the K/V of the first `skip`."""
+    prompt = prompt if prompt is not None else [1] * layers[0][0].shape[1]
+    header = pb.KVHeader(spec=pb.RequestSpec(request_id=rid, prompt_token_ids=prompt,
                                              sampling=gen_pb.SamplingParams(max_tokens=2)),
-                         epoch=1, generated_token_ids=[1])
-    out = list(kv_transfer.encode_frames(header, layers))
+                         epoch=1, generated_token_ids=[1], skip_tokens=skip)
+    out = list(kv_transfer.encode_frames(header, [(k[:, skip:], v[:, skip:]) for k, v in layers]))
     if corrupt:  # one byte of the first data message, which holds several layers
         data = bytearray(out[1])
         data[len(data) // 2] ^= 0x01
@@ -81,6 +83,27 @@ async def test_corrupt_multi_layer_chunk_is_rejected_and_its_slot_freed_then_a_r
         assert (await push(iter(frames("r1", layers)), timeout=10)).accepted
         assert service.holds.get("r1") is None  # running here (None), or already done (gone); no longer reserved
 
+
+
+async def test_a_hand_off_leaves_out_the_prefix_this_worker_holds_and_is_refused_when_it_does_not(
+        redis_server, prefix):
+    async with worker(redis_server, prefix, max_batch_size=4) as (service, runner, stub, push):
+        system = list(range(3, 51))  # 48 tokens: three full blocks of 16
+        first, second = cache(runner, 60, seed=1), cache(runner, 60, seed=2)
+        for rid in ("first", "second", "stranger"):
+            assert (await stub.Reserve(pb.ReserveRequest(request_id=rid, tokens=61), timeout=5)).granted
+        assert (await push(iter(frames("first", first, prompt=system + [7] * 12)), timeout=10)).accepted
+        whole = sum(len(f) for f in frames("second", second, prompt=system + [8] * 12))
+        sent = frames("second", second, prompt=system + [8] * 12, skip=48)  # its K/V of 12 positions of 60
+        assert sum(len(f) for f in sent) < whole * 12 / 60 + 4096
+        assert (await push(iter(sent), timeout=10)).accepted  # the three blocks "first" brought are shared
+
+        other = [90 + i for i in range(48)] + [7] * 12  # no block of it is held here
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await push(iter(frames("stranger", cache(runner, 60), prompt=other, skip=48)), timeout=10)
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS and "PREFIX_MISSING" in err.value.details()
+        assert service.holds["stranger"] is not None  # still reserved, nothing of it held: the whole K/V may come
+        assert (await push(iter(frames("stranger", cache(runner, 60), prompt=other)), timeout=10)).accepted
 
 
 async def test_hand_off_without_reservation_takes_no_slot(redis_server, prefix):
@@ -197,3 +220,32 @@ async def test_reserve_many_answers_in_order_as_one_reserve_per_item_would(redis
         assert [(r.granted, r.free_slots) for r in got] == [(True, 1), (False, 1), (True, 1), (True, 0)]
         assert set(service.holds) == {"a", "c"} and service.free_slots == 0
         assert not (await stub.ReserveMany(pb.ReserveManyRequest(items=items[1:2]), timeout=5)).items[0].granted
+
+
+@pytest.mark.parametrize("transport", ["tcp", "grpc"])
+async def test_a_prefill_worker_sends_the_whole_cache_again_when_the_prefix_it_left_out_is_gone(
+        redis_server, prefix, transport):
+    """The scheduler saw the decode worker's heartbeat name a prefix, but the blocks were evicted
+    before the hand-off came: PREFIX_MISSING, and the prefill worker sends all of the K/V."""
+    from pdq.config import PrefillConfig
+    from pdq.observability import metrics
+    from prefill_worker.loop import Outcome
+    from prefill_worker.server import PrefillService
+
+    async with decode_worker(redis_server.url, prefix) as (server, channel):
+        service, runner, stub = server.service, server.service.loop.runner, pb_grpc.DecodeWorkerStub(channel)
+        reserved = await stub.Reserve(pb.ReserveRequest(request_id="gone", tokens=61), timeout=5)
+        assert reserved.granted
+        prompt = [60 + i for i in range(59)]
+        spec = pb.RequestSpec(request_id="gone", prompt_token_ids=prompt, sampling=gen_pb.SamplingParams(max_tokens=2))
+        item = pb.PrefillItem(spec=spec, epoch=1, decode_address=f"127.0.0.1:{server.port}",
+                              decode_kv_address=reserved.kv_address if transport == "tcp" else "",
+                              decode_cached_tokens=48)
+        sender = PrefillService(PrefillConfig(redis_url=redis_server.url, key_prefix=prefix))
+        misses = metrics.KV_PREFIX_MISSES._value.get()
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(Outcome("handoff", generated=[5, 9], layers=cache(runner, 60)))
+        result = await sender._finish(item, done)
+        assert result.ok, result.error
+        assert metrics.KV_PREFIX_MISSES._value.get() == misses + 1
+        assert service.holds.get("gone") is None  # it arrived: running here, or already done

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from pdq.engine.blocks import BlockManager, block_hashes
 from pdq.state.registry import PREFIX_HEX, WorkerInfo, heartbeat, live_workers
 from pdq.state.store import AsyncStore
-from scheduler.policies import (Candidate, PrefixRouting, SentPrefixes, chain_hashes, matched_tokens,
+from scheduler.policies import (Candidate, PrefixRouting, SentPrefixes, chain_hashes, handoff_skip, matched_tokens,
                                 place_prefill)
 from tests.scheduler.fakes import wait_for
 from tests.scheduler.harness import ended, harness, spec
@@ -35,6 +35,14 @@ def test_a_prompt_matches_up_to_the_deepest_block_a_worker_holds_even_past_a_mis
     assert matched_tokens(hashes, 16, {hashes[3]}) == 64  # a chain hash names its whole prefix
     other = chain_hashes([9] + SYSTEM[1:] + [1], 16, PREFIX_HEX)
     assert matched_tokens(other, 16, set(hashes)) == 0  # one token off in the first block: nothing shared
+
+
+def test_a_hand_off_may_skip_the_leading_blocks_a_decode_worker_reports_and_no_more():
+    prompt = list(range(3, 3 + 70))  # 4 full blocks of 16 a cache could serve (the last token is computed)
+    hashes = chain_hashes(prompt, 16, PREFIX_HEX)
+    assert handoff_skip(prompt, 16, set(hashes[:3]), PREFIX_HEX) == 48
+    assert handoff_skip(prompt, 16, set(chain_hashes([9] * 70, 16, PREFIX_HEX)), PREFIX_HEX) == 0  # another prompt's
+    assert handoff_skip(prompt, 16, (), PREFIX_HEX) == 0 and handoff_skip(prompt, 0, set(hashes), PREFIX_HEX) == 0
 
 
 def test_the_engine_reports_the_prefixes_it_holds_in_use_first_then_most_recently_used():

@@ -138,7 +138,11 @@ def prefix_lines(runs: list[dict]) -> str:
     lines = ["prefix cache (prompt tokens found in it / looked up):"]
     for r, pc in rows:
         q, h = pc["queried_tokens"], pc["hit_tokens"]
-        lines.append(f"  {r['name']} @ {r['arrivals']}: {h:,} / {q:,} ({100 * h / q:.0f}%)")
+        line = f"  {r['name']} @ {r['arrivals']}: {h:,} / {q:,} ({100 * h / q:.0f}%)"
+        if pc.get("handoff_bytes") or pc.get("handoff_skipped_tokens"):  # separate prefill and decode workers
+            line += (f"; hand-offs carried {pc['handoff_bytes'] / 1e6:,.1f} MB of K/V and left out "
+                     f"{pc['handoff_skipped_tokens']:,} prompt positions the decode worker held")
+        lines.append(line)
     return "\n".join(lines)
 
 

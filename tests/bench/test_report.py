@@ -135,3 +135,11 @@ def test_options():
                        (["--target", "h:1", "--doors", "http"], "with --spawn")):
         with pytest.raises(ValueError, match=match):
             options(*bad)
+
+
+def test_prefix_lines_show_what_separate_workers_hand_offs_carried_and_left_out():
+    run = make_run([make_record(0.0, [0.5, 1.0])], name="continuous")
+    run.notes["prefix_cache"] = {"queried_tokens": 4000, "hit_tokens": 3000, "handoff_bytes": 2_500_000,
+                                 "handoff_skipped_tokens": 2900}
+    (line,) = report.prefix_lines([summarize(run)]).splitlines()[1:]
+    assert line.endswith("hand-offs carried 2.5 MB of K/V and left out 2,900 prompt positions the decode worker held")

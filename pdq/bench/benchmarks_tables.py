@@ -102,11 +102,14 @@ def _pair(d: dict, a: str = "p50", b: str = "p99") -> str:
 def runs_table(docs: Docs, files: dict[str, str]) -> list[str]:
     """One row per run of every file: throughput (each repeat's, the median's first), latency
     percentiles, CPU (and output tokens per CPU-second), the machine's load average as the run
-    began; prefix-cache hits where a run found any."""
+    began; prefix-cache hits where a run found any, and the share of prompt positions whose K/V
+    hand-offs left out (the decode worker held them) where any did."""
     entries = [(label, r) for name, label in files.items() for r in docs.doc(name).get("runs", [])]
     prefix = any((r.get("prefix_cache") or {}).get("hit_tokens") for _, r in entries)
+    skips = any((r.get("prefix_cache") or {}).get("handoff_skipped_tokens") for _, r in entries)
     head = ["run", "ok", "out tok/s (repeats)", "TTFT p50 / p99 ms", "ITL p50 / p99 ms", "e2e p50 / p99 ms",
-            "CPU, % of a core", "tok / CPU-s", "load avg before"] + (["prefix cache hits"] if prefix else [])
+            "CPU, % of a core", "tok / CPU-s", "load avg before"] + (["prefix cache hits"] if prefix else []) + (
+            ["prompt positions hand-offs left out"] if skips else [])
     rows = []
     for label, r in entries:
         row = [run_label(label, r), f"{r['completed']}/{r['requests']}", _throughput(r), _pair(r["ttft_ms"]),
@@ -115,6 +118,10 @@ def runs_table(docs: Docs, files: dict[str, str]) -> list[str]:
         if prefix:
             pc = r.get("prefix_cache") or {}
             row.append(f"{pc['hit_tokens'] / pc['queried_tokens']:.0%}" if pc.get("queried_tokens") else "-")
+        if skips:
+            pc = r.get("prefix_cache") or {}
+            row.append(f"{pc.get('handoff_skipped_tokens', 0) / pc['queried_tokens']:.0%}" if pc.get("queried_tokens")
+                       else "-")
         rows.append(row)
     return md_table(head, rows)
 

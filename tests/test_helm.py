@@ -5,6 +5,8 @@ import dataclasses
 
 import pytest
 
+from pdq.state.redis_url import parse_sentinel_url
+
 from tests.kube import (
     CHART,
     POD_IP,
@@ -154,6 +156,10 @@ def test_redis_sentinel_and_the_api_keys_come_from_the_charts_secrets_or_from_se
     ref = redis_ref(sentinel)
     assert of_kind(sentinel, "Secret")[ref["name"]]["stringData"][ref["key"]] == \
            "redis+sentinel://:p%40ss%2Fw%3Ard@sentinel-0:26379,sentinel-1:26380/pdq/2"
+    guarded = render({**REQUIRED, "redis": {"sentinel": {"hosts": ["s-0"], "service": "pdq", "sentinelPassword": "s&p"}}})
+    url = of_kind(guarded, "Secret")[redis_ref(guarded)["name"]]["stringData"][redis_ref(guarded)["key"]]
+    assert url == "redis+sentinel://s-0/pdq/0?sentinel_password=s%26p"
+    assert parse_sentinel_url(url).sentinel_auth == {"password": "s&p"}
 
     open_gateway = render({"redis": REQUIRED["redis"], "auth": {"enabled": False}})
     assert role_configs(open_gateway)["gateway"].auth_file == ""

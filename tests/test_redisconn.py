@@ -112,6 +112,9 @@ def test_a_sentinel_url_names_its_sentinels_service_database_and_password():
     assert url.service == "cache"
     assert (url.options["db"], url.options["password"], url.options["socket_timeout"]) == (3, "s@cret", 4.0)
     assert parse_sentinel_url("redis://127.0.0.1:6379/0") is None
+    guarded = parse_sentinel_url("redis+sentinel://a:1/pdq?sentinel_password=p%26w&socket_timeout=2&sentinel_username=ops")
+    assert guarded.sentinel_auth == {"password": "p&w", "username": "ops"}
+    assert "password" not in guarded.options and guarded.options["socket_timeout"] == 2.0
     assert StoreConfig(redis_url="redis+sentinel://a:1,b:2/pdq").redis_url == "redis+sentinel://a:1,b:2/pdq"
 
 
@@ -121,6 +124,7 @@ def test_a_sentinel_url_names_its_sentinels_service_database_and_password():
     ("redis+sentinel://127.0.0.1:26379/pdq/zero", "is a number"),
     ("redis+sentinel://127.0.0.1:port/pdq", "host[:port], got '127.0.0.1:port'"),
     ("redis+sentinel://:hunter2@a:1,,b:2/pdq", "got '' in 'redis+sentinel://:***@a:1,,b:2/pdq'"),
+    ("redis+sentinel://a:1,,b:2/pdq?sentinel_password=hunter2", "in 'redis+sentinel://a:1,,b:2/pdq?sentinel_password=***'"),
 ])
 def test_a_malformed_redis_url_is_refused_saying_what_is_wrong_without_its_password(url, says):
     with pytest.raises(ValueError, match=re.escape(says)):
@@ -153,3 +157,13 @@ async def test_clients_of_a_sentinel_url_follow_a_failover_of_the_primary_to_the
         listener.close()
         sync.close()
         await aio.aclose()
+
+
+def test_sentinels_that_require_a_password_of_their_own_are_asked_with_the_urls():
+    with SentinelGroup(replicas=0, sentinels=1, quorum=1, sentinel_password="s3nt") as group:
+        assert "sentinel_password=s3nt" in group.url
+        with redisconn.connect(group.url, outage_s=5) as client:
+            assert client.set("k", "v") and client.get("k") == b"v"
+        bare = group.url.partition("?")[0]  # no password for the Sentinels: refused, saying so
+        with redisconn.connect(bare, outage_s=0.5) as client, pytest.raises(redis.RedisError, match="(?i)auth"):
+            client.get("k")

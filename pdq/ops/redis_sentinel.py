@@ -28,7 +28,8 @@ class SentinelServer:
     and hello channel, after a few seconds) and keep them in its config file."""
 
     def __init__(self, directory: str, port: int, myid: str, service: str, primary_port: int, quorum: int,
-                 down_after_ms: int, failover_timeout_ms: int, replica_ports: list[int], peers: list[tuple[int, str]]):
+                 down_after_ms: int, failover_timeout_ms: int, replica_ports: list[int], peers: list[tuple[int, str]],
+                 password: str = ""):
         self.port, self.myid = port, myid
         self.config = os.path.join(directory, f"sentinel-{port}.conf")
         lines = [f"port {port}", f"bind {HOST}", f"dir {directory}",
@@ -37,12 +38,15 @@ class SentinelServer:
                  f"sentinel down-after-milliseconds {service} {down_after_ms}",
                  f"sentinel failover-timeout {service} {failover_timeout_ms}", f"sentinel parallel-syncs {service} 1",
                  *(f"sentinel known-replica {service} {HOST} {p}" for p in replica_ports),
-                 *(f"sentinel known-sentinel {service} {HOST} {p} {i}" for p, i in peers)]
+                 *(f"sentinel known-sentinel {service} {HOST} {p} {i}" for p, i in peers),
+                 # its own password, and the one it gives its peers (all Sentinels of a group share it)
+                 *((f"requirepass {password}", f"sentinel sentinel-pass {password}") if password else ())]
         with open(self.config, "w") as f:  # Sentinel rewrites it with what it learns
             f.write("\n".join(lines) + "\n")
         self.process = spawn([find_redis_server(), self.config, "--sentinel"], stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)
-        self.client = redis.Redis(HOST, self.port, socket_timeout=2, socket_connect_timeout=0.5, decode_responses=True)
+        self.client = redis.Redis(HOST, self.port, socket_timeout=2, socket_connect_timeout=0.5, decode_responses=True,
+                                  password=password or None)
 
     def stop(self) -> None:
         self.client.close()
@@ -56,8 +60,9 @@ class SentinelGroup:
     then takes about a second more on loopback."""
 
     def __init__(self, replicas: int = 1, sentinels: int = 3, quorum: int = 2, down_after_ms: int = 500,
-                 failover_timeout_ms: int = 2000, service: str = "pdq"):
+                 failover_timeout_ms: int = 2000, service: str = "pdq", sentinel_password: str = ""):
         self.service = service
+        self.sentinel_password = sentinel_password  # the Sentinels' own (requirepass), in `url`'s query
         self.directory = tempfile.mkdtemp(prefix="pdq-sentinel-")
         self.replicas, self.quorum = replicas, quorum
         self.down_after_ms, self.failover_timeout_ms = down_after_ms, failover_timeout_ms
@@ -68,7 +73,8 @@ class SentinelGroup:
     @property
     def url(self) -> str:
         hosts = ",".join(f"{HOST}:{s.port}" for s in self.sentinels)
-        return f"redis+sentinel://{hosts}/{self.service}/0"
+        auth = f"?sentinel_password={self.sentinel_password}" if self.sentinel_password else ""
+        return f"redis+sentinel://{hosts}/{self.service}/0{auth}"
 
     def start(self, timeout_s: float = 20.0) -> "SentinelGroup":
         deadline = time.monotonic() + timeout_s
@@ -84,7 +90,8 @@ class SentinelGroup:
         for port, myid in ids:
             self.sentinels.append(SentinelServer(self.directory, port, myid, self.service, primary.port, self.quorum,
                                                  self.down_after_ms, self.failover_timeout_ms,
-                                                 [n.port for n in self.nodes[1:]], [p for p in ids if p[0] != port]))
+                                                 [n.port for n in self.nodes[1:]], [p for p in ids if p[0] != port],
+                                                 self.sentinel_password))
         for s in self.sentinels:
             self._wait(lambda: self._agreed(s), deadline, f"Sentinel on port {s.port} to see the group")
         return self

@@ -5,13 +5,14 @@
 - `redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service[/db]`: the primary of
   `service` as Redis Sentinel names it now, asked of the Sentinels listed (port 26379 when left
   out; IPv6 addresses in brackets). The user and password are the primary's and replicas'
-  (`requirepass`); the Sentinels are asked without one. Query options (`?socket_timeout=5`) are
-  redis-py's, as for redis://.
+  (`requirepass`); Sentinels that require one of their own (their `requirepass`) take
+  `?sentinel_password=...` (and `&sentinel_username=...` for an ACL user). Other query options
+  (`?socket_timeout=5`) are redis-py's, as for redis://.
 """
 
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 SENTINEL_SCHEME = "redis+sentinel"
 SENTINEL_PORT = 26379
@@ -23,6 +24,7 @@ class SentinelURL:
     sentinels: tuple[tuple[str, int], ...]  # (host, port) of each Sentinel, in the URL's order
     service: str  # the name the Sentinels monitor the primary under (`sentinel monitor <service> ...`)
     options: dict[str, Any] = field(default_factory=dict)  # db, username, password, query options: redis-py's
+    sentinel_auth: dict[str, str] = field(default_factory=dict)  # username, password: the Sentinels' own
 
 
 def check_redis_url(url: str) -> None:
@@ -49,10 +51,14 @@ def parse_sentinel_url(url: str) -> SentinelURL | None:
         raise ValueError(f"the database of a {SENTINEL_SCHEME} URL is a number, got {path[1]!r}")
     from redis.connection import parse_url  # its reading of credentials, db and query options
 
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    auth = {name.removeprefix("sentinel_"): value for name, value in query
+            if name in ("sentinel_password", "sentinel_username")}
+    rest = urlencode([(name, value) for name, value in query if not name.startswith("sentinel_")])
     options = parse_url(f"redis://{userinfo + '@' if userinfo else ''}sentinel/{''.join(path[1:])}"
-                        f"{'?' + parts.query if parts.query else ''}")
+                        f"{'?' + rest if rest else ''}")
     options.pop("host", None)
-    return SentinelURL(sentinels, path[0], options)
+    return SentinelURL(sentinels, path[0], options, auth)
 
 
 def _address(text: str, url: str) -> tuple[str, int]:
@@ -71,4 +77,8 @@ def _address(text: str, url: str) -> tuple[str, int]:
 
 def _redacted(url: str) -> str:
     parts = urlsplit(url)
-    return url.replace(f":{parts.password}@", ":***@") if parts.password else url
+    shown = url.replace(f":{parts.password}@", ":***@") if parts.password else url
+    for name, value in parse_qsl(parts.query):
+        if name == "sentinel_password" and value:
+            shown = shown.replace(f"{name}={value}", f"{name}=***")
+    return shown

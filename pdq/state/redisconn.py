@@ -201,7 +201,8 @@ def pool(url: str, *, aio: bool = False, blocking: bool = False, **kwargs: Any) 
 def _sentinels(target: SentinelURL, aio: bool) -> Any:
     """Who to ask for the primary: each Sentinel in turn, one try each per lookup (a lookup that
     finds none is a ConnectionError, retried under the outage window like any other)."""
-    options = dict(socket_timeout=CONNECT_TIMEOUT_S, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_keepalive=True)
+    options = dict(socket_timeout=CONNECT_TIMEOUT_S, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_keepalive=True,
+                   **target.sentinel_auth)
     if aio:
         return aiosentinel.Sentinel(target.sentinels, sentinel_kwargs={**options, "retry": AsyncRetry(NoBackoff(), 1)})
     return sentinel.Sentinel(target.sentinels, sentinel_kwargs={**options, "retry": Retry(NoBackoff(), 1)})

@@ -25,7 +25,7 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- define "pdq.redisURL" -}}
 {{- with .Values.redis.sentinel -}}
 {{- if .hosts -}}
-redis+sentinel://{{ with .password }}:{{ urlquery . }}@{{ end }}{{ join "," .hosts }}/{{ .service }}/{{ int .db }}
+redis+sentinel://{{ with .password }}:{{ urlquery . }}@{{ end }}{{ join "," .hosts }}/{{ .service }}/{{ int .db }}{{ with .sentinelPassword }}?sentinel_password={{ urlquery . }}{{ end }}
 {{- else -}}
 {{ $.Values.redis.url }}
 {{- end -}}

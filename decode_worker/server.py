@@ -62,7 +62,8 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         self._sizes: deque[int] = deque(maxlen=64)  # blocks of the latest grants: what a request takes
         self.receiving: set[str] = set()  # rids whose hand-off is arriving: their reservation does not expire
         self.expect: dict = {}
-        self.on_change = lambda: None
+        self.on_change = lambda: None  # a seat was freed: heartbeat now
+        self.on_arrival = lambda: None  # a hand-off's blocks were cached: heartbeat soon (separate P/D)
         self.kv_address = ""  # the TCP data plane's host:port, when it runs
         # holds changes on the event loop, and on a colocated worker's model thread (adopt)
         self._lock = threading.Lock()
@@ -269,6 +270,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         with self._lock:
             self.holds[h.spec.request_id] = None
         self.loop.add(arrived)
+        self.on_arrival()  # its blocks are cached here now: the heartbeat names them to the scheduler
 
     async def _discard(self, sink: BlockSink) -> None:
         """Frees the blocks a failed hand-off was written into (on the model thread) and waits for it."""
@@ -419,6 +421,8 @@ def build_server(config: DecodeConfig) -> Server:
         alive = lambda: server.ready and model_loop.alive  # noqa: E731
         state["heartbeat"] = hb = Heartbeat(config, keys, info, alive)
         service.on_change = hb.poke
+        if prefill is None:  # the prefixes it reports let hand-offs to it leave them out
+            service.on_arrival = hb.nudge
         await hb.start()
         if prefill is not None:
             state["prefill_heartbeat"] = Heartbeat(prefill_config, keys, prefill_info, alive)

@@ -6,6 +6,7 @@ import functools
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -183,9 +184,12 @@ def load_runner(config: WorkerConfig, kv_budget_tokens: int, warm_up: tuple[int,
 
 class Heartbeat:
     """Keeps this worker in the registry: at `start()`, every period, and whenever `poke()` is
-    called, while `alive()` (the server takes calls and its model loop runs). Start it last, once
-    the model is loaded and warm: a worker in the registry can serve. A worker whose loop died
-    leaves it."""
+    called, while `alive()` (the server takes calls and its model loop runs); after `nudge()`, once
+    NUDGE_S has passed since the latest beat (news that can wait a moment: a burst of it costs a
+    beat every NUDGE_S, not one each). Start it last, once the model is loaded and warm: a worker in the
+    registry can serve. A worker whose loop died leaves it."""
+
+    NUDGE_S = 0.1
 
     def __init__(self, config: WorkerConfig, keys: Keys, info: Callable[[], WorkerInfo],
                  alive: Callable[[], bool] = lambda: True):
@@ -198,6 +202,8 @@ class Heartbeat:
         self.liveness = Liveness(f"heartbeat-{info().role}")
         self.registered = False
         self._poke = asyncio.Event()
+        self._last_beat = 0.0  # time.monotonic() of the latest beat sent
+        self._urgent = False  # poked (not only nudged) since the latest beat
         self._task: asyncio.Task | None = None
         self._stopping = False
 
@@ -207,10 +213,15 @@ class Heartbeat:
         self._task = asyncio.create_task(self._run())
 
     def poke(self) -> None:
+        self._urgent = True
+        self._poke.set()
+
+    def nudge(self) -> None:
         self._poke.set()
 
     async def _round(self) -> None:
         if self.alive():
+            self._last_beat = time.monotonic()
             try:
                 await heartbeat(self.store, self.info(), ttl_s=max(3 * self.config.heartbeat_s, 5.0))
                 self.registered = True
@@ -229,6 +240,9 @@ class Heartbeat:
             except asyncio.TimeoutError:
                 pass
             self._poke.clear()
+            if not self._urgent:  # nudged (or the period came): at most one beat per NUDGE_S
+                await asyncio.sleep(max(0.0, self._last_beat + self.NUDGE_S - time.monotonic()))
+            self._urgent = False
             if self._stopping:
                 break
             await self._round()

@@ -235,12 +235,13 @@ class Heartbeat:
 
     async def _run(self) -> None:
         while not self._stopping:
+            nudged = True
             try:
                 await asyncio.wait_for(self._poke.wait(), self.config.heartbeat_s)
             except asyncio.TimeoutError:
-                pass
+                nudged = False  # the period came
             self._poke.clear()
-            if not self._urgent:  # nudged (or the period came): at most one beat per NUDGE_S
+            if nudged and not self._urgent and not self._stopping:  # at most one beat per NUDGE_S for nudges
                 await asyncio.sleep(max(0.0, self._last_beat + self.NUDGE_S - time.monotonic()))
             self._urgent = False
             if self._stopping:

@@ -315,8 +315,9 @@ class Dispatcher:
                 await self._release(dw, cand.request_id)
             return False
         items, reserved = [], []
+        sent_to = {dw.worker_id for _, dw, _, _ in placed}  # the prefix caches of separate decode workers taking some
         held = {w.worker_id: (w.kv_block_size, frozenset(w.prefixes)) for w in decode
-                if w.prefixes and w.address != target.address}  # separate decode workers' prefix caches
+                if w.worker_id in sent_to and w.prefixes and w.address != target.address}
         for (cand, dw, priority, kv_address), got in zip(placed, claimed):
             if got.epoch == 0 or got.spec is None:  # cancelled or ended meanwhile
                 await self._release(dw, cand.request_id)

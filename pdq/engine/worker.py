@@ -235,13 +235,13 @@ class Heartbeat:
 
     async def _run(self) -> None:
         while not self._stopping:
-            nudged = True
+            woken = True
             try:
                 await asyncio.wait_for(self._poke.wait(), self.config.heartbeat_s)
             except asyncio.TimeoutError:
-                nudged = False  # the period came
+                woken = False  # the period came
             self._poke.clear()
-            if nudged and not self._urgent and not self._stopping:  # at most one beat per NUDGE_S for nudges
+            if woken and not self._urgent and not self._stopping:  # only nudged: at most one beat per NUDGE_S
                 await asyncio.sleep(max(0.0, self._last_beat + self.NUDGE_S - time.monotonic()))
             self._urgent = False
             if self._stopping:

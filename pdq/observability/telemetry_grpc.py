@@ -107,18 +107,13 @@ def _wrap(handler: grpc.RpcMethodHandler, service: str, method: str, parent) -> 
                     finish(state, context, exc, detach=False)
         return call
 
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), handler.request_deserializer,
-                                                   handler.response_serializer)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), handler.request_deserializer,
-                                                    handler.response_serializer)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), handler.request_deserializer,
-                                                    handler.response_serializer)
-    if handler.stream_stream:
-        return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), handler.request_deserializer,
-                                                     handler.response_serializer)
+    for kind, wrap, make in (("unary_unary", unary, grpc.unary_unary_rpc_method_handler),
+                             ("unary_stream", streaming, grpc.unary_stream_rpc_method_handler),
+                             ("stream_unary", unary, grpc.stream_unary_rpc_method_handler),
+                             ("stream_stream", streaming, grpc.stream_stream_rpc_method_handler)):
+        inner = getattr(handler, kind)
+        if inner:
+            return make(wrap(inner), handler.request_deserializer, handler.response_serializer)
     return handler
 
 

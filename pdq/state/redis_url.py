@@ -10,12 +10,14 @@
   (`?socket_timeout=5`) are redis-py's, as for redis://.
 """
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 SENTINEL_SCHEME = "redis+sentinel"
 SENTINEL_PORT = 26379
+SENTINEL_AUTH = ("sentinel_password", "sentinel_username")  # query options for the Sentinels themselves
 SCHEMES = ("redis://", "rediss://", "unix://", f"{SENTINEL_SCHEME}://")
 
 
@@ -52,9 +54,8 @@ def parse_sentinel_url(url: str) -> SentinelURL | None:
     from redis.connection import parse_url  # its reading of credentials, db and query options
 
     query = parse_qsl(parts.query, keep_blank_values=True)
-    auth = {name.removeprefix("sentinel_"): value for name, value in query
-            if name in ("sentinel_password", "sentinel_username")}
-    rest = urlencode([(name, value) for name, value in query if not name.startswith("sentinel_")])
+    auth = {name.removeprefix("sentinel_"): value for name, value in query if name in SENTINEL_AUTH}
+    rest = urlencode([(name, value) for name, value in query if name not in SENTINEL_AUTH])
     options = parse_url(f"redis://{userinfo + '@' if userinfo else ''}sentinel/{''.join(path[1:])}"
                         f"{'?' + rest if rest else ''}")
     options.pop("host", None)
@@ -78,7 +79,4 @@ def _address(text: str, url: str) -> tuple[str, int]:
 def _redacted(url: str) -> str:
     parts = urlsplit(url)
     shown = url.replace(f":{parts.password}@", ":***@") if parts.password else url
-    for name, value in parse_qsl(parts.query):
-        if name == "sentinel_password" and value:
-            shown = shown.replace(f"{name}={value}", f"{name}=***")
-    return shown
+    return re.sub(r"([?&]sentinel_password=)[^&]+", r"\1***", shown)

@@ -4,10 +4,11 @@ Pure: turns tensors into `KVChunk` messages and back, checking everything on the
 closed: any mismatch raises `KVTransferError` and yields nothing to decode). Layout version 2:
 the cache is one byte stream, for each layer K then V, each a contiguous [num_kv_heads,
 sent tokens, head_dim] tensor (the sent tokens: positions `skip_tokens`..`num_tokens`-1, all of
-them unless the receiver's prefix cache holds the leading ones, `sent_tokens`); each `KVData` carries the bytes at `offset` of that stream, cut
-every `chunk_bytes` (rounded to the dtype's size), so a message may hold several small layers or
-part of a big one. The receiver writes each chunk where it belongs (`KVSink`): into staging
-tensors (`BufferSink`) or straight into a KV pool slot (the decode worker).
+them unless the receiver's prefix cache holds the leading ones, `sent_tokens`); each `KVData`
+carries the bytes at `offset` of that stream, cut every `chunk_bytes` (rounded to the dtype's
+size), so a message may hold several small layers or part of a big one. The receiver writes each
+chunk where it belongs (`KVSink`): into staging tensors (`BufferSink`) or straight into a KV pool
+slot (the decode worker).
 """
 
 import warnings

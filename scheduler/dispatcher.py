@@ -33,7 +33,7 @@ from pdq.state.store import Deposed, AsyncStore, TenantBacklog, now_ms, spec_fro
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 from scheduler.policies import (Candidate, DecodeSlots, DrainRate, Headroom, TenantQueue, TierQueue,
-                                choose_decode_worker, fair_policy, form_batch, handoff_skip, place_prefill, place_round,
+                                decode_chooser, fair_policy, form_batch, handoff_skip, place_prefill, place_round,
                                 preemptible_tiers, prefer_healthy, prefill_priority, schedule, tier_policy)
 from scheduler.leader import Leadership, Sole
 from scheduler.prefix_routing import PrefixRouter
@@ -282,8 +282,9 @@ class Dispatcher:
         else:
             running, active = await self._competition()
         weights = {t: self._weights.get(t, self.config.default_weight) for t in active | {c.tenant for c in batch}}
+        cached = await self.prefix_router.decode_matches(batch, decode, target_info.address) if self.prefix_router else {}
         plans = place_round(batch, slots, target_info.address, self.headroom, capacity, running, weights, active,
-                            choose_decode_worker)
+                            decode_chooser(cached))
         if not plans and self.config.preempt_lower_tiers:
             await self._preempt_for(batch[0], decode, sum(s.free_slots for s in slots))
             return False
@@ -316,6 +317,7 @@ class Dispatcher:
             return False
         items, reserved = [], []
         sent_to = {dw.worker_id for _, dw, _, _ in placed}  # the prefix caches of separate decode workers taking some
+        decode_by_id = {w.worker_id: w for w in decode}
         held = {w.worker_id: (w.kv_block_size, frozenset(w.prefixes)) for w in decode
                 if w.worker_id in sent_to and w.prefixes and w.address != target.address}
         for (cand, dw, priority, kv_address), got in zip(placed, claimed):
@@ -336,6 +338,9 @@ class Dispatcher:
             return True
         if self.prefix_router:
             self.prefix_router.dispatched(target_info, [it.spec.request_id for it in items])
+            for it, dw in zip(items, reserved):
+                if dw.address != target.address:
+                    self.prefix_router.handed_off(decode_by_id[dw.worker_id], it.spec.request_id)
         prompt_tokens = sum(len(it.spec.prompt_token_ids) for it in items)
         metrics.BATCH_SIZE.labels("dispatch").observe(len(items))
         metrics.BATCH_TOKENS.labels("dispatch").observe(prompt_tokens)

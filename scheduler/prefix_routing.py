@@ -1,6 +1,10 @@
-"""The dispatcher's prefix-aware placement of prefill batches (`scheduler.policies.prefix`) with
-its IO: the batch's prompts, read from Redis, hashed with each worker's block size and matched
-against the prefixes the worker reports and those this scheduler sent it lately."""
+"""The dispatcher's prefix-aware placement (`scheduler.policies.prefix`) with its IO: the batch's
+prompts, read from Redis, hashed with each worker's block size and matched against the prefixes
+the worker reports and those this scheduler sent it lately. Prefill batches go where their
+prompts' prefixes are cached (`place`); with separate decode workers, each request's decode
+worker is chosen by the same knowledge (`decode_matches`, scored by
+`scheduler.policies.batch.choose_decode_worker`), so its hand-off can leave out the prefix
+that worker holds."""
 
 from collections.abc import Iterable
 
@@ -14,7 +18,8 @@ class PrefixRouter:
         self.store = store
         self.policy = PrefixRouting(weight)
         self.sent = SentPrefixes()
-        self._hashes: dict[str, dict[int, list[str]]] = {}  # the latest batch placed: request -> block size -> hashes
+        self.sent_decode = SentPrefixes()  # what hand-offs carried to each separate decode worker lately
+        self._hashes: dict[str, dict[int, list[str]]] = {}  # the latest round's batch: request -> block size -> hashes
 
     async def place(self, batch: list[Candidate], workers: list[WorkerInfo], decode: list[WorkerInfo],
                     loads: list[tuple[str, int]], cap: int) -> tuple[str | None, list[Candidate]]:
@@ -38,6 +43,37 @@ class PrefixRouter:
                 matched[rid][w.worker_id] = matched_tokens(hashes[w.kv_block_size], w.kv_block_size, held)
         seats = {d.address: d.capacity - d.free_slots for d in decode}
         return self.policy.place(batch, loads, cap, matched, {w.worker_id: seats.get(w.address, 0) for w in workers})
+
+    async def decode_matches(self, batch: list[Candidate], decode: list[WorkerInfo],
+                             prefill_address: str) -> dict[str, dict[str, int]]:
+        """Request id -> separate decode worker id -> prompt tokens of its prefix that worker's
+        cache holds (reported, or sent to it lately), for `choose_decode_worker`'s score. Empty
+        (no Redis read) unless at least two decode workers apart from the prefill worker at
+        `prefill_address` could take a request and one of them holds any prefix."""
+        now = now_ms()
+        apart = [w for w in decode if w.address != prefill_address and w.kv_block_size > 0]
+        self.sent_decode.forget(w.worker_id for w in decode)
+        held = {w.worker_id: set(w.prefixes) | self.sent_decode.held(w.worker_id, now) for w in apart}
+        if len(apart) < 2 or not any(held.values()):
+            return {}
+        sizes = {w.kv_block_size for w in apart}
+        wanted = [c for c in batch if c.prompt_tokens > min(sizes)]
+        self._hashes = {c.request_id: self._hashes.get(c.request_id, {}) for c in batch}  # this round's only
+        missing = [c.request_id for c in wanted if not sizes <= set(self._hashes[c.request_id])]
+        if missing:
+            for rid, prompt in zip(missing, await self.store.prompts(missing)):
+                self._hashes[rid].update({bs: chain_hashes(prompt, bs, PREFIX_HEX) for bs in sizes})
+        return {c.request_id: {w.worker_id: matched_tokens(self._hashes[c.request_id][w.kv_block_size],
+                                                           w.kv_block_size, held[w.worker_id])
+                               for w in apart}
+                for c in wanted}
+
+    def handed_off(self, worker: WorkerInfo, request_id: str) -> None:
+        """A request's K/V goes to the separate decode `worker`: its prompt's blocks will be
+        there (a decode worker reports them once they arrive)."""
+        hashes = self._hashes.get(request_id, {}).get(worker.kv_block_size)
+        if hashes:
+            self.sent_decode.add(worker.worker_id, hashes, now_ms())
 
     def dispatched(self, worker: WorkerInfo, request_ids: Iterable[str]) -> None:
         """The requests of the latest batch placed went to `worker`: their prefixes will be there."""

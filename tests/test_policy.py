@@ -81,24 +81,24 @@ def test_the_victim_is_the_worst_tiers_newest_sequence():
 
 
 def test_a_dispatch_rounds_placement_fills_seats_in_order_and_keeps_the_reserve_for_tenants_below_share():
-    from scheduler.policies import Headroom, place_round
+    from scheduler.policies import Headroom, decode_chooser, place_round
 
     slots = [DecodeSlots("d1", "p:1", 2), DecodeSlots("d2", "d:2", 1)]
     batch = [Candidate("a1", 10, 8, "flood"), Candidate("a2", 10, 8, "flood"), Candidate("b1", 10, 8, "light"),
              Candidate("a3", 10, 8, "flood")]
     running = {"flood": 6}  # the flood holds 6 of 9 seats; light holds none
     plans = place_round(batch, slots, "p:1", Headroom(1), 9, running, {"flood": 1.0, "light": 1.0},
-                        {"flood", "light"}, choose_decode_worker)
+                        {"flood", "light"}, decode_chooser())
     # a1 takes the colocated worker's seat; a2 too (two free remain); the last seat is the reserve:
     # light (below its share) gets it, a3 (the flood, above its share) waits
     assert [(p.candidate.request_id, p.worker.worker_id, p.under_share) for p in plans] == [
         ("a1", "d1", False), ("a2", "d1", False), ("b1", "d2", True)]
     assert [p.keep_free for p in plans] == [0, 0, 0]  # d2's free seat covered the reserve when d1 granted
     one = place_round(batch[:1], [DecodeSlots("d1", "p:1", 2)], "p:1", Headroom(1), 9, {"flood": 6},
-                      {"flood": 1.0, "light": 1.0}, {"flood", "light"}, choose_decode_worker)
+                      {"flood": 1.0, "light": 1.0}, {"flood", "light"}, decode_chooser())
     assert [p.keep_free for p in one] == [1]  # alone, d1 must still have more than one seat free to grant
     assert [s.free_slots for s in slots] == [0, 0] and running == {"flood": 8, "light": 1}
     alone = place_round([Candidate("x", 1, 1, "solo", avoid=frozenset({"d1"}))],
                         [DecodeSlots("d1", "p:1", 3), DecodeSlots("d2", "d:2", 0)], "p:1", Headroom(1), 3, {},
-                        {}, set(), choose_decode_worker)
+                        {}, set(), decode_chooser())
     assert alone == []  # the only worker with room is one its failed attempt avoids: it waits

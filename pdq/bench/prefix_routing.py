@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(runs)
     print()
     for name, row in summary.items():
-        print(f"{name}: TTFT p50 {row['ttft_p50_ms']:,.0f} ms, prefix cache hit rate {row['hit_rate']:.2f} "
+        carried = f", hand-offs carried {row['handoff_mb']:,.1f} MB" if row["handoff_mb"] else ""
+        print(f"{name}: TTFT p50 {row['ttft_p50_ms']:,.0f} ms, prefix cache hit rate {row['hit_rate']:.2f}{carried} "
               f"(medians of {row['repeats']} repeat(s))")
     if len(summary) == 2:
         off, on = summary["load-only"], summary["prefix-routed"]
@@ -98,14 +99,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def summarize(runs: list[dict]) -> dict[str, dict]:
     """Per system, the medians over its repeats of: TTFT p50 (ms), the share of looked-up prompt
-    tokens found cached; and each repeat's values."""
-    by: dict[str, list[tuple[float, float]]] = {}
+    tokens found cached, and (separate prefill and decode workers) the MB of K/V hand-offs
+    carried; and each repeat's values."""
+    by: dict[str, list[tuple[float, float, float]]] = {}
     for r in runs:
         cache = r.get("prefix_cache") or {}
         hit = cache.get("hit_tokens", 0) / max(1, cache.get("queried_tokens", 0))
-        by.setdefault(r["name"], []).append((r["ttft_ms"]["p50"], round(hit, 3)))
-    return {name: {"ttft_p50_ms": statistics.median(t for t, _ in rows), "hit_rate": statistics.median(h for _, h in rows),
-                   "repeats": len(rows), "each": [{"ttft_p50_ms": t, "hit_rate": h} for t, h in rows]}
+        by.setdefault(r["name"], []).append((r["ttft_ms"]["p50"], round(hit, 3),
+                                             round(cache.get("handoff_bytes", 0) / 1e6, 1)))
+    return {name: {"ttft_p50_ms": statistics.median(t for t, _, _ in rows),
+                   "hit_rate": statistics.median(h for _, h, _ in rows),
+                   "handoff_mb": statistics.median(m for _, _, m in rows),
+                   "repeats": len(rows),
+                   "each": [{"ttft_p50_ms": t, "hit_rate": h, "handoff_mb": m} for t, h, m in rows]}
             for name, rows in by.items()}
 
 

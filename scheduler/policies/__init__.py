@@ -13,7 +13,8 @@ workers whose hand-offs keep failing; `liveness` tells the janitor which workers
 """
 
 from scheduler.policies.admission import DrainRate, resolve_tier, retry_after_ms
-from scheduler.policies.batch import Candidate, DecodeSlots, acceptable, choose_decode_worker, form_batch, place_prefill
+from scheduler.policies.batch import (Candidate, DecodeSlots, acceptable, choose_decode_worker, decode_chooser,
+                                      form_batch, place_prefill)
 from scheduler.policies.headroom import Headroom, Placement, below_share, place_round, prefill_priority
 from scheduler.policies.fair import FAIR_POLICIES, FIFO, VTC, TenantQueue, fair_policy
 from scheduler.policies.liveness import HeartbeatWatch
@@ -25,5 +26,5 @@ from scheduler.policies.tiers import AgingTiers, StrictTiers, preemptible_tiers,
 
 __all__ = ["AgingTiers", "Candidate", "DecodeSlots", "DrainRate", "FAIR_POLICIES", "FIFO", "Headroom", "HeartbeatWatch",
            "ORDER_POLICIES", "Placement", "PrefixRouting", "Quarantine", "SentPrefixes", "StrictTiers", "TenantQueue", "TierQueue", "VTC", "acceptable", "below_share",
-           "chain_hashes", "choose_decode_worker", "classify", "fair_policy", "form_batch", "handoff_skip", "matched_tokens", "place_prefill", "place_round", "prefer_healthy",
+           "chain_hashes", "choose_decode_worker", "classify", "decode_chooser", "fair_policy", "form_batch", "handoff_skip", "matched_tokens", "place_prefill", "place_round", "prefer_healthy",
            "preemptible_tiers", "prefill_priority", "resolve_tier", "retry_after_ms", "schedule", "tier_policy"]

@@ -7,7 +7,7 @@ usable worker that is busy now (at its in-flight cap, no free slot) still counts
 waits for it rather than go back to a worker that failed it.
 """
 
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -79,12 +79,20 @@ class DecodeSlots:
     free_slots: int
 
 
-def choose_decode_worker(workers: list[DecodeSlots], local: str = "",
-                         avoid: Collection[str] = frozenset()) -> DecodeSlots | None:
+def choose_decode_worker(workers: list[DecodeSlots], local: str = "", avoid: Collection[str] = frozenset(),
+                         cached: Mapping[str, int] | None = None, prompt_tokens: int = 0) -> DecodeSlots | None:
     """Of the usable decode `workers` the request accepts (see `acceptable`), the one at address
     `local` (the prefill worker's own: a colocated worker keeps the K/V where it is, no
-    transfer) while it has a free slot, else the one with the most free slots (ties: by id, so
-    the choice is stable). None when none it accepts has a free slot."""
+    transfer) while it has a free slot, else the best scored open one.
+
+    Score (prefix-aware, when `cached` names prompt tokens some worker's prefix cache holds of
+    this request's `prompt_tokens`): the share of the prompt cached there plus the worker's free
+    slots over the most any open worker has, both in [0, 1]; a worker holding 90% of the prompt
+    with a third of the best free slots (1.23) beats an empty one with all of them (1.0), not
+    one with a fifteenth (0.97). The prefix spares the hand-off its K/V (`handoff_skip`) and the
+    worker's memory its blocks; the free slots keep decode batches even. Without prefix
+    knowledge: the most free slots. Ties: by id, so the choice is stable. None when none it
+    accepts has a free slot."""
     if avoid:
         usable = [w.worker_id for w in workers]
         workers = [w for w in workers if acceptable(avoid, w.worker_id, usable)]
@@ -92,4 +100,22 @@ def choose_decode_worker(workers: list[DecodeSlots], local: str = "",
     if not open_:
         return None
     here = [w for w in open_ if local and w.address == local]
-    return max(here or open_, key=lambda w: (w.free_slots, w.worker_id))
+    if here:
+        return max(here, key=lambda w: (w.free_slots, w.worker_id))
+    if cached and prompt_tokens > 0 and any(cached.get(w.worker_id, 0) for w in open_):
+        most = max(w.free_slots for w in open_)
+        return max(open_, key=lambda w: (min(1.0, cached.get(w.worker_id, 0) / prompt_tokens) + w.free_slots / most,
+                                         w.free_slots, w.worker_id))
+    return max(open_, key=lambda w: (w.free_slots, w.worker_id))
+
+
+DecodeChooser = Callable[[list[DecodeSlots], str, Candidate], "DecodeSlots | None"]
+
+
+def decode_chooser(cached: Mapping[str, Mapping[str, int]] | None = None) -> DecodeChooser:
+    """`choose_decode_worker` as `place_round` calls it, once per candidate: with `cached`
+    (request id -> decode worker id -> prompt tokens its prefix cache holds), prefix-aware."""
+    def choose(workers: list[DecodeSlots], local: str, cand: Candidate) -> DecodeSlots | None:
+        return choose_decode_worker(workers, local, cand.avoid, (cached or {}).get(cand.request_id),
+                                    cand.prompt_tokens)
+    return choose

@@ -73,7 +73,7 @@ def place_round(batch: list, slots: list, prefill_address: str, headroom: Headro
     """Which requests of a dispatch round get a decode seat, and where (pure: plain data in,
     placements out). In batch order, while any slot is free: a request its headroom refuses waits
     (the last free slots are for tenants below their share); else `choose(slots,
-    prefill_address, candidate.avoid)` picks its worker (None: the workers it accepts are full, it
+    prefill_address, candidate)` (`batch.decode_chooser`) picks its worker (None: the workers it accepts are full, it
     waits). Each placement counts as granted for the requests after it: its worker's
     `free_slots` goes down by one and its tenant's `running` up by one (both updated in place;
     the reservation replies correct them)."""
@@ -84,7 +84,7 @@ def place_round(batch: list, slots: list, prefill_address: str, headroom: Headro
             break
         if not headroom.allows(cand.tenant, free, capacity, running, weights, active):
             continue
-        choice = choose(slots, prefill_address, cand.avoid)
+        choice = choose(slots, prefill_address, cand)
         if choice is None:
             continue
         under = below_share(cand.tenant, capacity, running, weights, active)

@@ -21,3 +21,12 @@ def test_the_summary_is_each_systems_median_over_its_repeats():
                      run("prefix-routed", 120, 81), run("load-only", 700, 58), run("prefix-routed", 90, 83)])
     assert (got["load-only"]["ttft_p50_ms"], got["load-only"]["hit_rate"]) == (900, 0.6)
     assert (got["prefix-routed"]["ttft_p50_ms"], got["prefix-routed"]["hit_rate"], got["prefix-routed"]["repeats"]) == (100, 0.83, 3)
+
+
+def test_the_summary_reports_the_hand_off_megabytes_of_separate_decode_workers():
+    def run(name, sent):
+        return {"name": name, "ttft_ms": {"p50": 100}, "prefix_cache": {"hit_tokens": 1, "queried_tokens": 2,
+                                                                       "handoff_bytes": sent}}
+    got = summarize([run("load-only", 90e6), run("prefix-routed", 20e6), run("load-only", 70e6)])
+    assert (got["load-only"]["handoff_mb"], got["prefix-routed"]["handoff_mb"]) == (80.0, 20.0)
+    assert summarize([{"name": "x", "ttft_ms": {"p50": 1}}])["x"]["handoff_mb"] == 0  # colocated: none

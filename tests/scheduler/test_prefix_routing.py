@@ -1,6 +1,8 @@
 """Prefix-aware placement: the pure policy (unit tests and hypothesis properties), the engine's
 report of its cached prefixes, and a real scheduler placing by what fake workers report."""
 
+from dataclasses import replace
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -209,3 +211,77 @@ async def _all_report(h) -> bool:
 async def _dispatched(h, rid) -> bool:
     return await h.state(rid) not in ("", "QUEUED")
 
+
+
+# -- the decode worker of a separate P/D cluster ------------------------------------------------
+
+def test_a_separate_decode_worker_holding_the_prefix_takes_it_while_its_free_slots_weigh_less():
+    from scheduler.policies import DecodeSlots, choose_decode_worker
+    holder, empty = DecodeSlots("d0", "h:0", 3), DecodeSlots("d1", "h:1", 9)
+    # 64 of 80 prompt tokens cached on d0: 0.8 + 3/9 beats 0 + 9/9
+    assert choose_decode_worker([holder, empty], cached={"d0": 64}, prompt_tokens=80).worker_id == "d0"
+    holder.free_slots = 1  # 0.8 + 1/9 < 1.0: load wins
+    assert choose_decode_worker([holder, empty], cached={"d0": 64}, prompt_tokens=80).worker_id == "d1"
+    holder.free_slots = 0  # full: never, whatever it holds
+    assert choose_decode_worker([holder, empty], cached={"d0": 80}, prompt_tokens=80).worker_id == "d1"
+    # the prefill worker's own decode side still comes first (no transfer at all), and an avoided one last
+    assert choose_decode_worker([DecodeSlots("d0", "h:0", 9), DecodeSlots("d1", "h:1", 1)], local="h:1",
+                                cached={"d0": 80}, prompt_tokens=80).worker_id == "d1"
+    assert choose_decode_worker([DecodeSlots("d0", "h:0", 9), DecodeSlots("d1", "h:1", 1)], avoid={"d0"},
+                                cached={"d0": 80}, prompt_tokens=80).worker_id == "d1"
+
+
+@given(st.lists(st.integers(0, 8), min_size=1, max_size=4))
+def test_with_nothing_cached_the_decode_choice_is_the_most_free_slots(free):
+    from scheduler.policies import DecodeSlots, choose_decode_worker
+    slots = [DecodeSlots(f"d{i}", f"h:{i}", n) for i, n in enumerate(free)]
+    plain = choose_decode_worker(slots)
+    assert choose_decode_worker(slots, cached={}, prompt_tokens=80) == plain
+    assert choose_decode_worker(slots, cached={"d9": 64}, prompt_tokens=80) == plain  # a worker not open here
+
+
+async def _decoded_on(routing: bool, redis_url: str, prefix: str) -> tuple[dict[str, list[str]], list[int]]:
+    """One fake prefill worker, two separate decode workers, the first reporting SYSTEM in its
+    prefix cache (block size 16); three requests opening with SYSTEM, one after another. ->
+    (decode worker id -> the requests it decoded, each item's decode_cached_tokens)."""
+    async with harness(redis_url, prefix, workers=dict(decode=2, prefill=1), prefix_routing=routing) as h:
+        (p0,) = h.workers.prefillers
+        d0, d1 = h.workers.decoders.values()
+        held = tuple(chain_hashes(SYSTEM + [1], 16, PREFIX_HEX))
+        for d, prefixes in ((d0, held), (d1, ())):
+            base = d.info
+            d.info = lambda base=base, prefixes=prefixes: replace(base(), kv_block_size=16, prefixes=prefixes)
+        joined: dict[str, list[str]] = {d0.worker_id: [], d1.worker_id: []}
+        skips: list[int] = []
+        for d in (d0, d1):
+            join = d.join
+
+            async def recording(item, d=d, join=join):
+                joined[d.worker_id].append(item.spec.request_id)
+                skips.append(item.decode_cached_tokens)
+                return await join(item)
+            d.join = recording
+
+        async def reported():
+            workers = (await live_workers(h.store, ("decode",), 5.0))["decode"]
+            return len(workers) == 2 and all(w.kv_block_size == 16 for w in workers)
+        await wait_for(reported)
+        for i in range(3):
+            s = spec(f"r{i}")
+            s.prompt_token_ids[:] = SYSTEM + [i + 1] * 8
+            await h.submit(s)
+            await ended(h, [f"r{i}"])
+        return joined, skips
+
+
+async def test_a_separate_decode_worker_holding_the_prefix_takes_the_request_and_its_hand_off_skips_it(
+        redis_server, prefix):
+    joined, skips = await _decoded_on(True, redis_server.url, prefix)
+    assert joined == {"decode-0": ["r0", "r1", "r2"], "decode-1": []}
+    assert skips == [64, 64, 64]  # SYSTEM's 4 blocks: the prefill worker sends the rest
+
+
+async def test_without_prefix_routing_the_decode_worker_with_most_free_slots_takes_it(redis_server, prefix):
+    joined, skips = await _decoded_on(False, redis_server.url, prefix)
+    assert joined == {"decode-0": [], "decode-1": ["r0", "r1", "r2"]}  # equal slots: by id
+    assert skips == [0, 0, 0]

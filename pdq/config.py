@@ -100,7 +100,7 @@ class StoreConfig:
     redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={
         "help": "Redis URL: redis://, rediss:// or unix:// (one server), or redis+sentinel://[[user]:password@]"
                 "host[:port][,host[:port]...]/service[/db] (the primary Redis Sentinel names, followed through "
-                "failovers)"})
+                "failovers; rediss+sentinel:// over TLS)"})
     redis_max_connections: int = field(default=64, metadata={"help": "most Redis connections of this process's pool "
                                                                      "(a call finding all busy waits for one)"})
     redis_outage_s: float = field(default=30.0, metadata={

@@ -160,6 +160,9 @@ def test_redis_sentinel_and_the_api_keys_come_from_the_charts_secrets_or_from_se
     url = of_kind(guarded, "Secret")[redis_ref(guarded)["name"]]["stringData"][redis_ref(guarded)["key"]]
     assert url == "redis+sentinel://s-0/pdq/0?sentinel_password=s%26p"
     assert parse_sentinel_url(url).sentinel_auth == {"password": "s&p"}
+    tls_url = "rediss+sentinel://s-0,s-1/pdq/0?ssl_ca_certs=/etc/ssl/certs/ca-certificates.crt"
+    tls = render({**REQUIRED, "redis": {"url": tls_url}})  # the schema takes a TLS Sentinel URL
+    assert of_kind(tls, "Secret")[redis_ref(tls)["name"]]["stringData"][redis_ref(tls)["key"]] == tls_url
 
     open_gateway = render({"redis": REQUIRED["redis"], "auth": {"enabled": False}})
     assert role_configs(open_gateway)["gateway"].auth_file == ""

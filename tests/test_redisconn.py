@@ -119,7 +119,7 @@ def test_a_sentinel_url_names_its_sentinels_service_database_and_password():
 
 
 @pytest.mark.parametrize("url, says", [
-    ("http://127.0.0.1:6379", "must start with redis://, rediss://, unix:// or redis+sentinel://"),
+    ("http://127.0.0.1:6379", "must start with redis://, rediss://, unix://, redis+sentinel:// or rediss+sentinel://"),
     ("redis+sentinel://127.0.0.1:26379", "/service[/db]"),
     ("redis+sentinel://127.0.0.1:26379/pdq/zero", "is a number"),
     ("redis+sentinel://127.0.0.1:port/pdq", "host[:port], got '127.0.0.1:port'"),
@@ -167,3 +167,52 @@ def test_sentinels_that_require_a_password_of_their_own_are_asked_with_the_urls(
         bare = group.url.partition("?")[0]  # no password for the Sentinels: refused, saying so
         with redisconn.connect(bare, outage_s=0.5) as client, pytest.raises(redis.RedisError, match="(?i)auth"):
             client.get("k")
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory):
+    """A CA and a certificate for 127.0.0.1 that it signed (trustme), as PEM files."""
+    import trustme
+
+    from pdq.ops.redis_sentinel import TLSFiles
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    d = tmp_path_factory.mktemp("tls")
+    ca.cert_pem.write_to_path(str(d / "ca.pem"))
+    cert.cert_chain_pems[0].write_to_path(str(d / "cert.pem"))
+    cert.private_key_pem.write_to_path(str(d / "key.pem"))
+    return TLSFiles(str(d / "ca.pem"), str(d / "cert.pem"), str(d / "key.pem"))
+
+
+async def test_a_rediss_sentinel_url_speaks_tls_to_the_sentinels_and_the_primary_through_a_failover(tls_files):
+    """Sentinels that listen on TLS alone, watching nodes' TLS ports: a rediss+sentinel:// URL
+    with the CA reaches the primary, before and after a failover, from both kinds of client; the
+    same URL without TLS finds no primary, and one without the CA is refused its certificate."""
+    with SentinelGroup(replicas=1, sentinels=1, quorum=1, tls=tls_files) as group:
+        assert group.url.startswith("rediss+sentinel://") and "ssl_ca_certs=" in group.url
+        sync = redisconn.connect(group.url, outage_s=20)
+        aio = redisconn.connect_async(group.url, outage_s=20)
+        try:
+            assert sync.set("before", "1") and await aio.get("before") == b"1"
+            assert sync.connection_pool.get_connection().port == group.tls_ports[group.nodes[0].port]
+            old = group.kill_primary()
+            assert await aio.set("during", "2")  # waits for the replica the Sentinel promotes
+            new = group.wait_for_failover(old.port)
+            assert sync.get("during") == b"2" and group.replication(new)["role"] == "master"
+        finally:
+            sync.close()
+            await aio.aclose()
+        plain = group.url.replace("rediss+sentinel://", "redis+sentinel://", 1).partition("?")[0]
+        with redisconn.connect(plain, outage_s=0.5) as client, pytest.raises(redis.ConnectionError):
+            client.get("before")
+        unverified = group.url.partition("?")[0]  # TLS, but not trusting the servers' CA
+        with redisconn.connect(unverified, outage_s=0.5) as client, pytest.raises(redis.ConnectionError):
+            client.get("before")
+
+
+def test_a_rediss_sentinel_url_reads_its_tls_options_for_the_sentinels_too():
+    url = parse_sentinel_url("rediss+sentinel://:pw@a:1/pdq/2?ssl_ca_certs=/etc/pdq/ca.pem&sentinel_password=s")
+    assert url.tls and url.options["ssl_ca_certs"] == "/etc/pdq/ca.pem" and "connection_class" not in url.options
+    assert url.sentinel_options == {"password": "s", "ssl": True, "ssl_ca_certs": "/etc/pdq/ca.pem"}
+    assert not parse_sentinel_url("redis+sentinel://a:1/pdq").sentinel_options
+    assert StoreConfig(redis_url="rediss+sentinel://a:1/pdq").redis_url == "rediss+sentinel://a:1/pdq"

@@ -2,7 +2,9 @@
 
 All are the same `redis-server` binary (`pdq.ops.redis_server.find_redis_server`; Sentinels run it
 with `--sentinel`), each a child process on a free port that dies with the process that started
-it. `SentinelGroup.url` is the redis+sentinel:// URL pdq takes (`pdq.state.redis_url`).
+it. `SentinelGroup.url` is the redis+sentinel:// URL pdq takes (`pdq.state.redis_url`); with `tls`
+(`TLSFiles`), the Sentinels listen on TLS alone and watch the primary's TLS port, and the URL is
+rediss+sentinel://.
 """
 
 import os
@@ -12,6 +14,8 @@ import signal
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
+from urllib.parse import quote
 
 import redis
 
@@ -22,6 +26,24 @@ HOST = "127.0.0.1"
 NODE_ARGS = ("--repl-diskless-sync-delay", "0")  # a replica syncs at once, not after 5 s waiting for others
 
 
+@dataclass(frozen=True)
+class TLSFiles:
+    """PEM files of a TLS setup: the CA that signed the servers' certificate, and the servers'
+    certificate and key (one pair for every node and Sentinel of a group, valid for 127.0.0.1)."""
+
+    ca: str
+    cert: str
+    key: str
+
+    def server_args(self) -> tuple[str, ...]:
+        """redis-server options for TLS with these files (clients need no certificate of their own)."""
+        return ("--tls-cert-file", self.cert, "--tls-key-file", self.key, "--tls-ca-cert-file", self.ca,
+                "--tls-auth-clients", "no")
+
+    def client_kwargs(self) -> dict:
+        return {"ssl": True, "ssl_ca_certs": self.ca}
+
+
 class SentinelServer:
     """One Sentinel, monitoring `service` at `primary_port` with `quorum`. It starts knowing the
     replicas and its peers (`(port, myid)` each), as it would learn them (from the primary's INFO
@@ -29,10 +51,13 @@ class SentinelServer:
 
     def __init__(self, directory: str, port: int, myid: str, service: str, primary_port: int, quorum: int,
                  down_after_ms: int, failover_timeout_ms: int, replica_ports: list[int], peers: list[tuple[int, str]],
-                 password: str = ""):
+                 password: str = "", tls: TLSFiles | None = None):
         self.port, self.myid = port, myid
         self.config = os.path.join(directory, f"sentinel-{port}.conf")
-        lines = [f"port {port}", f"bind {HOST}", f"dir {directory}",
+        # over TLS it listens on TLS alone, and speaks TLS to the nodes (tls-replication)
+        listen = ["port 0", f"tls-port {port}", f"tls-cert-file {tls.cert}", f"tls-key-file {tls.key}",
+                  f"tls-ca-cert-file {tls.ca}", "tls-auth-clients no", "tls-replication yes"] if tls else [f"port {port}"]
+        lines = [*listen, f"bind {HOST}", f"dir {directory}",
                  f"logfile {os.path.join(directory, f'sentinel-{port}.log')}", f"sentinel myid {myid}",
                  f"sentinel monitor {service} {HOST} {primary_port} {quorum}",
                  f"sentinel down-after-milliseconds {service} {down_after_ms}",
@@ -46,7 +71,7 @@ class SentinelServer:
         self.process = spawn([find_redis_server(), self.config, "--sentinel"], stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)
         self.client = redis.Redis(HOST, self.port, socket_timeout=2, socket_connect_timeout=0.5, decode_responses=True,
-                                  password=password or None)
+                                  password=password or None, **(tls.client_kwargs() if tls else {}))
 
     def stop(self) -> None:
         self.client.close()
@@ -60,8 +85,11 @@ class SentinelGroup:
     then takes about a second more on loopback."""
 
     def __init__(self, replicas: int = 1, sentinels: int = 3, quorum: int = 2, down_after_ms: int = 500,
-                 failover_timeout_ms: int = 2000, service: str = "pdq", sentinel_password: str = ""):
+                 failover_timeout_ms: int = 2000, service: str = "pdq", sentinel_password: str = "",
+                 tls: TLSFiles | None = None):
         self.service = service
+        self.tls = tls  # the nodes take TLS on a port of their own (`tls_ports`), the Sentinels on TLS alone
+        self.tls_ports: dict[int, int] = {}  # a node's plain port -> its TLS port
         self.sentinel_password = sentinel_password  # the Sentinels' own (requirepass), in `url`'s query
         self.directory = tempfile.mkdtemp(prefix="pdq-sentinel-")
         self.replicas, self.quorum = replicas, quorum
@@ -73,28 +101,43 @@ class SentinelGroup:
     @property
     def url(self) -> str:
         hosts = ",".join(f"{HOST}:{s.port}" for s in self.sentinels)
-        auth = f"?sentinel_password={self.sentinel_password}" if self.sentinel_password else ""
-        return f"redis+sentinel://{hosts}/{self.service}/0{auth}"
+        query = [f"sentinel_password={self.sentinel_password}"] if self.sentinel_password else []
+        if self.tls:
+            query.append(f"ssl_ca_certs={quote(self.tls.ca, safe='/')}")
+        scheme = "rediss+sentinel" if self.tls else "redis+sentinel"
+        return f"{scheme}://{hosts}/{self.service}/0{'?' + '&'.join(query) if query else ''}"
 
     def start(self, timeout_s: float = 20.0) -> "SentinelGroup":
         deadline = time.monotonic() + timeout_s
-        primary = RedisServer(self._dir("primary"), extra_args=NODE_ARGS).start()
-        self.nodes.append(primary)
+        primary = self._node("primary")
         for i in range(self.replicas):
-            self.nodes.append(RedisServer(self._dir(f"replica-{i}"),
-                                          extra_args=(*NODE_ARGS, "--replicaof", HOST, str(primary.port))).start())
+            self._node(f"replica-{i}", "--replicaof", HOST, str(self._watched(primary)))
         # After a sync the primary streams writes to a replica only from its first ack (up to 1 s later):
         # a write the replicas acknowledged (WAIT) says they are streaming.
         self._wait(lambda: self._streaming(primary), deadline, "the replicas to sync")
         ids = [(free_port(), secrets.token_hex(20)) for _ in range(self._sentinel_count)]
         for port, myid in ids:
-            self.sentinels.append(SentinelServer(self.directory, port, myid, self.service, primary.port, self.quorum,
-                                                 self.down_after_ms, self.failover_timeout_ms,
-                                                 [n.port for n in self.nodes[1:]], [p for p in ids if p[0] != port],
-                                                 self.sentinel_password))
+            self.sentinels.append(SentinelServer(self.directory, port, myid, self.service, self._watched(primary),
+                                                 self.quorum, self.down_after_ms, self.failover_timeout_ms,
+                                                 [self._watched(n) for n in self.nodes[1:]],
+                                                 [p for p in ids if p[0] != port], self.sentinel_password, self.tls))
         for s in self.sentinels:
             self._wait(lambda: self._agreed(s), deadline, f"Sentinel on port {s.port} to see the group")
         return self
+
+    def _node(self, name: str, *args: str) -> RedisServer:
+        """Starts a node; over TLS it also listens on a TLS port (its plain one stays, for this
+        group's own checks) and replicates over TLS."""
+        tls_port = free_port() if self.tls else 0
+        extra = ("--tls-port", str(tls_port), *self.tls.server_args(), "--tls-replication", "yes") if self.tls else ()
+        node = RedisServer(self._dir(name), extra_args=(*NODE_ARGS, *extra, *args)).start()
+        self.nodes.append(node)
+        self.tls_ports[node.port] = tls_port
+        return node
+
+    def _watched(self, node: RedisServer) -> int:
+        """The port of `node` that the Sentinels watch and name to clients: its TLS one over TLS."""
+        return self.tls_ports.get(node.port) or node.port
 
     def _streaming(self, primary: RedisServer) -> bool:
         with redis.Redis(HOST, primary.port, socket_timeout=2) as client:
@@ -137,7 +180,7 @@ class SentinelGroup:
         raise RuntimeError("no Sentinel answers")
 
     def node(self, port: int) -> RedisServer:
-        (found,) = [n for n in self.nodes if n.port == port]
+        (found,) = [n for n in self.nodes if port in (n.port, self.tls_ports.get(n.port))]
         return found
 
     def kill_primary(self) -> RedisServer:
@@ -153,9 +196,11 @@ class SentinelGroup:
         deadline = time.monotonic() + timeout_s
         chosen: list[RedisServer] = []
 
+        old = self.node(old_port)
+
         def promoted() -> bool:
             port = self.primary_port()
-            if port != old_port and self.replication(self.node(port))["role"] == "master":
+            if self.node(port) is not old and self.replication(self.node(port))["role"] == "master":
                 chosen.append(self.node(port))
                 return True
             return False

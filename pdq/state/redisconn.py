@@ -194,7 +194,7 @@ def pool(url: str, *, aio: bool = False, blocking: bool = False, **kwargs: Any) 
         return (plain.BlockingConnectionPool if blocking else plain.ConnectionPool).from_url(url, **kwargs)
     if not blocking:
         kwargs.pop("timeout", None)
-    kwargs["connection_class"] = _AsyncSentinelConnection if aio else _SentinelConnection
+    kwargs["connection_class"] = _SENTINEL_CONNECTIONS[aio, target.tls]
     return _SENTINEL_POOLS[aio, blocking](target.service, _sentinels(target, aio), **{**kwargs, **target.options})
 
 
@@ -202,7 +202,7 @@ def _sentinels(target: SentinelURL, aio: bool) -> Any:
     """Who to ask for the primary: each Sentinel in turn, one try each per lookup (a lookup that
     finds none is a ConnectionError, retried under the outage window like any other)."""
     options = dict(socket_timeout=CONNECT_TIMEOUT_S, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_keepalive=True,
-                   **target.sentinel_auth)
+                   **target.sentinel_options)
     if aio:
         return aiosentinel.Sentinel(target.sentinels, sentinel_kwargs={**options, "retry": AsyncRetry(NoBackoff(), 1)})
     return sentinel.Sentinel(target.sentinels, sentinel_kwargs={**options, "retry": Retry(NoBackoff(), 1)})
@@ -230,6 +230,18 @@ class _AsyncSentinelConnection(aiosentinel.SentinelManagedConnection):
     async def _connect(self) -> None:
         self.host, self.port = await self.connection_pool.get_master_address()
         await super()._connect()
+
+
+class _SentinelSSLConnection(_SentinelConnection, redis.SSLConnection):
+    """`_SentinelConnection` over TLS (rediss+sentinel://)."""
+
+
+class _AsyncSentinelSSLConnection(_AsyncSentinelConnection, aioredis.SSLConnection):
+    """`_AsyncSentinelConnection` over TLS (rediss+sentinel://)."""
+
+
+_SENTINEL_CONNECTIONS = {(False, False): _SentinelConnection, (False, True): _SentinelSSLConnection,
+                         (True, False): _AsyncSentinelConnection, (True, True): _AsyncSentinelSSLConnection}
 
 
 class _BlockingSentinelPool(sentinel.SentinelConnectionPool, redis.BlockingConnectionPool):

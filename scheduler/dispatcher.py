@@ -282,9 +282,10 @@ class Dispatcher:
         else:
             running, active = await self._competition()
         weights = {t: self._weights.get(t, self.config.default_weight) for t in active | {c.tenant for c in batch}}
-        cached = await self.prefix_router.decode_matches(batch, decode, target_info.address) if self.prefix_router else {}
+        prefixes = (await self.prefix_router.decode_prefixes(batch, decode, target_info.address)
+                    if self.prefix_router else {})
         plans = place_round(batch, slots, target_info.address, self.headroom, capacity, running, weights, active,
-                            decode_chooser(cached))
+                            decode_chooser(prefixes))
         if not plans and self.config.preempt_lower_tiers:
             await self._preempt_for(batch[0], decode, sum(s.free_slots for s in slots))
             return False

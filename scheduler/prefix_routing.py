@@ -2,7 +2,7 @@
 prompts, read from Redis, hashed with each worker's block size and matched against the prefixes
 the worker reports and those this scheduler sent it lately. Prefill batches go where their
 prompts' prefixes are cached (`place`); with separate decode workers, each request's decode
-worker is chosen by the same knowledge (`decode_matches`, scored by
+worker is chosen by the same knowledge (`decode_prefixes`, scored by
 `scheduler.policies.batch.choose_decode_worker`), so its hand-off can leave out the prefix
 that worker holds."""
 
@@ -10,7 +10,8 @@ from collections.abc import Iterable
 
 from pdq.state.registry import PREFIX_HEX, WorkerInfo
 from pdq.state.store import AsyncStore, now_ms
-from scheduler.policies import Candidate, PrefixRouting, SentPrefixes, chain_hashes, matched_tokens, place_prefill
+from scheduler.policies import (Candidate, DecodePrefix, PrefixRouting, SentPrefixes, chain_hashes, matched_tokens,
+                                place_prefill)
 
 
 class PrefixRouter:
@@ -44,17 +45,16 @@ class PrefixRouter:
         seats = {d.address: d.capacity - d.free_slots for d in decode}
         return self.policy.place(batch, loads, cap, matched, {w.worker_id: seats.get(w.address, 0) for w in workers})
 
-    async def decode_matches(self, batch: list[Candidate], decode: list[WorkerInfo],
-                             prefill_address: str) -> dict[str, dict[str, int]]:
-        """Request id -> separate decode worker id -> prompt tokens of its prefix that worker's
-        cache holds (reported, or sent to it lately), for `choose_decode_worker`'s score. Empty
-        (no Redis read) unless at least two decode workers apart from the prefill worker at
-        `prefill_address` could take a request and one of them holds any prefix."""
+    async def decode_prefixes(self, batch: list[Candidate], decode: list[WorkerInfo],
+                              prefill_address: str) -> dict[str, DecodePrefix]:
+        """Request id -> its prefix as `choose_decode_worker` scores it among the decode workers
+        apart from the prefill worker at `prefill_address`: the chain hash of its first block,
+        and the prompt tokens each one's cache holds (reported, or handed off to it lately).
+        Empty (no Redis read) unless two or more such workers could take it."""
         now = now_ms()
         apart = [w for w in decode if w.address != prefill_address and w.kv_block_size > 0]
         self.sent_decode.forget(w.worker_id for w in decode)
-        held = {w.worker_id: set(w.prefixes) | self.sent_decode.held(w.worker_id, now) for w in apart}
-        if len(apart) < 2 or not any(held.values()):
+        if len(apart) < 2:
             return {}
         sizes = {w.kv_block_size for w in apart}
         wanted = [c for c in batch if c.prompt_tokens > min(sizes)]
@@ -63,10 +63,15 @@ class PrefixRouter:
         if missing:
             for rid, prompt in zip(missing, await self.store.prompts(missing)):
                 self._hashes[rid].update({bs: chain_hashes(prompt, bs, PREFIX_HEX) for bs in sizes})
-        return {c.request_id: {w.worker_id: matched_tokens(self._hashes[c.request_id][w.kv_block_size],
-                                                           w.kv_block_size, held[w.worker_id])
-                               for w in apart}
-                for c in wanted}
+        held = {w.worker_id: set(w.prefixes) | self.sent_decode.held(w.worker_id, now) for w in apart}
+        out = {}
+        for c in wanted:
+            hashes = self._hashes[c.request_id]
+            if hashes[min(sizes)]:
+                out[c.request_id] = DecodePrefix(hashes[min(sizes)][0], {
+                    w.worker_id: matched_tokens(hashes[w.kv_block_size], w.kv_block_size, held[w.worker_id])
+                    for w in apart})
+        return out
 
     def handed_off(self, worker: WorkerInfo, request_id: str) -> None:
         """A request's K/V goes to the separate decode `worker`: its prompt's blocks will be

@@ -13,8 +13,8 @@ workers whose hand-offs keep failing; `liveness` tells the janitor which workers
 """
 
 from scheduler.policies.admission import DrainRate, resolve_tier, retry_after_ms
-from scheduler.policies.batch import (Candidate, DecodeSlots, acceptable, choose_decode_worker, decode_chooser,
-                                      form_batch, place_prefill)
+from scheduler.policies.batch import (HOME_BONUS, Candidate, DecodePrefix, DecodeSlots, acceptable, choose_decode_worker,
+                                      decode_chooser, form_batch, home_worker, place_prefill)
 from scheduler.policies.headroom import Headroom, Placement, below_share, place_round, prefill_priority
 from scheduler.policies.fair import FAIR_POLICIES, FIFO, VTC, TenantQueue, fair_policy
 from scheduler.policies.liveness import HeartbeatWatch
@@ -24,7 +24,7 @@ from scheduler.policies.prefix import PrefixRouting, SentPrefixes, chain_hashes,
 from scheduler.policies.retry import Quarantine, classify, prefer_healthy
 from scheduler.policies.tiers import AgingTiers, StrictTiers, preemptible_tiers, tier_policy
 
-__all__ = ["AgingTiers", "Candidate", "DecodeSlots", "DrainRate", "FAIR_POLICIES", "FIFO", "Headroom", "HeartbeatWatch",
+__all__ = ["HOME_BONUS", "AgingTiers", "Candidate", "DecodePrefix", "DecodeSlots", "DrainRate", "FAIR_POLICIES", "FIFO", "Headroom", "HeartbeatWatch",
            "ORDER_POLICIES", "Placement", "PrefixRouting", "Quarantine", "SentPrefixes", "StrictTiers", "TenantQueue", "TierQueue", "VTC", "acceptable", "below_share",
-           "chain_hashes", "choose_decode_worker", "classify", "decode_chooser", "fair_policy", "form_batch", "handoff_skip", "matched_tokens", "place_prefill", "place_round", "prefer_healthy",
+           "chain_hashes", "choose_decode_worker", "classify", "decode_chooser", "fair_policy", "form_batch", "handoff_skip", "home_worker", "matched_tokens", "place_prefill", "place_round", "prefer_healthy",
            "preemptible_tiers", "prefill_priority", "resolve_tier", "retry_after_ms", "schedule", "tier_policy"]

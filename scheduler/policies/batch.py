@@ -7,8 +7,9 @@ usable worker that is busy now (at its in-flight cap, no free slot) still counts
 waits for it rather than go back to a worker that failed it.
 """
 
+import zlib
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -79,20 +80,40 @@ class DecodeSlots:
     free_slots: int
 
 
+@dataclass(frozen=True)
+class DecodePrefix:
+    """What prefix routing knows of one request when choosing its separate decode worker."""
+
+    key: str  # the chain hash of its prompt's first full block: names its prefix (rendezvous home)
+    cached: Mapping[str, int] = field(default_factory=dict)  # decode worker id -> prompt tokens its cache holds
+
+
+HOME_BONUS = 0.5  # a prefix's home worker's edge in `choose_decode_worker`'s score
+
+
+def home_worker(key: str, workers: Iterable[DecodeSlots]) -> DecodeSlots:
+    """The worker a prefix `key` lives on (rendezvous hashing: the highest hash of key and
+    worker id): the same for every scheduler, and only the prefixes of a worker that comes or
+    goes move."""
+    return max(workers, key=lambda w: (zlib.crc32(f"{key}/{w.worker_id}".encode()), w.worker_id))
+
+
 def choose_decode_worker(workers: list[DecodeSlots], local: str = "", avoid: Collection[str] = frozenset(),
-                         cached: Mapping[str, int] | None = None, prompt_tokens: int = 0) -> DecodeSlots | None:
+                         prefix: DecodePrefix | None = None, prompt_tokens: int = 0) -> DecodeSlots | None:
     """Of the usable decode `workers` the request accepts (see `acceptable`), the one at address
     `local` (the prefill worker's own: a colocated worker keeps the K/V where it is, no
     transfer) while it has a free slot, else the best scored open one.
 
-    Score (prefix-aware, when `cached` names prompt tokens some worker's prefix cache holds of
-    this request's `prompt_tokens`): the share of the prompt cached there plus the worker's free
-    slots over the most any open worker has, both in [0, 1]; a worker holding 90% of the prompt
-    with a third of the best free slots (1.23) beats an empty one with all of them (1.0), not
-    one with a fifteenth (0.97). The prefix spares the hand-off its K/V (`handoff_skip`) and the
-    worker's memory its blocks; the free slots keep decode batches even. Without prefix
-    knowledge: the most free slots. Ties: by id, so the choice is stable. None when none it
-    accepts has a free slot."""
+    Score (prefix-aware, when `prefix` names the request's prefix): the share of its
+    `prompt_tokens` a worker's prefix cache holds, plus the worker's free slots over the most any
+    open worker has (both in [0, 1]), plus HOME_BONUS on the prefix's `home_worker` among the
+    open ones. A worker holding 90% of the prompt with a third of the best free slots (1.23)
+    beats an empty one with all of them (1.0); and a prefix no worker holds yet, or several do,
+    goes to its home unless another has over half the most free slots more, so each prefix
+    gathers on one worker instead of filling every worker's cache. The prefix spares the
+    hand-off its K/V (`handoff_skip`) and the worker's memory its blocks; the free slots keep
+    decode batches even. Without a prefix: the most free slots. Ties: by id, so the choice is
+    stable. None when none it accepts has a free slot."""
     if avoid:
         usable = [w.worker_id for w in workers]
         workers = [w for w in workers if acceptable(avoid, w.worker_id, usable)]
@@ -102,20 +123,24 @@ def choose_decode_worker(workers: list[DecodeSlots], local: str = "", avoid: Col
     here = [w for w in open_ if local and w.address == local]
     if here:
         return max(here, key=lambda w: (w.free_slots, w.worker_id))
-    if cached and prompt_tokens > 0 and any(cached.get(w.worker_id, 0) for w in open_):
+    if prefix is not None and prefix.key and prompt_tokens > 0 and len(open_) > 1:
         most = max(w.free_slots for w in open_)
-        return max(open_, key=lambda w: (min(1.0, cached.get(w.worker_id, 0) / prompt_tokens) + w.free_slots / most,
-                                         w.free_slots, w.worker_id))
+        home = home_worker(prefix.key, open_)
+
+        def score(w: DecodeSlots) -> float:
+            return (min(1.0, prefix.cached.get(w.worker_id, 0) / prompt_tokens) + w.free_slots / most
+                    + (HOME_BONUS if w is home else 0.0))
+        return max(open_, key=lambda w: (score(w), w.free_slots, w.worker_id))
     return max(open_, key=lambda w: (w.free_slots, w.worker_id))
 
 
 DecodeChooser = Callable[[list[DecodeSlots], str, Candidate], "DecodeSlots | None"]
 
 
-def decode_chooser(cached: Mapping[str, Mapping[str, int]] | None = None) -> DecodeChooser:
-    """`choose_decode_worker` as `place_round` calls it, once per candidate: with `cached`
-    (request id -> decode worker id -> prompt tokens its prefix cache holds), prefix-aware."""
+def decode_chooser(prefixes: Mapping[str, DecodePrefix] | None = None) -> DecodeChooser:
+    """`choose_decode_worker` as `place_round` calls it, once per candidate: with `prefixes`
+    (request id -> what prefix routing knows of it), prefix-aware."""
     def choose(workers: list[DecodeSlots], local: str, cand: Candidate) -> DecodeSlots | None:
-        return choose_decode_worker(workers, local, cand.avoid, (cached or {}).get(cand.request_id),
+        return choose_decode_worker(workers, local, cand.avoid, (prefixes or {}).get(cand.request_id),
                                     cand.prompt_tokens)
     return choose

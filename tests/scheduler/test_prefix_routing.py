@@ -216,28 +216,51 @@ async def _dispatched(h, rid) -> bool:
 # -- the decode worker of a separate P/D cluster ------------------------------------------------
 
 def test_a_separate_decode_worker_holding_the_prefix_takes_it_while_its_free_slots_weigh_less():
-    from scheduler.policies import DecodeSlots, choose_decode_worker
+    from scheduler.policies import HOME_BONUS, DecodePrefix, DecodeSlots, choose_decode_worker, home_worker
     holder, empty = DecodeSlots("d0", "h:0", 3), DecodeSlots("d1", "h:1", 9)
-    # 64 of 80 prompt tokens cached on d0: 0.8 + 3/9 beats 0 + 9/9
-    assert choose_decode_worker([holder, empty], cached={"d0": 64}, prompt_tokens=80).worker_id == "d0"
-    holder.free_slots = 1  # 0.8 + 1/9 < 1.0: load wins
-    assert choose_decode_worker([holder, empty], cached={"d0": 64}, prompt_tokens=80).worker_id == "d1"
+    key = next(k for k in map(str, range(100)) if home_worker(k, [holder, empty]) is empty)  # d1 is its home
+    held = DecodePrefix(key, {"d0": 64})
+    # 64 of 80 prompt tokens cached on d0 (0.8 + 3/9 = 1.13) lose to d1's room at home (0 + 9/9 + 0.5)
+    assert choose_decode_worker([holder, empty], prefix=held, prompt_tokens=80).worker_id == "d1"
+    holder.free_slots = 8  # 0.8 + 8/9 = 1.69 beats 1.5
+    assert choose_decode_worker([holder, empty], prefix=held, prompt_tokens=80).worker_id == "d0"
     holder.free_slots = 0  # full: never, whatever it holds
-    assert choose_decode_worker([holder, empty], cached={"d0": 80}, prompt_tokens=80).worker_id == "d1"
+    assert choose_decode_worker([holder, empty], prefix=DecodePrefix(key, {"d0": 80}),
+                                prompt_tokens=80).worker_id == "d1"
+    assert HOME_BONUS == 0.5
     # the prefill worker's own decode side still comes first (no transfer at all), and an avoided one last
-    assert choose_decode_worker([DecodeSlots("d0", "h:0", 9), DecodeSlots("d1", "h:1", 1)], local="h:1",
-                                cached={"d0": 80}, prompt_tokens=80).worker_id == "d1"
-    assert choose_decode_worker([DecodeSlots("d0", "h:0", 9), DecodeSlots("d1", "h:1", 1)], avoid={"d0"},
-                                cached={"d0": 80}, prompt_tokens=80).worker_id == "d1"
+    both = [DecodeSlots("d0", "h:0", 9), DecodeSlots("d1", "h:1", 1)]
+    assert choose_decode_worker(both, local="h:1", prefix=DecodePrefix(key, {"d0": 80}),
+                                prompt_tokens=80).worker_id == "d1"
+    assert choose_decode_worker(both, avoid={"d0"}, prefix=DecodePrefix(key, {"d0": 80}),
+                                prompt_tokens=80).worker_id == "d1"
+
+
+def test_a_prefix_no_worker_holds_or_all_hold_goes_to_its_home_unless_another_has_far_more_room():
+    from scheduler.policies import DecodePrefix, DecodeSlots, choose_decode_worker, home_worker
+    workers = [DecodeSlots(f"d{i}", f"h:{i}", 6) for i in range(3)]
+    homes = {k: home_worker(k, workers).worker_id for k in map(str, range(60))}
+    assert set(homes.values()) == {"d0", "d1", "d2"}  # prefixes spread over the workers
+    for key, home in homes.items():
+        for cached in ({}, {"d0": 64, "d1": 64, "d2": 64}):
+            assert choose_decode_worker(workers, prefix=DecodePrefix(key, cached), prompt_tokens=80).worker_id == home
+    key = next(k for k, h in homes.items() if h == "d0")
+    workers[0].free_slots = 2  # 2/6 + 0.5 < 6/6: the home has far less room than the others
+    assert choose_decode_worker(workers, prefix=DecodePrefix(key), prompt_tokens=80).worker_id != "d0"
+    workers[0].free_slots = 4  # 4/6 + 0.5 > 1: still home
+    assert choose_decode_worker(workers, prefix=DecodePrefix(key), prompt_tokens=80).worker_id == "d0"
+    # a worker leaving moves only its own prefixes
+    rest = [w for w in workers if w.worker_id != "d2"]
+    assert all(home_worker(k, rest).worker_id == h for k, h in homes.items() if h != "d2")
 
 
 @given(st.lists(st.integers(0, 8), min_size=1, max_size=4))
-def test_with_nothing_cached_the_decode_choice_is_the_most_free_slots(free):
-    from scheduler.policies import DecodeSlots, choose_decode_worker
+def test_without_a_prefix_the_decode_choice_is_the_most_free_slots(free):
+    from scheduler.policies import DecodePrefix, DecodeSlots, choose_decode_worker
     slots = [DecodeSlots(f"d{i}", f"h:{i}", n) for i, n in enumerate(free)]
     plain = choose_decode_worker(slots)
-    assert choose_decode_worker(slots, cached={}, prompt_tokens=80) == plain
-    assert choose_decode_worker(slots, cached={"d9": 64}, prompt_tokens=80) == plain  # a worker not open here
+    assert choose_decode_worker(slots, prefix=None, prompt_tokens=80) == plain
+    assert choose_decode_worker(slots, prefix=DecodePrefix(""), prompt_tokens=80) == plain  # shorter than a block
 
 
 async def _decoded_on(routing: bool, redis_url: str, prefix: str) -> tuple[dict[str, list[str]], list[int]]:

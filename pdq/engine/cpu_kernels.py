@@ -1,11 +1,16 @@
-"""The CPU kernel for decode attention over paged KV blocks (`csrc/paged_attention.c`).
+"""CPU kernels: decode attention over paged KV blocks (`csrc/paged_attention.c`) and a decoder
+layer's fused elementwise work (`csrc/fused_ops.c`).
 
 torch has no attention that reads keys through a block table in place: gathering each step's
-blocks into a contiguous tensor first copies every key twice over. So on CPU pdq builds one small
-C function with the system's C compiler the first time a process needs it (well under a second;
-optimized for the CPU it runs on) and keeps the library in a cache directory keyed by the source,
-the flags and the CPU. Where no compiler is found, or off CPU, or for dtypes other than float32,
-`pdq.engine.attention` gathers instead (the same numbers, slower); `available()` says which.
+blocks into a contiguous tensor first copies every key twice over. And a layer's RMSNorms, rotary
+embedding and SwiGLU run in torch as several ops each, every one a pass over the whole tensor
+(RMSNorm alone: square, mean, rsqrt, two multiplies), which on a small model costs a fifth of a
+step. So on CPU pdq builds a few small C functions with the system's C compiler the first time a
+process needs them (about a second; optimized for the CPU it runs on) and keeps the library in a
+cache directory keyed by the sources, the flags and the CPU. Where no compiler is found, or off
+CPU, or for dtypes other than float32, `pdq.engine.attention` gathers instead and the layers run
+torch's ops (the same numbers up to rounding, slower); `available()` and `fused_ops()` say which.
+`PDQ_NO_CPU_KERNEL` turns all of them off, `PDQ_NO_FUSED_OPS` the fused elementwise ones alone.
 """
 
 import ctypes
@@ -23,7 +28,7 @@ import torch
 
 log = logging.getLogger("pdq.engine")
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.c", "fused_ops.c")]
 # Compiled with -ffast-math (the dot products and exp vectorize), linked without it: a shared library
 # linked with -ffast-math turns on flush-to-zero for the whole process when it loads.
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
@@ -53,8 +58,9 @@ def _build() -> ctypes.CDLL | None:
         log.warning("no C compiler found: paged decode attention gathers its blocks (slower)")
         return None
     flags = " ".join([cc, *COMPILE_FLAGS, "|", *LINK_FLAGS])
-    key = hashlib.sha256(SOURCE.read_bytes() + flags.encode() + _cpu_id().encode()).hexdigest()[:16]
-    path = cache_dir() / f"paged_attention-{key}.so"
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + flags.encode()
+                         + _cpu_id().encode()).hexdigest()[:16]
+    path = cache_dir() / f"cpu_kernels-{key}.so"
     if not path.exists():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -64,23 +70,31 @@ def _build() -> ctypes.CDLL | None:
             log.warning("cannot write the kernel cache %s (%s; set PDQ_KERNEL_CACHE): decode attention gathers "
                         "its blocks (slower)", path.parent, exc)
             return None
+        objs = [f"{tmp}.{i}.o" for i in range(len(SOURCES))]
         try:
-            obj = tmp + ".o"
-            subprocess.run([cc, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", obj], check=True, capture_output=True,
-                           timeout=120)
-            subprocess.run([cc, *LINK_FLAGS, obj, "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
+            for src, obj in zip(SOURCES, objs):
+                subprocess.run([cc, *COMPILE_FLAGS, "-c", str(src), "-o", obj], check=True, capture_output=True,
+                               timeout=120)
+            subprocess.run([cc, *LINK_FLAGS, *objs, "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
             os.replace(tmp, path)  # atomic: processes building at once each install a whole library
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", b"") or b""
-            log.warning("could not build the paged attention kernel (%s %s): decode attention gathers its "
-                        "blocks (slower)", exc, detail.decode(errors="replace")[-500:])
+            log.warning("could not build the CPU kernels (%s %s): decode attention gathers its blocks and the "
+                        "layers run torch's ops (slower)", exc, detail.decode(errors="replace")[-500:])
             Path(tmp).unlink(missing_ok=True)
             return None
         finally:
-            Path(tmp + ".o").unlink(missing_ok=True)
+            for obj in objs:
+                Path(obj).unlink(missing_ok=True)
     lib = ctypes.CDLL(str(path))  # after torch: its OpenMP runtime is the one this library uses
-    lib.paged_decode_f32.restype = None
-    lib.paged_decode_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    for name, args in (("paged_decode_f32", [ptr] * 6 + [i32] * 6 + [f32, i32]),
+                       ("rms_norm_f32", [ptr, i64, ptr, ptr, i64, i32, i32, f32, i32]),
+                       ("add_rms_norm_f32", [ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, f32, i32]),
+                       ("rotary_f32", [ptr, i64, i32, i32, i32, ptr, ptr, i32]),
+                       ("silu_mul_f32", [ptr, i64, ptr, i32, i32, i32])):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = None, args
     return lib
 
 
@@ -95,8 +109,65 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether the kernel is built and loaded (building it now if need be)."""
+    """Whether the kernels are built and loaded (building them now if need be)."""
     return _library() is not None
+
+
+def fused_ops() -> bool:
+    """Whether the layers' fused elementwise kernels are to be used (built, not turned off)."""
+    return not os.environ.get("PDQ_NO_FUSED_OPS") and available()
+
+
+def _rows_view(x: torch.Tensor) -> tuple[int, int]:
+    """(rows, row stride) of a [rows, dim] view whose last dim is contiguous."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"expected a [rows, dim] view with a contiguous last dim, got {tuple(x.shape)} "
+                         f"strides {x.stride()}")
+    return x.shape[0], x.stride(0)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual_add: torch.Tensor | None = None
+             ) -> torch.Tensor:
+    """float32 RMSNorm of x [rows, dim] by weight [dim] -> a new [rows, dim] tensor. With
+    `residual_add` [rows, dim]: x += residual_add first, in place (x must be contiguous rows of
+    its own, not a view others read). Needs `fused_ops()`."""
+    lib, ptr = _library(), ctypes.c_void_p
+    rows, stride = _rows_view(x)
+    dim = x.shape[1]
+    out = torch.empty(rows, dim, dtype=x.dtype, device=x.device)
+    if residual_add is None:
+        lib.rms_norm_f32(ptr(x.data_ptr()), stride, ptr(weight.data_ptr()), ptr(out.data_ptr()), dim, rows, dim,
+                         eps, torch.get_num_threads())
+    else:
+        _, add_stride = _rows_view(residual_add)
+        lib.add_rms_norm_f32(ptr(x.data_ptr()), stride, ptr(residual_add.data_ptr()), add_stride,
+                             ptr(weight.data_ptr()), ptr(out.data_ptr()), dim, rows, dim, eps,
+                             torch.get_num_threads())
+    return out
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotates x [rows, heads, head_dim] in place (each row's heads contiguous; rows may be a
+    view's, any stride apart) by cos, sin_signed [rows, 1, head_dim] (contiguous). -> x.
+    Needs `fused_ops()`."""
+    rows, heads, dim = x.shape
+    if x.stride(2) != 1 or x.stride(1) != dim or not (cos.is_contiguous() and sin_signed.is_contiguous()):
+        raise ValueError("rotary_: x's heads must be contiguous in each row, cos and sin_signed contiguous")
+    ptr = ctypes.c_void_p
+    _library().rotary_f32(ptr(x.data_ptr()), x.stride(0), rows, heads, dim, ptr(cos.data_ptr()),
+                          ptr(sin_signed.data_ptr()), torch.get_num_threads())
+    return x
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of gate_up [rows, 2 * inter] = [gate | up] -> a new [rows, inter]. Needs `fused_ops()`."""
+    rows, stride = _rows_view(gate_up)
+    inter = gate_up.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
+    ptr = ctypes.c_void_p
+    _library().silu_mul_f32(ptr(gate_up.data_ptr()), stride, ptr(out.data_ptr()), rows, inter,
+                            torch.get_num_threads())
+    return out
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,

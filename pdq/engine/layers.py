@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdq.engine import cpu_kernels
+
 
 def packed_rows(vendor: str) -> range:
     """Row counts for which oneDNN's prepacked GEMM beats torch's BLAS (MKL) path.
@@ -65,19 +67,39 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+def _fused(x: torch.Tensor) -> bool:
+    """Whether x's elementwise work runs in pdq's fused CPU kernels (`cpu_kernels.fused_ops`)."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and cpu_kernels.fused_ops()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, computed in float32 and cast back (as HF's LlamaRMSNorm).
     `weight` is [dim], or any shape that broadcasts over x's trailing dims (e.g. one weight row
     per head of [T, heads, head_dim])."""
     if x.dtype == torch.float32 and weight.dim() == 1:
+        if x.dim() == 2 and x.stride(1) == 1 and _fused(x):
+            return cpu_kernels.rms_norm(x, weight, eps)
         return F.rms_norm(x, weight.shape, weight, eps)
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
 
 
+def residual_rms_norm(x: torch.Tensor, add: torch.Tensor, weight: torch.Tensor, eps: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream and its RMSNorm: (x + add, rms_norm(x + add)). On CPU in float32 in
+    one pass that adds into x in place (x [rows, dim] is a layer's own stream, read by nobody
+    else); elsewhere two ops."""
+    if weight.dim() == 1 and x.dim() == 2 and x.is_contiguous() and add.dim() == 2 and _fused(x):
+        return x, cpu_kernels.rms_norm(x, weight, eps, residual_add=add)
+    x = x + add
+    return x, rms_norm(x, weight, eps)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU: `silu(gate) * up` for `gate_up = [gate | up]` along the last dim."""
+    if gate_up.dim() == 2 and gate_up.stride(1) == 1 and _fused(gate_up):
+        return cpu_kernels.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -105,7 +127,10 @@ class RotaryEmbedding(torch.nn.Module):
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-        """Rotate `x` [T, heads, head_dim] (HF's rotate_half convention); returns a new tensor."""
+        """Rotate `x` [T, heads, head_dim] (HF's rotate_half convention). On CPU in float32
+        (heads contiguous in each row) in place, returning x; elsewhere a new tensor."""
         t, h, d = x.shape
+        if x.stride(2) == 1 and x.stride(1) == d and cos.is_contiguous() and sin_signed.is_contiguous() and _fused(x):
+            return cpu_kernels.rotary_(x, cos, sin_signed)
         swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d)  # [x2 | x1]
         return x * cos + swapped * sin_signed

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdq.engine.attention import AttnMetadata, attend
-from pdq.engine.layers import Linear, RotaryEmbedding, rms_norm, silu_and_mul
+from pdq.engine.layers import Linear, RotaryEmbedding, residual_rms_norm, rms_norm, silu_and_mul
 from pdq.model.arch import ModelSpec, rope_params
 
 def rope_inv_freq(config, spec: ModelSpec) -> tuple[torch.Tensor, float]:
@@ -56,10 +56,18 @@ class LlamaLayer(nn.Module):
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttnMetadata) -> torch.Tensor:
+    def forward(self, x, residual, cos, sin, k_cache, v_cache, meta: AttnMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, not yet added to the residual stream `residual` (None
+        for the first layer, whose x is the embeddings): the addition is fused with this
+        layer's input norm. -> (this layer's output, the residual stream it is to be added to)."""
         s = self.spec
         t = x.shape[0]
-        qkv = self.qkv(rms_norm(x, self.in_norm, s.rms_norm_eps))
+        if residual is None:
+            residual, normed = x, rms_norm(x, self.in_norm, s.rms_norm_eps)
+        else:
+            residual, normed = residual_rms_norm(residual, x, self.in_norm, s.rms_norm_eps)
+        qkv = self.qkv(normed)
         # rotate q and k heads together: [T, q_heads + kv_heads, head_dim]
         qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, s.head_dim)
         if s.qk_norm:
@@ -68,9 +76,9 @@ class LlamaLayer(nn.Module):
         q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, s.num_kv_heads, s.head_dim)
         o = attend(q, k, v, k_cache, v_cache, meta)
-        x = x + self.o(o.reshape(t, self.q_size))
-        h = silu_and_mul(self.gate_up(rms_norm(x, self.post_norm, s.rms_norm_eps)))
-        return x + self.down(h)
+        residual, normed = residual_rms_norm(residual, self.o(o.reshape(t, self.q_size)), self.post_norm,
+                                             s.rms_norm_eps)
+        return self.down(silu_and_mul(self.gate_up(normed))), residual
 
 
 class LlamaModel(nn.Module):
@@ -114,9 +122,10 @@ class LlamaModel(nn.Module):
         """
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.tables(meta.positions)
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv[i, 0], kv[i, 1], meta)
-        x = rms_norm(x[logit_rows], self.norm, self.spec.rms_norm_eps)
+            x, residual = layer(x, residual, cos, sin, kv[i, 0], kv[i, 1], meta)
+        x = rms_norm(residual[logit_rows] + x[logit_rows], self.norm, self.spec.rms_norm_eps)
         return self.lm_head(x).float()
 
     def prepack(self) -> "LlamaModel":

@@ -1,0 +1,76 @@
+"""The fused CPU kernels of a decoder layer's elementwise work (`pdq.engine.cpu_kernels`:
+RMSNorm with and without the residual add, rotary embedding in place, SwiGLU) against the torch
+ops they replace, on views as the layer passes them; and a whole model's logits with them on
+and off."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdq.engine import cpu_kernels
+from pdq.engine.layers import RotaryEmbedding, residual_rms_norm, rms_norm, silu_and_mul
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(autouse=True)
+def built():
+    assert cpu_kernels.fused_ops()  # CI has a C compiler: the fused path must not silently fall back
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 512: past the threshold where rows go to threads
+def test_rms_norm_and_the_residual_add_match_torch_and_the_add_lands_in_place(rows):
+    g = torch.Generator().manual_seed(rows)
+    x, add, w = torch.randn(rows, 512, generator=g), torch.randn(rows, 512, generator=g), torch.randn(512, generator=g)
+    torch.testing.assert_close(rms_norm(x, w, 1e-5), F.rms_norm(x, (512,), w, 1e-5), **TOL)
+    wide = torch.randn(rows, 700, generator=g)  # a view whose rows are 700 floats apart
+    torch.testing.assert_close(rms_norm(wide[:, 100:612], w, 1e-5), F.rms_norm(wide[:, 100:612], (512,), w, 1e-5),
+                               **TOL)
+    stream = x.clone()
+    out_stream, normed = residual_rms_norm(stream, add, w, 1e-5)
+    assert out_stream is stream  # added in place: no new tensor for the residual stream
+    torch.testing.assert_close(stream, x + add, rtol=0, atol=0)
+    torch.testing.assert_close(normed, F.rms_norm(x + add, (512,), w, 1e-5), **TOL)
+
+
+@pytest.mark.parametrize("rows", [1, 9, 200])
+def test_rotary_in_place_on_the_q_and_k_heads_of_a_fused_qkv_matches_torch_and_leaves_v(rows):
+    g = torch.Generator().manual_seed(rows)
+    dim, q_heads, kv_heads = 64, 8, 4
+    rotary = RotaryEmbedding(1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)), 1.0, 4096, torch.float32)
+    qkv = torch.randn(rows, (q_heads + 2 * kv_heads) * dim, generator=g)
+    before = qkv.clone()
+    cos, sin = rotary.tables(torch.randint(0, 4096, (rows,), generator=g))
+    qk = qkv[:, : (q_heads + kv_heads) * dim].view(rows, -1, dim)
+    t, h, d = qk.shape
+    swapped = qk.view(t, h, 2, d // 2).flip(2).view(t, h, d)
+    expected = qk * cos + swapped * sin  # the torch formula (a new tensor)
+    got = RotaryEmbedding.apply(qk, cos, sin)
+    assert got.data_ptr() == qkv.data_ptr()  # rotated where it lies
+    torch.testing.assert_close(got, expected, **TOL)
+    torch.testing.assert_close(qkv[:, (q_heads + kv_heads) * dim:], before[:, (q_heads + kv_heads) * dim:],
+                               rtol=0, atol=0)  # v untouched
+
+
+def test_swiglu_matches_torch():
+    gate_up = torch.randn(33, 2 * 1408, generator=torch.Generator().manual_seed(3)) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_and_mul(gate_up), F.silu(gate) * up, **TOL)
+
+
+def test_a_models_logits_are_the_same_with_the_fused_kernels_on_and_off(tiny_llama, make_runner, monkeypatch):
+    from pdq.engine.runner import PrefillItem
+
+    def logits() -> torch.Tensor:
+        runner = make_runner(tiny_llama)
+        runner.allocate("a")
+        runner.allocate("b")
+        first = runner.step([PrefillItem("a", list(range(5, 40)), 0), PrefillItem("b", list(range(9, 20)), 0)], [])
+        return torch.cat([first, runner.step([], [("a", 7, 35), ("b", 8, 11)])])
+
+    on = logits()
+    monkeypatch.setenv("PDQ_NO_FUSED_OPS", "1")
+    assert not cpu_kernels.fused_ops()
+    off = logits()
+    torch.testing.assert_close(on, off, rtol=1e-4, atol=1e-4)
+    assert torch.equal(on.argmax(-1), off.argmax(-1))

@@ -230,7 +230,9 @@ class SchedulerConfig(StoreConfig):
     quarantine_max_s: float = field(default=600.0, metadata={"help": "longest quarantine"})
     prefix_routing: bool = field(default=True, metadata={
         "help": "place a prefill batch on the worker whose prefix cache holds the longest prefix of its prompts, weighed "
-                "against the prompt tokens in flight there (--no-prefix-routing: the least loaded worker)"})
+                "against the prompt tokens in flight there, and a request's separate decode worker by the share of its "
+                "prompt cached there, its free slots and the prefix's home worker (--no-prefix-routing: the least "
+                "loaded worker, the most free slots)"})
     prefix_weight: float = field(default=4.0, metadata={
         "help": "prefix_routing: prompt tokens in flight on a worker that one cached prefix token there outweighs (in-flight "
                 "prompts count whole, though the cache serves most of them)"})

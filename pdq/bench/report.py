@@ -7,6 +7,7 @@ machine is shared and noisy; absolute numbers move, ratios measured side by side
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -270,10 +271,20 @@ def machine() -> dict:
     return info
 
 
+# Variables that change what a run measures without a flag (the model runtime's switches): the
+# command a document records starts with those set, so that it reproduces the run.
+RECORDED_ENV = ("PDQ_NO_FUSED_OPS", "PDQ_NO_CPU_KERNEL", "PDQ_CUDA_GRAPHS")
+
+
+def env_prefix() -> list[str]:
+    """`NAME=value` of each RECORDED_ENV variable set in this process."""
+    return [f"{name}={shlex.quote(os.environ[name])}" for name in RECORDED_ENV if name in os.environ]
+
+
 def document(runs: list[dict], config: dict, argv: list[str] | None) -> dict:
     """The `--json` document: {"runs": [...], "ratios": [...], "config", "machine", "command", ...}."""
     return {"schema": SCHEMA_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "command": None if argv is None else " ".join(["pdq", "bench", *argv]), "config": config,
+            "command": None if argv is None else " ".join([*env_prefix(), "pdq", "bench", *argv]), "config": config,
             "machine": machine(), "runs": runs, "ratios": ratios(runs)}
 
 

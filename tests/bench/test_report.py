@@ -143,3 +143,12 @@ def test_prefix_lines_show_what_separate_workers_hand_offs_carried_and_left_out(
                                  "handoff_skipped_tokens": 2900}
     (line,) = report.prefix_lines([summarize(run)]).splitlines()[1:]
     assert line.endswith("hand-offs carried 2.5 MB of K/V and left out 2,900 prompt positions the decode worker held")
+
+
+def test_the_recorded_command_starts_with_the_runtime_switches_set_in_the_environment(monkeypatch):
+    for name in report.RECORDED_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert report.document([], {}, ["--spawn"])["command"] == "pdq bench --spawn"
+    monkeypatch.setenv("PDQ_NO_FUSED_OPS", "1")
+    monkeypatch.setenv("PDQ_REDIS_URL", "redis://:secret@h:6379/0")  # not a runtime switch: not recorded
+    assert report.document([], {}, ["--spawn"])["command"] == "PDQ_NO_FUSED_OPS=1 pdq bench --spawn"

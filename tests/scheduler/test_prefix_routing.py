@@ -159,17 +159,19 @@ async def _placed_on(routing: bool, redis_url: str, prefix: str) -> list[list[st
         p0, p1 = h.workers.prefillers
         _report(p0, [])
         _report(p1, [SYSTEM + [1]])
-
-        async def reported():
-            workers = (await live_workers(h.store, ("prefill",), 5.0))["prefill"]
-            return all(w.kv_block_size == 16 for w in workers) and len(workers) == 2
-        await wait_for(reported)
-        for i in range(3):
-            s = spec(f"r{i}")
-            s.prompt_token_ids[:] = SYSTEM + [i + 1] * 8
-            await h.submit(s)
-            await ended(h, [f"r{i}"])
+        await _three_in_turn(h, "prefill")
         return [p0.batches, p1.batches]
+
+
+async def _three_in_turn(h, role: str) -> None:
+    """Once both workers of `role` report block size 16: three requests opening with SYSTEM,
+    each submitted once the one before it ended."""
+    await wait_for(lambda: _all_report(h, role))
+    for i in range(3):
+        s = spec(f"r{i}")
+        s.prompt_token_ids[:] = SYSTEM + [i + 1] * 8
+        await h.submit(s)
+        await ended(h, [f"r{i}"])
 
 
 async def test_the_scheduler_sends_a_prompt_to_the_worker_holding_its_prefix(redis_server, prefix):
@@ -203,8 +205,8 @@ async def test_requests_sharing_a_new_prefix_follow_the_first_before_any_worker_
         assert sorted(r for b in holder.batches for r in b) == ["a0", "a1", "a2"]
 
 
-async def _all_report(h) -> bool:
-    workers = (await live_workers(h.store, ("prefill",), 5.0))["prefill"]
+async def _all_report(h, role: str = "prefill") -> bool:
+    workers = (await live_workers(h.store, (role,), 5.0))[role]
     return len(workers) == 2 and all(w.kv_block_size == 16 for w in workers)
 
 
@@ -284,16 +286,7 @@ async def _decoded_on(routing: bool, redis_url: str, prefix: str) -> tuple[dict[
                 skips.append(item.decode_cached_tokens)
                 return await join(item)
             d.join = recording
-
-        async def reported():
-            workers = (await live_workers(h.store, ("decode",), 5.0))["decode"]
-            return len(workers) == 2 and all(w.kv_block_size == 16 for w in workers)
-        await wait_for(reported)
-        for i in range(3):
-            s = spec(f"r{i}")
-            s.prompt_token_ids[:] = SYSTEM + [i + 1] * 8
-            await h.submit(s)
-            await ended(h, [f"r{i}"])
+        await _three_in_turn(h, "decode")
         return joined, skips
 
 

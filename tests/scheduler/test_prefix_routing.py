@@ -165,9 +165,12 @@ async def _placed_on(routing: bool, redis_url: str, prefix: str) -> list[list[st
 
 async def _three_in_turn(h, role: str) -> None:
     """Once both workers of `role` report block size 16: three requests opening with SYSTEM,
-    each submitted once the one before it ended."""
+    each submitted once the one before it ended (and, for decode workers, once both report all
+    their slots free again: their choice then depends on nothing else)."""
     await wait_for(lambda: _all_report(h, role))
     for i in range(3):
+        if role == "decode":
+            await wait_for(lambda: _all_idle(h))
         s = spec(f"r{i}")
         s.prompt_token_ids[:] = SYSTEM + [i + 1] * 8
         await h.submit(s)
@@ -208,6 +211,11 @@ async def test_requests_sharing_a_new_prefix_follow_the_first_before_any_worker_
 async def _all_report(h, role: str = "prefill") -> bool:
     workers = (await live_workers(h.store, (role,), 5.0))[role]
     return len(workers) == 2 and all(w.kv_block_size == 16 for w in workers)
+
+
+async def _all_idle(h) -> bool:
+    workers = (await live_workers(h.store, ("decode",), 5.0))["decode"]
+    return all(w.free_slots == w.capacity for w in workers)
 
 
 async def _dispatched(h, rid) -> bool:

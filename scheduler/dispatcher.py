@@ -328,10 +328,11 @@ class Dispatcher:
             spec = spec_from_bytes(got.spec)
             spec.deadline_ms = cand.deadline_ms  # the record's: an operator may have moved it
             block_size, prefixes = held.get(dw.worker_id, (0, frozenset()))
+            hashed = self.prefix_router.hashes(cand.request_id, block_size) if self.prefix_router else None
             items.append(pb.PrefillItem(spec=spec, epoch=got.epoch, decode_address=dw.address, priority=priority,
                                         decode_kv_address=kv_address,
                                         decode_cached_tokens=handoff_skip(spec.prompt_token_ids, block_size,
-                                                                          prefixes, PREFIX_HEX)))
+                                                                          prefixes, PREFIX_HEX, hashed)))
             reserved.append(dw)
             self.drain.add(time.monotonic(), cand.kv_tokens)
             self._waited(items[-1])

@@ -73,10 +73,14 @@ class PrefixRouter:
                     for w in apart})
         return out
 
+    def hashes(self, request_id: str, block_size: int) -> list[str] | None:
+        """The chain hashes of a request of the latest round at `block_size`, if hashed."""
+        return self._hashes.get(request_id, {}).get(block_size)
+
     def handed_off(self, worker: WorkerInfo, request_id: str) -> None:
         """A request's K/V goes to the separate decode `worker`: its prompt's blocks will be
         there (a decode worker reports them once they arrive)."""
-        hashes = self._hashes.get(request_id, {}).get(worker.kv_block_size)
+        hashes = self.hashes(request_id, worker.kv_block_size)
         if hashes:
             self.sent_decode.add(worker.worker_id, hashes, now_ms())
 

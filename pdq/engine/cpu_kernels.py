@@ -4,10 +4,10 @@ layer's fused elementwise work (`csrc/fused_ops.c`).
 torch has no attention that reads keys through a block table in place: gathering each step's
 blocks into a contiguous tensor first copies every key twice over. And a layer's RMSNorms, rotary
 embedding and SwiGLU run in torch as several ops each, every one a pass over the whole tensor
-(RMSNorm alone: square, mean, rsqrt, two multiplies), which on a small model costs a fifth of a
-step. So on CPU pdq builds a few small C functions with the system's C compiler the first time a
-process needs them (about a second; optimized for the CPU it runs on) and keeps the library in a
-cache directory keyed by the sources, the flags and the CPU. Where no compiler is found, or off
+(RMSNorm alone: square, mean, rsqrt, two multiplies). So on CPU pdq builds a few small C
+functions with the system's C compiler the first time a process needs them (about a second;
+optimized for the CPU it runs on) and keeps the library in a cache directory keyed by the
+sources, the flags and the CPU. Where no compiler is found, or off
 CPU, or for dtypes other than float32, `pdq.engine.attention` gathers instead and the layers run
 torch's ops (the same numbers up to rounding, slower); `available()` and `fused_ops()` say which.
 `PDQ_NO_CPU_KERNEL` turns all of them off, `PDQ_NO_FUSED_OPS` the fused elementwise ones alone.

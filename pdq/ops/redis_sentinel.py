@@ -36,9 +36,15 @@ class TLSFiles:
     key: str
 
     def server_args(self) -> tuple[str, ...]:
-        """redis-server options for TLS with these files (clients need no certificate of their own)."""
+        """redis-server options for TLS with these files (clients need no certificate of their own),
+        and replication over TLS."""
         return ("--tls-cert-file", self.cert, "--tls-key-file", self.key, "--tls-ca-cert-file", self.ca,
-                "--tls-auth-clients", "no")
+                "--tls-auth-clients", "no", "--tls-replication", "yes")
+
+    def config_lines(self) -> list[str]:
+        """`server_args` as lines of a config file."""
+        args = self.server_args()
+        return [f"{name.removeprefix('--')} {value}" for name, value in zip(args[::2], args[1::2])]
 
     def client_kwargs(self) -> dict:
         return {"ssl": True, "ssl_ca_certs": self.ca}
@@ -55,8 +61,7 @@ class SentinelServer:
         self.port, self.myid = port, myid
         self.config = os.path.join(directory, f"sentinel-{port}.conf")
         # over TLS it listens on TLS alone, and speaks TLS to the nodes (tls-replication)
-        listen = ["port 0", f"tls-port {port}", f"tls-cert-file {tls.cert}", f"tls-key-file {tls.key}",
-                  f"tls-ca-cert-file {tls.ca}", "tls-auth-clients no", "tls-replication yes"] if tls else [f"port {port}"]
+        listen = ["port 0", f"tls-port {port}", *tls.config_lines()] if tls else [f"port {port}"]
         lines = [*listen, f"bind {HOST}", f"dir {directory}",
                  f"logfile {os.path.join(directory, f'sentinel-{port}.log')}", f"sentinel myid {myid}",
                  f"sentinel monitor {service} {HOST} {primary_port} {quorum}",
@@ -129,7 +134,7 @@ class SentinelGroup:
         """Starts a node; over TLS it also listens on a TLS port (its plain one stays, for this
         group's own checks) and replicates over TLS."""
         tls_port = free_port() if self.tls else 0
-        extra = ("--tls-port", str(tls_port), *self.tls.server_args(), "--tls-replication", "yes") if self.tls else ()
+        extra = ("--tls-port", str(tls_port), *self.tls.server_args()) if self.tls else ()
         node = RedisServer(self._dir(name), extra_args=(*NODE_ARGS, *extra, *args)).start()
         self.nodes.append(node)
         self.tls_ports[node.port] = tls_port

@@ -47,15 +47,19 @@ def matched_tokens(hashes: Sequence[str], block_size: int, held: Iterable[str]) 
     return 0
 
 
-def handoff_skip(prompt: Sequence[int], block_size: int, held: Iterable[str], digits: int) -> int:
+def handoff_skip(prompt: Sequence[int], block_size: int, held: Iterable[str], digits: int,
+                 hashes: Sequence[str] | None = None) -> int:
     """Leading prompt positions a separate decode worker reporting `held` (its heartbeat's chain
     hashes, cut to `digits`) holds in its prefix cache: a hand-off to it may leave their K/V out
-    (`KVHeader.skip_tokens`). 0 when it reports nothing. A short hash that only collides costs a
+    (`KVHeader.skip_tokens`). 0 when it reports nothing. `hashes`: the prompt's `chain_hashes`
+    at `block_size`, when the caller has them already. A short hash that only collides costs a
     PREFIX_MISSING refusal and a whole resend, never a wrong cache: the decode worker checks the
     full chain hashes."""
     if block_size <= 0 or not held:
         return 0
-    return matched_tokens(chain_hashes(prompt, block_size, digits), block_size, held)
+    if hashes is None:
+        hashes = chain_hashes(prompt, block_size, digits)
+    return matched_tokens(hashes, block_size, held)
 
 
 @dataclass(frozen=True)

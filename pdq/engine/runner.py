@@ -19,6 +19,7 @@ from pdq.engine.cuda_graphs import DecodeGraphs
 from pdq.engine.kv_pool import DEFAULT_BLOCK_SIZE, KVPool, KVUsage
 from pdq.engine.llama import LlamaModel
 from pdq.model.arch import ModelSpec
+from pdq.model.checkpoint import load_checkpoint, resolved_config
 from pdq.model.null import NullCheckpoint, null_step_ms
 from pdq.model.null_forward import NullForward
 
@@ -136,15 +137,19 @@ class ModelRunner:
     ) -> "ModelRunner":
         """Load a local HF checkpoint directory (`pdq.model.arch` lists the families; a null
         model's dir, `pdq.model.null`, has no weights to load). The config is checked before the
-        weights load. `pool`: `block_size`, `prefix_cache`."""
+        weights load; the weights come straight from safetensors where they can
+        (`pdq.model.checkpoint`; PDQ_LOAD_VIA_TRANSFORMERS=1: always through transformers' model
+        classes). `pool`: `block_size`, `prefix_cache`."""
         if NullCheckpoint.is_null_dir(path):
             return cls(NullCheckpoint(path), kv_budget_tokens=kv_budget_tokens, max_seq_len=max_seq_len,
                        device=device, dtype=dtype, **pool)
-        from transformers import AutoConfig, AutoModelForCausalLM
+        ModelSpec.from_hf_config(resolved_config(path)).check_max_seq_len(max_seq_len)  # before the weights
+        model = load_checkpoint(path) if os.environ.get("PDQ_LOAD_VIA_TRANSFORMERS", "") in ("", "0") else None
+        if model is None:  # weights not in safetensors, other names, or a rope that transformers computes
+            from transformers import AutoModelForCausalLM
 
-        ModelSpec.from_hf_config(AutoConfig.from_pretrained(path)).check_max_seq_len(max_seq_len)  # before the weights
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
-        return cls(hf, kv_budget_tokens=kv_budget_tokens, max_seq_len=max_seq_len, device=device, dtype=dtype, **pool)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
+        return cls(model, kv_budget_tokens=kv_budget_tokens, max_seq_len=max_seq_len, device=device, dtype=dtype, **pool)
 
     # -- model facts -------------------------------------------------------------------------
 

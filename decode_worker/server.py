@@ -27,7 +27,7 @@ from pdq.engine.worker import Heartbeat, ModelThread, kv_grant_tokens, kv_info, 
 from decode_worker.colocated import ColocatedLoop
 from decode_worker.kv_receive import Arrived, Discard, BlockSink
 from decode_worker.loop import DecodeLoop, PreemptAsk
-from decode_worker.strategy import Strategy
+from pdq.engine.batching import Strategy
 from prefill_worker.loop import PrefillLoop
 from prefill_worker.server import PrefillService
 
@@ -382,7 +382,7 @@ def build_server(config: DecodeConfig) -> Server:
         runner = state["runner"] = await model.run(load_runner, config, config.kv_budget_tokens + extra, warm_up)
         aio_loop = asyncio.get_running_loop()
         strategy = Strategy(config.strategy, config.strategy_batch_size, config.dynamic_window_ms,
-                            config.static_flush_ms)
+                            config.static_flush_ms, config.strategy_bucket)
         # A request-level batch holds every seat until its last sequence ends, and the next batch
         # is only taken (reserved, then prefilled) after that, as naive servers run: the wait
         # shows up in TTFT, where their users see it.

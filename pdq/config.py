@@ -350,6 +350,7 @@ class DecodeConfig(WorkerConfig):
     strategy_batch_size: int = field(default=8, metadata={"help": "batch size of the static and dynamic strategies"})
     dynamic_window_ms: float = field(default=50.0, metadata={"help": "dynamic strategy: longest wait for a fuller batch"})
     static_flush_ms: float = field(default=2000.0, metadata={"help": "static strategy: run a short batch after this wait"})
+    strategy_bucket: bool = field(default=False, metadata={"help": "static and dynamic strategies: length bucketing, a batch is the oldest waiting sequence and those nearest to it in prompt + max_tokens"})
     kv_transport: str = field(default="tcp", metadata={"help": "KV hand-offs in: tcp (a TCP data plane, several times faster than gRPC; PushKV still works) or grpc (PushKV only)"})
     kv_port: int = field(default=0, metadata={"help": "tcp data plane port (0 = any free port); advertised with the host of advertise_address"})
     colocate: bool = field(default=False, metadata={"help": "also serve the prefill worker role in this process: one model, one KV pool, "

@@ -100,7 +100,7 @@ def test_a_sequence_waiting_to_join_does_not_let_the_loop_sleep():
     import types
 
     from decode_worker.loop import DecodeLoop
-    from decode_worker.strategy import Strategy
+    from pdq.engine.batching import Strategy
     from pdq.engine.worker import IDLE_BEAT_S
 
     loop = colocated([])

@@ -2,7 +2,7 @@
 
 import pytest
 
-from decode_worker.strategy import Strategy
+from pdq.engine.batching import Strategy
 
 
 def test_continuous_admits_everything_at_once():

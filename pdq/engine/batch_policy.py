@@ -1,7 +1,7 @@
 """Iteration-level batch policy: which sequences run in the next step, and how many tokens each.
 
 Pure: takes plain data about sequences and free KV blocks, returns a `StepPlan`. No torch, no
-IO; the in-process `LLMEngine` drives it (the workers' loops batch with `decode_worker.strategy`
+IO; the engine core (`pdq.engine.core`) drives it (the workers' loops batch with `pdq.engine.batching`
 and `prefill_worker.chunking`).
 
 Policy (decode first, then chunked prefill, FCFS, under a per-step token budget):

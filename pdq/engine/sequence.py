@@ -1,5 +1,6 @@
 """One generation's token state, as the engine loop sees it."""
 
+import enum
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -24,13 +25,24 @@ def end_reason(params: SamplingParams, token: int, eos_ids, generated: int, posi
     return "length" if generated >= params.max_tokens or position + 1 >= max_seq_len else ""
 
 
-@dataclass
+class SeqStatus(enum.IntEnum):
+    """A sequence's place in the engine core, in order."""
+
+    WAITING = 0  # no KV blocks: new, or preempted (its output so far is kept and recomputed)
+    RUNNING = 1  # holds KV blocks: prefilling its prompt in chunks, then decoding a token a step
+    FINISHED = 2  # ended (finish_reason says why); its blocks are freed
+
+
+@dataclass(eq=False)
 class Sequence:
-    """prompt + output tokens; `num_cached` of them have K/V in the pool.
+    """prompt + output tokens; `num_cached` of them have K/V in the pool (or are being written
+    by the step planned). The one sequence type of the engine core (`pdq.engine.core`).
 
     finish_reason: None while running, then "eos" (an EOS token, unless params.ignore_eos, or one
-    of params.stop_token_ids was sampled and is the last output token) or "length" (max_tokens
-    reached).
+    of params.stop_token_ids was sampled and is the last output token), "length" (max_tokens
+    reached, or the context is full) or what ended it from outside ("stop", "cancelled", ...).
+    priority: smaller is more important (e.g. (tier rank, fair-share position)); the core
+    preempts the largest first, then the newest.
     """
 
     seq_id: Hashable
@@ -40,6 +52,9 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     num_cached: int = 0
     finish_reason: str | None = None
+    status: SeqStatus = SeqStatus.WAITING
+    priority: tuple = ()
+    waiting_since: float = 0.0  # clock time it (re)entered the waiting queue
 
     @property
     def num_tokens(self) -> int:
@@ -57,12 +72,3 @@ class Sequence:
 
     def view(self) -> SeqView:
         return SeqView(self.seq_id, self.num_tokens, self.num_cached)
-
-    def append(self, token: int) -> str | None:
-        """Add a sampled token; returns (and records) the finish reason, if it finished."""
-        self.output.append(token)
-        if self.params.finish(token, self.eos_token_ids):
-            self.finish_reason = "eos"
-        elif len(self.output) >= self.params.max_tokens:
-            self.finish_reason = "length"
-        return self.finish_reason

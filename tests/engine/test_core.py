@@ -1,0 +1,142 @@
+"""The engine core driven as a worker drives it: schedule(), a forward, update() with tokens the test
+makes up (no sampling), one Sequence with one status each; preemption by priority; the request-level
+strategies as core policies, with length bucketing."""
+
+import pytest
+
+from pdq.engine import SamplingParams
+from pdq.engine.batch_policy import BatchPolicy
+from pdq.engine.batching import Strategy
+from pdq.engine.core import EngineCore
+from pdq.engine.sequence import Sequence, SeqStatus
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def seq(seq_id, prompt_len: int, max_tokens: int, priority=(), first_token: int = 1) -> Sequence:
+    return Sequence(seq_id, [first_token + i % 50 for i in range(prompt_len)],
+                    SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), priority=priority)
+
+
+def run_step(core: EngineCore, token: int = 7):
+    """One step as a worker runs it: the forward on the plan, then made-up tokens for the rows sampled."""
+    plan = core.schedule()
+    if plan:
+        core.runner.step(*plan.items())
+    return plan, core.update(plan, [token] * len(plan.sample_rows))
+
+
+def test_a_sequence_goes_waiting_running_finished_and_gives_its_blocks_back(tiny_llama, make_runner):
+    runner = make_runner(tiny_llama, slots=2)
+    core = EngineCore(runner, BatchPolicy(max_batched_tokens=16, prefill_chunk=8))
+    s = seq("a", prompt_len=20, max_tokens=3)
+    core.add(s)
+    assert s.status == SeqStatus.WAITING
+    plan, out = run_step(core)
+    assert s.status == SeqStatus.RUNNING and [c.length for c in plan.prefill] == [8] and out == []  # a chunk only
+    run_step(core)
+    plan, out = run_step(core)  # the prompt's last 4 tokens: its first token is sampled
+    assert [c.length for c in plan.prefill] == [4] and [o.token for o in out] == [7]
+    plan, out = run_step(core, token=9)
+    assert [r.seq_id for r in plan.decode] == ["a"] and plan.items()[1] == [("a", 7, 20)]
+    plan, out = run_step(core, token=11)
+    assert out[0].finish_reason == "length" and s.output == [7, 9, 11]
+    assert s.status == SeqStatus.FINISHED and not core.has_unfinished()
+    assert runner.free_tokens == runner.capacity_tokens
+
+
+def test_finish_from_outside_ends_a_running_or_waiting_sequence_and_frees_its_blocks(tiny_llama, make_runner):
+    runner = make_runner(tiny_llama, slots=2)
+    core = EngineCore(runner, BatchPolicy(max_batched_tokens=64, prefill_chunk=64, max_num_seqs=1))
+    a, b = seq("a", 10, 50), seq("b", 10, 50)
+    core.add(a)
+    core.add(b)
+    plan, _ = run_step(core)
+    assert a.status == SeqStatus.RUNNING and b.status == SeqStatus.WAITING  # one seat
+    assert core.finish("a", "cancelled") is a and a.finish_reason == "cancelled"
+    assert core.finish("a", "cancelled") is None  # once
+    plan, out = run_step(core)
+    assert b.status == SeqStatus.RUNNING and [o.seq.seq_id for o in out] == ["b"]
+    core.finish("b", "stop")
+    assert runner.free_tokens == runner.capacity_tokens and not core.has_unfinished()
+
+
+@pytest.mark.parametrize("requeue", [True, False])
+def test_when_blocks_run_out_the_least_important_sequence_is_preempted_not_the_newest(tiny_llama, make_runner,
+                                                                                      requeue):
+    # 2 x 128 positions in blocks of 16: three sequences of 40-token prompts growing by a token a step
+    runner = make_runner(tiny_llama, slots=2, block_size=16)
+    core = EngineCore(runner, BatchPolicy(max_batched_tokens=256, prefill_chunk=256), requeue_preempted=requeue)
+    batch, interactive, batch2 = seq("batch", 40, 80, priority=(1,)), seq("int", 40, 80, priority=(0,)), \
+        seq("batch2", 40, 80, priority=(1,))
+    for s in (batch, interactive, batch2):
+        core.add(s)
+    preempted = []
+    for _ in range(80):
+        plan, _ = run_step(core)
+        preempted += plan.preempted
+        if preempted:
+            break
+    assert preempted and all(p.priority == (1,) for p in preempted)
+    assert interactive.status == SeqStatus.RUNNING
+    assert preempted[0] is batch2  # of equal priority, the newest goes first
+    victim = preempted[0]
+    assert victim.status == SeqStatus.WAITING and victim.num_cached == 0 and victim.output  # its tokens are kept
+    assert (victim in core.waiting) == requeue  # back in line, or out to the caller to place elsewhere
+    if requeue:
+        while core.has_unfinished():
+            run_step(core)
+        assert len(victim.output) == 80 and runner.free_tokens == runner.capacity_tokens
+
+
+def test_a_static_batch_starts_full_or_at_its_flush_time_and_nothing_joins_until_it_ends(tiny_llama, make_runner):
+    clock = Clock()
+    runner = make_runner(tiny_llama, slots=4)
+    core = EngineCore(runner, BatchPolicy(max_batched_tokens=64, prefill_chunk=32),
+                      Strategy("static", batch_size=3, flush_ms=1000), clock=clock)
+    for i in range(2):
+        core.add(seq(i, 5, 4 + 4 * i))
+    plan, _ = run_step(core)
+    assert not plan and core.wait_hint_s() == 1.0  # 2 of 3 wait for the flush time
+    core.add(seq(2, 5, 4))
+    core.add(seq(3, 5, 4))
+    plan, _ = run_step(core)
+    assert sorted(c.seq.seq_id for c in plan.prefill) == [0, 1, 2]  # a full batch, in arrival order
+    steps = 1
+    while any(s in core.running for s in (0, 1, 2)):
+        plan, _ = run_step(core)
+        assert 3 not in core.running  # it waits for the whole batch to end
+        steps += 1
+    assert steps == 8  # the longest of the batch (8 tokens)
+    clock.t = 5.0
+    plan, _ = run_step(core)
+    assert [c.seq.seq_id for c in plan.prefill] == [3]  # alone, once its flush time passed
+
+
+def test_length_bucketing_batches_the_oldest_with_those_nearest_to_it_in_length():
+    s = Strategy("dynamic", batch_size=3, bucket=True)
+    assert s.pick([100, 10, 95, 12, 300, 101], 3) == [0, 2, 5]
+    assert s.pick([100, 10], 3) == [0, 1]
+    assert Strategy("dynamic", batch_size=3).pick([100, 10, 95, 12], 3) == [0, 1, 2]  # off: arrival order
+    assert Strategy("continuous", bucket=True).pick([100, 10, 95], 2) == [0, 1]  # iteration-level: no batches
+
+
+def test_a_bucketed_dynamic_batch_in_the_core_holds_similar_lengths(tiny_llama, make_runner):
+    clock = Clock()
+    runner = make_runner(tiny_llama, slots=4)
+    core = EngineCore(runner, BatchPolicy(max_batched_tokens=128, prefill_chunk=64),
+                      Strategy("dynamic", batch_size=2, window_ms=10, bucket=True), clock=clock)
+    for i, max_tokens in enumerate([30, 3, 28, 4]):
+        core.add(seq(i, 5, max_tokens))
+    plan, _ = run_step(core)
+    assert sorted(c.seq.seq_id for c in plan.prefill) == [0, 2]  # the oldest (35) and the nearest (33)
+    while 0 in core.running or 2 in core.running:
+        run_step(core)
+    plan, _ = run_step(core)
+    assert sorted(c.seq.seq_id for c in plan.prefill) == [1, 3]

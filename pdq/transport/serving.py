@@ -2,9 +2,11 @@
 
 import asyncio
 import logging
+import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 import redis
@@ -183,6 +185,19 @@ def run_service(role: str, config_cls: type, build_server: Callable[[Any], Serve
         raise SystemExit(1) from None
     finally:
         telemetry.shutdown()  # export the spans still buffered
-        metrics.stop()
-    if code:
-        raise SystemExit(code)
+    exit_now(code)
+
+
+def exit_now(code: int) -> NoReturn:
+    """Ends a served process that has stopped cleanly: what it logged and printed flushed, then
+    out without the interpreter's teardown. Finalizing gRPC's core, torch and the metrics
+    endpoint (whose thread polls every 0.5 s) took 1-2 s of every stop and every restart, with
+    nothing left to do: the servers have stopped, the loops have handed back their work and the
+    spans are exported."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

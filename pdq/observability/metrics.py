@@ -239,27 +239,15 @@ def cancel_source(reason: str) -> str:
 
 # -- the /metrics server ----------------------------------------------------------------------------
 
-_server = None
-
 
 def serve(port: int, host: str = "127.0.0.1") -> int | None:
-    """Serves /metrics on host:port (0 = any free port) in a daemon thread. -> the bound port,
-    None when port < 0 (off)."""
-    global _server
+    """Serves /metrics on host:port (0 = any free port) in a daemon thread, for the life of the
+    process. -> the bound port, None when port < 0 (off)."""
     if port < 0:
         return None
     from prometheus_client import start_http_server
 
     server, _thread = start_http_server(port, addr=host)
-    _server = server
     bound = server.server_port
     log.info("metrics on http://%s:%d/metrics", host, bound)
     return bound
-
-
-def stop() -> None:
-    global _server
-    if _server is not None:
-        _server.shutdown()
-        _server.server_close()
-        _server = None

@@ -20,17 +20,19 @@ from pdq.transport.mtls import InternalTLS
 from pdq.state.request import State
 from pdq.transport.serving import Server
 from pdq.transport.status import StatusError
+from pdq.state.registry import live_workers
 from pdq.state.store import QueueLimits, AsyncStore, RetryLimits, TenantPolicy, spec_from_bytes
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 from scheduler.dispatcher import Dispatcher
 from scheduler.janitor import Janitor
 from scheduler.leader import Leadership
-from scheduler.policies import ORDER_POLICIES, resolve_tier, retry_after_ms
+from scheduler.policies import ORDER_POLICIES, kv_misfit, resolve_tier, retry_after_ms
 
 log = logging.getLogger("pdq.scheduler")
 
 RETRY_PUSHBACK = "grpc-retry-pushback-ms"
+POOLS_TTL_S = 2.0  # how stale the decode workers' KV pool sizes that Submit checks against may be
 STATUS_DETAILS = "grpc-status-details-bin"
 
 
@@ -59,6 +61,21 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         self.store = store
         self.dispatcher = dispatcher
         self.order = ORDER_POLICIES[config.order_policy]
+        self._pools: list[int] = []  # each live decode worker's KV positions, as read at `_pools_at`
+        self._pools_at = -POOLS_TTL_S
+
+    async def decode_pools(self) -> list[int]:
+        """Each live decode worker's KV pool (positions), read from the registry at most once per
+        POOLS_TTL_S: a worker that joins or grows is seen within that. A failed read keeps the last."""
+        now = time.monotonic()
+        if now - self._pools_at >= POOLS_TTL_S:
+            self._pools_at = now
+            try:
+                live = await live_workers(self.store, ("decode",), self.config.worker_timeout_s)
+                self._pools = [w.kv_total_tokens for w in live["decode"] if w.kv_total_tokens]
+            except Exception as exc:  # the submit goes on; the queue's own write says if Redis is down
+                log.warning("could not read the decode workers' KV pools: %s", exc)
+        return self._pools
 
     async def Submit(self, request: pb.SubmitRequest, context: grpc.aio.ServicerContext) -> pb.SubmitResponse:
         spec = pb.RequestSpec()
@@ -71,6 +88,10 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"tier: must be one of {', '.join(self.config.tier_names)}, got {spec.tier!r}")
         spec.tier = tier
+        misfit = kv_misfit(len(spec.prompt_token_ids), spec.sampling.max_tokens, await self.decode_pools())
+        if misfit:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt: {misfit}", reason="PROMPT_EXCEEDS_KV_POOL",
+                              field="prompt")
         score = self.order(seq, len(spec.prompt_token_ids), spec.sampling.max_tokens, spec.deadline_ms)
         span = telemetry.start("pdq.enqueue", attributes={"pdq.request_id": spec.request_id, "pdq.tenant": spec.tenant,
                                                           "pdq.tier": tier, "pdq.seq": seq})

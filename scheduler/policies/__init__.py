@@ -12,7 +12,7 @@ load; `tiers.preemptible_tiers` says whom a request finding no room may preempt;
 workers whose hand-offs keep failing; `liveness` tells the janitor which workers are dead.
 """
 
-from scheduler.policies.admission import DrainRate, resolve_tier, retry_after_ms
+from scheduler.policies.admission import DrainRate, kv_misfit, resolve_tier, retry_after_ms
 from scheduler.policies.batch import (HOME_BONUS, Candidate, DecodePrefix, DecodeSlots, acceptable, choose_decode_worker,
                                       decode_chooser, form_batch, home_worker, place_prefill)
 from scheduler.policies.headroom import Headroom, Placement, below_share, place_round, prefill_priority
@@ -27,4 +27,4 @@ from scheduler.policies.tiers import AgingTiers, StrictTiers, preemptible_tiers,
 __all__ = ["HOME_BONUS", "AgingTiers", "Candidate", "DecodePrefix", "DecodeSlots", "DrainRate", "FAIR_POLICIES", "FIFO", "Headroom", "HeartbeatWatch",
            "ORDER_POLICIES", "Placement", "PrefixRouting", "Quarantine", "SentPrefixes", "StrictTiers", "TenantQueue", "TierQueue", "VTC", "acceptable", "below_share",
            "chain_hashes", "choose_decode_worker", "classify", "decode_chooser", "fair_policy", "form_batch", "handoff_skip", "home_worker", "matched_tokens", "place_prefill", "place_round", "prefer_healthy",
-           "preemptible_tiers", "prefill_priority", "resolve_tier", "retry_after_ms", "schedule", "tier_policy"]
+           "kv_misfit", "preemptible_tiers", "prefill_priority", "resolve_tier", "retry_after_ms", "schedule", "tier_policy"]

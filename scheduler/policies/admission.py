@@ -15,6 +15,20 @@ def resolve_tier(requested: str, allowed: str | None, tiers: list[str]) -> str |
     return tier
 
 
+def kv_misfit(prompt_tokens: int, max_tokens: int, pools: list[int]) -> str:
+    """Why a request can never run: prompt + max_tokens needs more KV positions than the largest
+    decode worker's pool holds (`pools`: each live decode worker's total KV positions; none known
+    yet: nothing is refused). -> "" when it fits. Such a request would wait for a reservation that
+    is never granted, or be preempted again and again as its output grew."""
+    largest = max(pools, default=0)
+    need = prompt_tokens + max_tokens
+    if not largest or need <= largest:
+        return ""
+    return (f"the {prompt_tokens}-token prompt plus max_tokens {max_tokens} needs {need} KV positions, and the "
+            f"largest decode worker's KV pool holds {largest} (--kv-budget-tokens); shorten the prompt or "
+            f"max_tokens to at most {largest} together")
+
+
 def retry_after_ms(drain_tokens: int, tokens_per_s: float, min_ms: int, max_ms: int) -> int:
     """How long until `drain_tokens` queued tokens have left at the recent dispatch rate,
     clamped to [min_ms, max_ms]; max_ms when nothing has been dispatched lately."""

@@ -71,8 +71,9 @@ class FakeDecode(_Worker, pb_grpc.DecodeWorkerServicer):
     role = "decode"
 
     def __init__(self, store: AsyncStore, worker_id: str, slots: int = 4, step_s: float = 0.005,
-                 reservation_timeout_s: float = 2.0, reserve_s: float = 0.0):
+                 reservation_timeout_s: float = 2.0, reserve_s: float = 0.0, kv_tokens: int = 0):
         super().__init__(store, worker_id)
+        self.kv_tokens = kv_tokens  # the KV pool it reports (0: none, as before workers reported one)
         self.reserve_s = reserve_s  # each Reserve(Many) answers this much later (a busy worker)
         self.reserve_calls: list[int] = []  # the items of each Reserve(Many) call
         pb_grpc.add_DecodeWorkerServicer_to_server(self, self.server)
@@ -93,7 +94,8 @@ class FakeDecode(_Worker, pb_grpc.DecodeWorkerServicer):
     def info(self) -> WorkerInfo:
         self.expire()
         return WorkerInfo(self.worker_id, "decode", self.address, free_slots=self.slots - len(self.holds),
-                          capacity=self.slots, running=len(self.running))
+                          capacity=self.slots, running=len(self.running), kv_total_tokens=self.kv_tokens,
+                          kv_free_tokens=self.kv_tokens)
 
     async def start(self) -> None:
         await super().start()
@@ -210,6 +212,7 @@ class FakeWorkers:
     slots: int = 4
     step_s: float = 0.005
     reserve_s: float = 0.0
+    kv_tokens: int = 0  # each fake decode worker's reported KV pool
     decoders: dict[str, FakeDecode] = field(default_factory=dict)
     prefillers: list[FakePrefill] = field(default_factory=list)
 
@@ -217,7 +220,8 @@ class FakeWorkers:
         self.client = aioredis.Redis.from_url(self.redis_url)
         self.store = AsyncStore(self.client, self.prefix, 600)
         for i in range(self.decode):
-            d = FakeDecode(self.store, f"decode-{i}", self.slots, self.step_s, reserve_s=self.reserve_s)
+            d = FakeDecode(self.store, f"decode-{i}", self.slots, self.step_s, reserve_s=self.reserve_s,
+                           kv_tokens=self.kv_tokens)
             self.decoders[d.address] = d
             await d.start()
         for i in range(self.prefill):

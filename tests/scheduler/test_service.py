@@ -59,6 +59,21 @@ async def test_an_unknown_tier_is_an_invalid_argument(url, prefix):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("tier:")
 
 
+async def test_a_request_no_decode_workers_kv_pool_can_ever_hold_is_an_invalid_argument_with_the_numbers(
+        url, prefix):
+    async with harness(url, prefix, workers={"decode": 2, "kv_tokens": 1000}) as h:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await h.submit(spec("too-big", prompt=600, max_tokens=500))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "600-token prompt plus max_tokens 500 needs 1100 KV positions" in err.value.details()
+        assert "holds 1000" in err.value.details()
+        assert await h.state("too-big") == ""  # nothing was queued
+        await h.submit(spec("fits", prompt=600, max_tokens=400))  # exactly the largest pool: it runs
+        assert await ended(h, ["fits"]) == ["COMPLETED"]
+    async with harness(url, prefix + "x") as h:  # no decode worker known yet: nothing to judge by, it waits
+        assert (await h.submit(spec("big-early", prompt=600, max_tokens=500))).created
+
+
 async def test_a_retried_submit_with_the_same_key_gives_one_request(url, prefix):
     async with harness(url, prefix, workers={}) as h:
         first = await h.submit(spec("a"), key="client-key-1")

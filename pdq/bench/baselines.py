@@ -1,7 +1,8 @@
 """The references the service is measured against, run in this process on the same requests.
 
-- `engine`: pdq's own `LLMEngine` (the same model runtime, KV pool and batch policy as the
-  workers, with no RPC, no Redis, no KV hand-off). It honours every arrival pattern: a request
+- `engine`: pdq's own `LLMEngine`, the engine core (`pdq.engine.core`) with a sampler (the same
+  model runtime, KV pool and batching strategies as the workers, with no RPC, no Redis, no KV
+  hand-off). It honours every arrival pattern: a request
   joins at the first step after it is due. A token's time is the end of the step that made it.
 - `hf`: naive `transformers` `generate()`: requests in order, in static batches of 8, left
   padded, greedy, every batch run to its longest request (as a naive server does). Arrivals

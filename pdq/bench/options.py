@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                             f"(default {','.join(STRATEGIES)}); with --target: the label of its strategy")
     where.add_argument("--baseline", action="append", default=[], choices=BASELINES,
                        help="also run the same requests in this process: hf (naive transformers generate() in "
-                            "static batches of 8) or engine (pdq's LLMEngine, no RPC); repeatable")
+                            "static batches of 8) or engine (pdq's engine core, no RPC); repeatable")
     where.add_argument("--handoff", action="store_true",
                        help="measure P/D disaggregation instead: KV hand-off GB/s (median and long prompt), its "
                             "TTFT overhead, and the split of the mixed workload over 2 decode workers "

@@ -5,6 +5,7 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2, status_pb2
 
+from pdq.state.registry import live_workers
 from pdq.state.store import TenantPolicy, now_ms
 from scheduler import janitor
 from pdq.v1 import internal_pb2 as pb
@@ -62,6 +63,11 @@ async def test_an_unknown_tier_is_an_invalid_argument(url, prefix):
 async def test_a_request_no_decode_workers_kv_pool_can_ever_hold_is_an_invalid_argument_with_the_numbers(
         url, prefix):
     async with harness(url, prefix, workers={"decode": 2, "kv_tokens": 1000}) as h:
+        async def pools_registered():
+            live = await live_workers(h.store, ("decode",), 5.0)
+            return len([w for w in live["decode"] if w.kv_total_tokens == 1000]) == 2
+
+        await wait_for(pools_registered)  # the fake workers' first heartbeats are in the registry
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await h.submit(spec("too-big", prompt=600, max_tokens=500))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

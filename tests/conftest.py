@@ -44,35 +44,3 @@ def redis_client(redis_server):
 @pytest.fixture
 def prefix() -> str:
     return "t" + uuid.uuid4().hex[:8]
-
-
-# The files that start clusters or spawn `pdq` commands run first, heaviest first, so that the
-# unit tests' many short files fill in the end of a two-process run (`make test`: xdist hands out
-# whole files in collection order as its processes free up). In collection order a cluster file
-# collected last kept one process busy for minutes while the other had nothing left to do.
-HEAVY_FIRST = (
-    "tests/chaos/test_chaos_run.py",
-    "tests/bench/test_bench_e2e.py",
-    "tests/e2e/test_handoff_faults.py",
-    "tests/e2e/test_cli.py",
-    "tests/e2e/test_worker_redis_faults.py",
-    "tests/e2e/",
-    "tests/scheduler/test_cluster.py",
-    "tests/observability/",
-    "tests/test_sentinel.py",
-    "tests/test_redisconn.py",
-    "tests/test_up.py",
-    "tests/test_cli_roles.py",
-    "tests/model/",
-    "tests/chaos/test_faults_hook.py",
-)
-
-
-def pytest_collection_modifyitems(session, config, items):
-    root = Path(__file__).resolve().parent.parent
-
-    def rank(item) -> int:
-        path = Path(str(item.fspath)).resolve().relative_to(root).as_posix()
-        return next((i for i, prefix in enumerate(HEAVY_FIRST) if path.startswith(prefix)), len(HEAVY_FIRST))
-
-    items.sort(key=rank)  # stable: the order inside each file, and among equals, stays

@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from pdq.engine.batch_policy import BatchPolicy, Chunk, SeqView
+from pdq.engine.batch_policy import BatchPolicy, Chunk
 from pdq.engine.batching import Strategy
 from pdq.engine.blocks import KVPoolFull
 from pdq.engine.runner import DecodeItem, ModelRunner, PrefillItem
@@ -61,16 +61,8 @@ class CorePlan:
 
     @property
     def sample(self) -> list[Sequence]:
-        rows = self.prefill_seqs + self.decode
+        rows = [c.seq for c in self.prefill] + self.decode
         return [rows[i] for i in self.sample_rows]
-
-    @property
-    def prefill_seqs(self) -> list[Sequence]:
-        return [c.seq for c in self.prefill]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.length for c in self.prefill) + len(self.decode)
 
     def items(self) -> tuple[list[PrefillItem], list[DecodeItem]]:
         """The forward's inputs (`ModelRunner.step`)."""

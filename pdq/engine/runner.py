@@ -143,8 +143,9 @@ class ModelRunner:
         if NullCheckpoint.is_null_dir(path):
             return cls(NullCheckpoint(path), kv_budget_tokens=kv_budget_tokens, max_seq_len=max_seq_len,
                        device=device, dtype=dtype, **pool)
-        ModelSpec.from_hf_config(resolved_config(path)).check_max_seq_len(max_seq_len)  # before the weights
-        model = load_checkpoint(path) if os.environ.get("PDQ_LOAD_VIA_TRANSFORMERS", "") in ("", "0") else None
+        config = resolved_config(path)
+        ModelSpec.from_hf_config(config).check_max_seq_len(max_seq_len)  # before the weights
+        model = load_checkpoint(path, config) if os.environ.get("PDQ_LOAD_VIA_TRANSFORMERS", "") in ("", "0") else None
         if model is None:  # weights not in safetensors, other names, or a rope that transformers computes
             from transformers import AutoModelForCausalLM
 

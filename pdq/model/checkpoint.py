@@ -119,14 +119,15 @@ def required_weights(spec: ModelSpec) -> list[str]:
     return names
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint | None:
+def load_checkpoint(path: str | Path, config: Any = None) -> Checkpoint | None:
     """The checkpoint at `path` without transformers' model classes, or None where it needs
-    them (see the module's docstring). Raises `UnsupportedModelError` for an unsupported config."""
+    them (see the module's docstring); `config`: its `resolved_config`, if the caller has it.
+    Raises `UnsupportedModelError` for an unsupported config."""
     path = Path(path)
     files = _weight_files(path)
     if files is None:
         return None
-    config = resolved_config(path)
+    config = config if config is not None else resolved_config(path)
     spec = ModelSpec.from_hf_config(config)
     if rope_params(config).get("rope_type", "default") != "default":
         return None

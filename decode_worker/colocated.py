@@ -18,6 +18,7 @@ import queue
 import time
 
 from decode_worker.loop import DecodeLoop, take
+from pdq.engine.core import CorePlan
 from pdq.state import redisconn
 from pdq.engine.worker import ModelLoop, ModelThread
 from prefill_worker.loop import Job, Outcome, PrefillLoop
@@ -73,7 +74,6 @@ class ColocatedLoop(ModelLoop):
                     if idle and self.pending and not self._gather():
                         break
                     d._drop_ended()
-                    d._admit()
                     self._step()
                 except Exception as exc:
                     if redisconn.unavailable(exc):
@@ -109,17 +109,18 @@ class ColocatedLoop(ModelLoop):
             self.decode._arrive(item)
 
     def _step(self) -> None:
-        """One forward: every running sequence's decode row, then prompt chunks in the budget left."""
+        """One forward: every running sequence's decode row (the decode core's plan), then
+        prompt chunks in the budget left."""
         d, p = self.decode, self.prefill
         started = time.perf_counter()
-        if d.running:
-            d._make_room()  # blocks for each running sequence's next position, or a preemption
-        seqs, rows = d.rows() if d.running else ([], [])
+        plan = d.schedule() if d.core.has_unfinished() else CorePlan()
+        rows = plan.items()[1]
         live, chunks, jobs = [], [], []
         if self.pending:
             live, chunks, jobs = p.plan(self.pending, max(1, self.step_tokens - len(rows)))
             self.pending = live
         if not chunks and not rows:
+            d._give_back_preempted()
             return
         logits = self.runner.step(chunks, rows)
         if d.step_delay_s:  # fault injection: a slow worker
@@ -127,7 +128,9 @@ class ColocatedLoop(ModelLoop):
         if chunks:
             self.pending = p.finish(live, chunks, jobs, logits[:len(chunks)], started)
         if rows:
-            d.after(seqs, logits[len(chunks):], started)
+            d.after(plan, logits[len(chunks):], started)
+        else:
+            d._give_back_preempted()
 
     def _answer_pending(self, error: str) -> None:
         for job in self.pending:

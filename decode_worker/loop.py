@@ -1,11 +1,17 @@
-"""The decode model loop (a thread): the running batch, one forward pass per step.
+"""The decode model loop (a thread): a shell around the engine core, one forward pass per step.
 
-A sequence whose KV cache has arrived waits until the strategy (`pdq.engine.batching`)
-admits it; with `continuous` that is the next step. It leaves the step it finishes, is
-cancelled or times out, and its KV slot is freed then. With the request-level strategies a
-finished sequence keeps its seat until its whole batch is done, as naive servers run. Each
-step's tokens (and ends) go to Redis in one command, whose reply is read after the next
-forward pass (`SyncStore.send_step`): Redis applies them while the model runs.
+The batch is the engine core's (`pdq.engine.core.EngineCore`, the one the in-process engine
+runs): a sequence whose KV cache has arrived joins it (`add_prefilled`) and waits until the
+strategy (`pdq.engine.batching`) admits it; with `continuous` that is the next step. The core
+makes room for every running sequence's next token (preempting the least important by
+`memory_victim` when the blocks not promised to arriving hand-offs run out), plans the decode
+rows, and after the forward keeps the books of the sampled tokens (`bookkeeping.judge`: stop
+strings, grammars, EOS, max_tokens). This loop is what is around it: arrivals, cancels and
+deadlines in; tokens, ends and preempted sequences out to Redis. A sequence leaves the step it
+finishes, is cancelled or times out, and its KV blocks are freed then. With the request-level
+strategies a finished sequence keeps its seat until its whole batch is done, as naive servers
+run. Each step's tokens (and ends) go to Redis in one command, whose reply is read after the
+next forward pass (`SyncStore.send_step`): Redis applies them while the model runs.
 
 Redis trouble never gives sequences back: every write is retried (the store's client rides an
 outage for redis_outage_s; a step whose reply was lost with its connection is applied again
@@ -24,9 +30,12 @@ from typing import Any
 
 import torch
 
-from decode_worker.bookkeeping import update
+from decode_worker import bookkeeping
 from decode_worker.kv_receive import Arrived, Discard
+from pdq.engine.batch_policy import BatchPolicy
 from pdq.engine.batching import Strategy
+from pdq.engine.core import CorePlan, EngineCore
+from pdq.engine.sequence import Sequence as CoreSequence, SeqStatus
 from pdq.observability import metrics, telemetry
 from pdq.state import redisconn
 from pdq.state.cancel_listener import CancelListener
@@ -42,30 +51,44 @@ from pdq.engine.worker import IDLE_BEAT_S, ModelLoop
 
 log = logging.getLogger("pdq.decode")
 
-@dataclass
-class Sequence:
-    rid: str
-    epoch: int
-    prompt_len: int
-    params: SamplingParams
-    text: TextOutput
-    generated: list[int]
-    deadline_ms: int
+@dataclass(eq=False)
+class Sequence(CoreSequence):
+    """A request decoding here: the engine core's sequence (`seq_id` = its request id; `prompt`;
+    `output` = every token generated so far, the last one not yet in the KV cache) with what the
+    worker keeps around it."""
+
+    epoch: int = 0
+    text: Any = None  # its TextOutput: detokenizing, stop strings
+    deadline_ms: int = 0
     arrived: float = field(default_factory=time.monotonic)
-    done: bool = False  # finished, still seated (request-level strategies only)
     labels: tuple[str, str] = ("", "")  # (tier, tenant) of its metrics
     arrival_ms: int = 0  # the request's arrival (Unix ms), for e2e latency
     last_token_at: float = 0.0  # monotonic time of its previous token, for inter-token latency
     span: Any = None  # this attempt's decode span (None when tracing is off)
     interval: int = 1  # decode steps per write to Redis (RequestSpec.stream_interval)
     held: list[StepItem] = field(default_factory=list)  # tokens sampled, not written yet
-    prompt: list[int] = field(default_factory=list)  # its prompt's tokens (what repetition_penalty looks at)
     matcher: Any = None  # its structured output's matcher (pdq.engine.constraint), None when unconstrained
+    delta: str = ""  # the text of its newest token (`bookkeeping.judge`)
+    admitted: bool = False  # the core has run it here
+    left: bool = False  # it has left this worker (`DecodeLoop._leave`)
+
+    @property
+    def rid(self) -> str:
+        return self.seq_id
+
+    @property
+    def generated(self) -> list[int]:
+        return self.output
+
+    @property
+    def done(self) -> bool:
+        """Finished (while still here: its seat kept by a request-level batch)."""
+        return self.status is SeqStatus.FINISHED
 
     @property
     def position(self) -> int:
         """Position of the last generated token, the one fed to the next step."""
-        return self.prompt_len + len(self.generated) - 1
+        return self.num_tokens - 1
 
 
 @dataclass
@@ -146,11 +169,15 @@ class DecodeLoop(ModelLoop):
         self.yield_to_prefill_ms = yield_to_prefill_ms  # then steps start at least this far apart
         self._last_step_end = 0.0
         self.inbox: queue.Queue[Arrived | Discard | PreemptAsk | None] = queue.Queue()
-        self.waiting: list[Sequence] = []  # KV in the pool, not yet admitted
-        self.running: dict[str, Sequence] = {}
+        # the batch: KV in the pool, waiting to be admitted, then running; no prefill here, so the
+        # token budget and seats are the scheduler's (its reservations), not the core's
+        self.core = EngineCore(runner, BatchPolicy(max_batched_tokens=1 << 30, max_num_seqs=1 << 30), strategy,
+                               requeue_preempted=False, victim=lambda seqs: memory_victim(seqs, self.tiers),
+                               reserved_blocks=promised)
+        self._preempted: list[Sequence] = []  # preempted by the core, not given back to the scheduler yet
+        self._first_pending: list[Sequence] = []  # traced sequences whose next token is their first here
         self.stats = LoopStats()
         self.step_metrics = metrics.DecodeStepStats(strategy.name)
-        self._first_pending: list[Sequence] = []  # traced sequences whose next token is their first here
         # the last step sent, its reply unread (settle): (SentStep, or None if it could not be
         # sent; the sequence of each item, None where it ended; the items)
         self._sent: tuple[SentStep | None, list[Sequence | None], list[StepItem]] | None = None
@@ -171,8 +198,18 @@ class DecodeLoop(ModelLoop):
         self._arrive(item, moved)
 
     @property
+    def running(self) -> dict[str, Sequence]:
+        """Admitted sequences by request id (the core's running batch)."""
+        return self.core.running  # type: ignore[return-value]
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        """Sequences whose KV is here, not admitted yet (oldest first)."""
+        return list(self.core.waiting)  # type: ignore[arg-type]
+
+    @property
     def busy(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.core.has_unfinished() or self._preempted)
 
     def _run(self) -> None:
         while True:
@@ -180,11 +217,8 @@ class DecodeLoop(ModelLoop):
                 if not take(self.inbox, self._yield_s() if self.running else self._idle_timeout(), self._arrive):
                     break
                 self._drop_ended()
-                self._admit()
-                if self.running and not self._yield_s():
-                    self._make_room()
-                    if self.running:
-                        self._step()
+                if self.core.has_unfinished() and not self._yield_s():
+                    self._step()
             except Exception as exc:
                 if redisconn.unavailable(exc):
                     raise  # Redis stayed unreachable past the client's window: the process goes down
@@ -203,10 +237,9 @@ class DecodeLoop(ModelLoop):
         return max(0.0, self._last_step_end + self.yield_to_prefill_ms / 1000 - time.monotonic())
 
     def _idle_timeout(self) -> float:
-        if not self.waiting:
+        if not self.core.waiting:
             return IDLE_BEAT_S
-        oldest = (time.monotonic() - self.waiting[0].arrived) * 1000
-        return max(0.001, self.strategy.wait_hint_ms(oldest) / 1000)
+        return max(0.001, self.core.wait_hint_s())
 
     def _arrive(self, kv: Arrived | Discard | PreemptAsk, moved: "Moved | bool | None" = None) -> None:
         if isinstance(kv, PreemptAsk):
@@ -228,9 +261,9 @@ class DecodeLoop(ModelLoop):
             params = sampling_from_pb(h.spec.sampling)
             prompt = list(h.spec.prompt_token_ids)
             generated = list(h.generated_token_ids)
-            seq = Sequence(rid, h.epoch, len(prompt), params,
-                           TextOutput(self.tokenizer, params.stop, prompt, generated, params.min_tokens), generated,
-                           h.spec.deadline_ms)
+            seq = Sequence(rid, prompt, params, output=generated, num_cached=len(prompt) + len(generated) - 1,
+                           epoch=h.epoch, deadline_ms=h.spec.deadline_ms,
+                           text=TextOutput(self.tokenizer, params.stop, prompt, generated, params.min_tokens))
             if params.json_schema or params.regex:
                 try:
                     seq.matcher = self.grammars.matcher(params, generated)
@@ -254,7 +287,6 @@ class DecodeLoop(ModelLoop):
             self.on_leave([rid])
             return
         seq.labels = (h.spec.tier, h.spec.tenant)
-        seq.prompt = prompt
         seq.arrival_ms = h.spec.arrival_ms
         seq.last_token_at = seq.arrived  # the first gap here runs from the KV cache's arrival
         seq.span = span
@@ -267,24 +299,16 @@ class DecodeLoop(ModelLoop):
             return
         if isinstance(moved, Moved):  # the record's deadline: an operator may have moved it meanwhile
             seq.deadline_ms = moved.deadline_ms
-        self.waiting.append(seq)
+        self.core.add_prefilled(seq)
 
-    def _admit(self) -> None:
-        if not self.waiting:
-            return
-        live = sum(not s.done for s in self.running.values())
-        oldest = (time.monotonic() - self.waiting[0].arrived) * 1000
-        n = self.strategy.admit(len(self.waiting), live if self.strategy.run_to_completion else len(self.running), oldest)
-        if not n:
-            return
-        picked = self.strategy.pick([s.prompt_len + s.params.max_tokens for s in self.waiting], n)
-        for seq in [self.waiting[i] for i in picked]:
-            self.running[seq.rid] = seq
-            if seq.span is not None:
-                seq.span.add_event("admitted", {"pdq.batch.running": len(self.running)})
-                self._first_pending.append(seq)
-        chosen = set(picked)
-        self.waiting = [s for i, s in enumerate(self.waiting) if i not in chosen]
+    def _note_admitted(self, plan: CorePlan) -> None:
+        """Marks the sequences the core admitted for this step (their spans' "admitted" event)."""
+        for seq in plan.decode:
+            if not seq.admitted:  # type: ignore[attr-defined]
+                seq.admitted = True  # type: ignore[attr-defined]
+                if seq.span is not None:  # type: ignore[attr-defined]
+                    seq.span.add_event("admitted", {"pdq.batch.running": len(self.core.running)})  # type: ignore[attr-defined]
+                    self._first_pending.append(seq)  # type: ignore[arg-type]
 
     def _end_span(self, seq: Sequence, event: str, error: str | None = None, reason: str = "") -> None:
         """Ends the sequence's decode span once (the first end wins)."""
@@ -296,25 +320,27 @@ class DecodeLoop(ModelLoop):
             seq.span = None
 
     def _leave(self, seq: Sequence) -> None:
+        """The sequence leaves this worker (once): out of the core, its blocks freed, its hold told."""
+        if seq.left:
+            return
+        seq.left = True
         self._end_span(seq, "left")
-        self.running.pop(seq.rid, None)
-        if seq in self.waiting:
-            self.waiting.remove(seq)
+        self.core.finish(seq.rid, seq.finish_reason or "left")
         self.runner.free(seq.rid)
         if self._left is not None:
             self._left.append(seq.rid)
         else:
             self.on_leave([seq.rid])
 
-    def _finish_seat(self, seq: Sequence) -> None:
-        """A sequence finished: it leaves now, or (request-level batches) when its batch ends."""
-        if self.strategy.run_to_completion:
-            seq.done = True
-        else:
-            self._leave(seq)
-
     def _held(self) -> list[Sequence]:
-        return [s for s in self.waiting + list(self.running.values()) if not s.done]
+        """The sequences this worker holds that have not finished: the core's, and those it
+        preempted that are not given back yet."""
+        return [*self.core.held(), *(s for s in self._preempted if not s.left)]  # type: ignore[list-item]
+
+    def _release_seats(self) -> None:
+        """A request-level batch whose sequences have all finished gives up its seats."""
+        for seq in self.core.release_seats():
+            self._leave(seq)  # type: ignore[arg-type]
 
     def _drop_ended(self) -> None:
         """Drops sequences that ended elsewhere (cancel) and ends those past their deadline. After
@@ -324,9 +350,7 @@ class DecodeLoop(ModelLoop):
         now = now_ms()
         ended: list[StepItem] = []
         due: list[Sequence] = []
-        for seq in self.waiting + list(self.running.values()):
-            if seq.done:
-                continue
+        for seq in self._held():
             seq.deadline_ms = self.cancels.deadline(seq.rid, seq.deadline_ms)
             if self.cancels.pop(seq.rid):
                 self._end_span(seq, "dropped", reason="request ended elsewhere (cancelled, timed out or failed)")
@@ -352,45 +376,33 @@ class DecodeLoop(ModelLoop):
                     self._leave(seq)
                 else:
                     seq.deadline_ms = self.cancels.reread_deadlines(self.store, [seq.rid])[0]
-        if self.running and all(s.done for s in self.running.values()):
-            for seq in list(self.running.values()):
-                self._leave(seq)
+        self._release_seats()
 
     def _step(self) -> None:
         started = time.perf_counter()
+        plan = self.schedule()
+        if not plan:
+            self._give_back_preempted()
+            return
         if self.threads is not None and (n := self.threads()) != torch.get_num_threads():
             from pdq.engine.worker import set_torch_threads
             set_torch_threads(n)
-        seqs, rows = self.rows()
-        logits = self.runner.decode(rows)
+        logits = self.runner.step(*plan.items())
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
-        self.after(seqs, logits, started)
+        self.after(plan, logits, started)
 
-    def _make_room(self) -> None:
-        """Blocks for every running sequence's next position, taken as it grows (a request was
-        granted its prompt and up to kv_output_grant_tokens up front). While the free blocks not
-        promised to arriving hand-offs do not cover one, the least important running sequence
-        (`memory_victim`) is preempted by recompute, which may be that sequence itself."""
-        for seq in list(self.running.values()):
-            if seq.done or self.running.get(seq.rid) is not seq:
-                continue
-            need = seq.position + 1
-            missing = self.runner.blocks_for(need) - len(self.runner.pool.table(seq.rid))
-            if missing <= 0:  # most steps: its last block has room
-                continue
-            while self.running.get(seq.rid) is seq and missing > self.runner.free_blocks - self.promised():
-                victim = memory_victim(list(self.running.values()), self.tiers)
-                if victim is None:
-                    break
-                self._give_back(victim, f"KV blocks ran out on this worker ({self.runner.free_blocks} free)")
-            if self.running.get(seq.rid) is seq:
-                self.runner.ensure(seq.rid, need)
-
-    def rows(self) -> tuple[list[Sequence], list[tuple[str, int, int]]]:
-        """The sequences of the next step and their decode rows (`ModelRunner.step`)."""
-        seqs = [s for s in self.running.values() if s.position + 1 < self.runner.max_seq_len or not s.done]
-        return seqs, [(s.rid, s.generated[-1], s.position) for s in seqs]
+    def schedule(self) -> CorePlan:
+        """The core's next step (`EngineCore.schedule`): room for every running sequence's next
+        token, taken from the free blocks not promised to arriving hand-offs; while a
+        sequence's next block is not free, the least important running sequence
+        (`memory_victim`) is preempted by recompute (which may be that sequence itself), to be
+        given back to the scheduler once the step's writes have settled; the strategy's
+        admissions; the decode rows."""
+        plan = self.core.schedule()
+        self._preempted += plan.preempted  # type: ignore[arg-type]
+        self._note_admitted(plan)
+        return plan
 
     def settle(self) -> None:
         """Reads the reply of the step sent last: its running sequences that Redis dropped
@@ -415,19 +427,22 @@ class DecodeLoop(ModelLoop):
                 self._end_span(seq, "dropped", reason="request ended elsewhere (cancelled, timed out or stale)")
                 self._leave(seq)
 
-    def after(self, seqs: list[Sequence], logits: torch.Tensor, started: float) -> None:
-        """Samples the step's tokens (`logits`: a row per sequence of `rows()`), decides what
-        they mean (`decode_worker.bookkeeping.update`: what is written now, what ended, what
-        failed), sends them to Redis in one command, and lets the sequences that ended leave.
-        First it settles the previous step, whose reply came in during this step's forward pass.
+    def after(self, plan: CorePlan, logits: torch.Tensor, started: float) -> None:
+        """Samples the step's tokens (`logits`: a row per decode row of `plan`), hands them to the
+        core (`EngineCore.update`, judged by `bookkeeping.judge`: what ended and why), sends what
+        is written now (`bookkeeping.writes`) to Redis in one command, and lets the sequences that
+        ended leave. First it settles the previous step, whose reply came in during this step's
+        forward pass, and gives back what the core preempted for this step.
 
-        Sequences that finish free their K/V before the send: sending wakes Redis, the gateway
-        and the client, which then take a core from the model's threads, and the pool's
-        compaction copy (a parallel region) would wait at its barrier for a thread they took
-        the core of; before the send the cores are the model's. Those that leave are told to
-        `on_leave` in one call, after the send, so the event loop wakes once a step, not once a
-        sequence."""
+        Sequences that finish free their K/V before the send (the core frees them as it ends
+        them): sending wakes Redis, the gateway and the client, which then take a core from the
+        model's threads, and the pool's compaction copy (a parallel region) would wait at its
+        barrier for a thread they took the core of; before the send the cores are the model's.
+        Those that leave are told to `on_leave` in one call, after the send, so the event loop
+        wakes once a step, not once a sequence."""
         self.settle()
+        self._give_back_preempted(settle=False)
+        seqs: list[Sequence] = plan.sample  # type: ignore[assignment]
         params = [s.params for s in seqs]
         tokens = sample_each(self.grammars.mask(logits, [s.matcher for s in seqs]), params,
                              [len(s.generated) for s in seqs], [(s.prompt, s.generated) for s in seqs],
@@ -435,20 +450,21 @@ class DecodeLoop(ModelLoop):
         records = logprob_records(logits, tokens, params)
         self.stats.steps += 1
         self.stats.seq_steps += len(seqs)
-        plan = update(seqs, tokens, records, self.stats.steps, self.eos_ids, self.runner.max_seq_len,
-                      lambda seq: self.running.get(seq.rid) is seq)
-        for seq, error in plan.failed:  # this request's own: it alone ends
-            self._fail(seq, error)
-        self.stats.wasted_seq_steps += plan.wasted
+        for seq, token in zip(seqs, tokens):
+            if isinstance(token, Exception) and not seq.done and self.running.get(seq.rid) is seq:
+                self._fail(seq, f"sampling failed: {token}")  # this request's own: it alone ends
+        padded = self.core.padded
+        max_seq_len = self.runner.max_seq_len
+        outputs = self.core.update(plan, [t if isinstance(t, int) else 0 for t in tokens],
+                                   lambda seq, token: bookkeeping.judge(seq, token, self.eos_ids, max_seq_len))  # type: ignore[arg-type]
+        self.stats.wasted_seq_steps += self.core.padded - padded
+        step = bookkeeping.writes(outputs, {id(s): r for s, r in zip(seqs, records)}, self.stats.steps)
         now = time.monotonic()
         itl = []
-        for seq, _ in plan.live:
+        for seq, _ in step.live:
             itl.append((seq.labels, now - seq.last_token_at))
             seq.last_token_at = now
-        if not self.strategy.run_to_completion:
-            for seq in plan.ended:  # it leaves below: its K/V goes now, before the send (see the docstring)
-                self.runner.free(seq.rid)
-        items = plan.items
+        items = step.items
         sent = self._send(items) if items else None
         if self._first_pending:
             for seq in self._first_pending:
@@ -457,19 +473,18 @@ class DecodeLoop(ModelLoop):
             self._first_pending.clear()
         self._left = []
         try:
-            for seq, reason in plan.live:
+            for seq, reason in step.live:
                 if reason:
                     metrics.E2E.labels(*seq.labels).observe(max(0, now_ms() - seq.arrival_ms) / 1000)
                     self._end_span(seq, "finish", reason=reason)
-                    self._finish_seat(seq)
+                    if self.running.get(seq.rid) is not seq:  # it left the core (a request-level batch keeps its seat)
+                        self._leave(seq)
             if items:
-                self._sent = (sent, plan.owners, items)
+                self._sent = (sent, step.owners, items)
             self.step_metrics.step(self.stats.seq_steps, self.stats.wasted_seq_steps, len(seqs),
                                    time.perf_counter() - started, itl)
             metrics.kv_pool("decode", self.runner, prefix=False)
-            if self.running and all(s.done for s in self.running.values()):
-                for seq in list(self.running.values()):
-                    self._leave(seq)
+            self._release_seats()
         finally:
             left, self._left = self._left, None
             if left:
@@ -496,23 +511,32 @@ class DecodeLoop(ModelLoop):
             return
         try:
             self.settle()  # the last step's reply first: who is still here, its tokens in Redis
-            seq = preempt_victim(self.waiting + list(self.running.values()), ask.tiers)
+            seq = preempt_victim(self._held(), ask.tiers)
             if seq is not None:
-                self._give_back(seq, ask.reason, settle=False)
+                self._give_back(seq, ask.reason)
         except BaseException as exc:
             ask.done.set_exception(exc)
             raise
         ask.done.set_result(seq.rid if seq is not None else "")
 
-    def _give_back(self, seq: Sequence, reason: str, settle: bool = True) -> None:
-        """Preempts one sequence by recompute: the last step's reply settled (unless the caller
-        did), its held tokens written, requeued as preempted (no attempt counted), its seat and
-        blocks freed. A later attempt resumes from its streamed tokens: the client sees none
-        twice and none missing."""
+    def _give_back_preempted(self, settle: bool = True) -> None:
+        """Gives back to the scheduler the sequences the core preempted (their blocks are free
+        already), once the last step's reply has settled (`settle`: here, else the caller did)."""
+        if not self._preempted:
+            return
         if settle:
             self.settle()
-            if self.running.get(seq.rid) is not seq and seq not in self.waiting:
-                return  # it left when the step settled
+        preempted, self._preempted = self._preempted, []
+        for seq in preempted:
+            self._give_back(seq, f"KV blocks ran out on this worker ({self.runner.free_blocks} free)")
+
+    def _give_back(self, seq: Sequence, reason: str) -> None:
+        """Preempts one sequence by recompute, after the last step's reply has settled (the
+        caller's part): its held tokens written, requeued as preempted (no attempt counted), its
+        seat and blocks freed. A later attempt resumes from its streamed tokens: the client sees
+        none twice and none missing."""
+        if seq.left:
+            return  # it left when the step settled
         if seq.held:
             self.store.step(seq.held)
             seq.held.clear()
@@ -546,9 +570,13 @@ class DecodeLoop(ModelLoop):
             if redisconn.unavailable(exc):
                 raise
             log.warning("could not apply the last decode step: %s", exc)
-        for seq in self.waiting + list(self.running.values()):
-            if not seq.done:
-                state = self.store.requeue(seq.rid, seq.epoch, why, self.max_attempts, kind)
-                metrics.REQUEUES.labels("decode", state or "stale").inc()
-                self._end_span(seq, "requeued", why, reason=f"{why}: {state or 'stale'}")
+        self._give_back_preempted(settle=False)  # preempted, not failed: no attempt counted
+        seated = [s for s in self.running.values() if s.done]
+        for seq in self._held():
+            state = self.store.requeue(seq.rid, seq.epoch, why, self.max_attempts, kind)
+            metrics.REQUEUES.labels("decode", state or "stale").inc()
+            self._end_span(seq, "requeued", why, reason=f"{why}: {state or 'stale'}")
             self._leave(seq)
+        self._preempted = []
+        for seq in seated:
+            self._leave(seq)  # type: ignore[arg-type]

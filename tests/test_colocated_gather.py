@@ -96,19 +96,22 @@ def test_a_sequence_waiting_to_join_does_not_let_the_loop_sleep():
     """A hand-off taken on the model thread after a pass leaves its sequence waiting, with nothing
     running or pending: the next take must not block (continuous), and an empty loop blocks
     until something comes (or its liveness beat is due)."""
-    import time
     import types
 
     from decode_worker.loop import DecodeLoop
+    from pdq.engine import SamplingParams
     from pdq.engine.batching import Strategy
+    from pdq.engine.core import EngineCore
+    from pdq.engine.sequence import Sequence
     from pdq.engine.worker import IDLE_BEAT_S
 
     loop = colocated([])
-    decode = SimpleNamespace(running={}, waiting=[], strategy=Strategy("continuous", flush_ms=2000))
+    core = EngineCore(None, strategy=Strategy("continuous", flush_ms=2000))  # type: ignore[arg-type]
+    decode = SimpleNamespace(running=core.running, core=core)
     decode._idle_timeout = types.MethodType(DecodeLoop._idle_timeout, decode)
     loop.decode = decode
     assert loop._wait_s() == IDLE_BEAT_S  # nothing at all
-    decode.waiting.append(SimpleNamespace(arrived=time.monotonic()))
+    core.add(Sequence("r", [1, 2, 3], SamplingParams(max_tokens=4)))
     assert loop._wait_s() <= 0.001
-    decode.strategy = Strategy("dynamic", window_ms=50)  # a window to wait out, no longer
+    core.strategy = Strategy("dynamic", window_ms=50)  # a window to wait out, no longer
     assert 0 < loop._wait_s() <= 0.05

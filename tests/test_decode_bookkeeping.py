@@ -1,10 +1,13 @@
-"""A decode step's bookkeeping as a pure function (`decode_worker.bookkeeping.update`): what is
-written now, what ends and why, what failed, what was wasted; and which sequence gives its
-blocks back when they run out (`memory_victim`). No Redis, no model."""
+"""A decode step's bookkeeping as pure functions (`decode_worker.bookkeeping`): what a token
+means for its sequence (`judge`: stop strings, EOS, max_tokens) and what is written now
+(`writes`: stream intervals, ends); and which sequence gives its blocks back when they run out
+(`memory_victim`). No Redis, no model."""
 
-from decode_worker.bookkeeping import update
+from decode_worker.bookkeeping import judge, writes
 from decode_worker.loop import Sequence, memory_victim
+from pdq.engine.core import StepOutput
 from pdq.engine.sampling import SamplingParams
+from pdq.engine.sequence import SeqStatus
 from pdq.model.loader import resolve_model
 from pdq.model.tokenizer import load_tokenizer
 from pdq.model.output_text import TextOutput
@@ -17,12 +20,17 @@ A, B = (TOKENIZER.encode(c, add_special_tokens=False).ids[0] for c in "ab")
 
 def seq(rid: str, interval: int = 1, max_tokens: int = 16, stop: tuple[str, ...] = ()) -> Sequence:
     params = SamplingParams(max_tokens=max_tokens, stop=stop)
-    return Sequence(rid, epoch=1, prompt_len=4, params=params, text=TextOutput(TOKENIZER, stop), generated=[A],
-                    deadline_ms=0, interval=interval)
+    return Sequence(rid, [A] * 4, params, output=[A], num_cached=4, epoch=1, text=TextOutput(TOKENIZER, stop),
+                    interval=interval)
 
 
-def step(seqs, tokens, n, current=lambda s: True):
-    return update(seqs, tokens, [None] * len(tokens), n, {EOS}, 2048, current)
+def step(seqs, tokens, n):
+    """What the engine core does with a step's tokens (append, judge), then the writes."""
+    outputs = []
+    for s, token in zip(seqs, tokens):
+        s.output.append(token)
+        outputs.append(StepOutput(s, token, judge(s, token, {EOS}, 2048)))
+    return writes(outputs, {}, n)
 
 
 def test_a_stream_interval_holds_tokens_until_a_multiple_of_it_then_writes_them_at_once():
@@ -49,21 +57,6 @@ def test_max_tokens_and_a_stop_string_end_a_sequence_and_the_others_go_on():
     assert plan.ended == [short, stopped] and plan.owners == [None, None, going]
 
 
-def test_a_failed_sampling_fails_that_sequence_alone_and_it_takes_no_token():
-    bad, good = seq("bad"), seq("good")
-    plan = step([bad, good], [RuntimeError("nan logits"), B], 1)
-    assert plan.failed == [(bad, "sampling failed: nan logits")] and bad.generated == [A]
-    assert [i.request_id for i in plan.items] == ["good"]
-
-
-def test_a_seat_kept_for_a_finished_sequence_is_waste_and_one_that_left_is_skipped():
-    done, gone = seq("done"), seq("gone")
-    done.done = True
-    plan = step([done, gone], [A, A], 1, current=lambda s: s is not gone)
-    assert plan.wasted == 1 and plan.items == [] and plan.live == []
-    assert gone.generated == [A]  # untouched: it left when the previous step settled
-
-
 def test_when_blocks_run_out_the_lowest_tier_then_the_tenant_with_most_seats_then_the_newest_goes():
     def running(rid, tier, tenant, arrived):
         s = seq(rid)
@@ -77,6 +70,6 @@ def test_when_blocks_run_out_the_lowest_tier_then_the_tenant_with_most_seats_the
     lone = running("lone", "interactive", "lone", 99.0)
     assert memory_victim(hog + [lone], tiers) is hog[2]  # the tenant holding most seats, its newest
     done = running("done", "batch", "acme", 100.0)
-    done.done = True
+    done.status = SeqStatus.FINISHED
     assert memory_victim([done, lone], tiers) is lone and memory_victim([done], tiers) is None
     assert memory_victim([running("x", "unknown", "t", 0.0), lone], tiers).rid == "x"  # an unknown tier counts lowest

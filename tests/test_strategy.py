@@ -38,24 +38,3 @@ def test_continuous_never_hints_a_wait():
     on it (a colocated worker once slept the static flush time, 2 s, before a lone request's
     first decode step)."""
     assert Strategy("continuous", flush_ms=2000).wait_hint_ms(oldest_wait_ms=0) == 0
-
-
-def test_a_decode_worker_admits_a_bucketed_batch_and_keeps_the_rest_waiting_in_order():
-    import time
-    import types
-    from types import SimpleNamespace
-
-    from decode_worker.loop import DecodeLoop
-
-    def seq(rid, max_tokens):
-        return SimpleNamespace(rid=rid, prompt_len=10, params=SimpleNamespace(max_tokens=max_tokens), done=False,
-                               span=None, arrived=time.monotonic())
-
-    waiting = [seq("a", 100), seq("b", 5), seq("c", 90), seq("d", 7), seq("e", 110)]
-    loop = SimpleNamespace(running={}, waiting=list(waiting), _first_pending=[],
-                           strategy=Strategy("static", batch_size=3, bucket=True))
-    types.MethodType(DecodeLoop._admit, loop)()
-    assert list(loop.running) == ["a", "c", "e"]  # the oldest and the two nearest to it in length
-    assert [s.rid for s in loop.waiting] == ["b", "d"]
-    types.MethodType(DecodeLoop._admit, loop)()
-    assert list(loop.running) == ["a", "c", "e"]  # nothing joins a running static batch

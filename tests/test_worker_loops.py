@@ -218,7 +218,7 @@ def test_a_decode_step_with_one_poisoned_row_fails_only_that_request(rig):
     rids = ["a", "poisoned", "b"]
     for rid, prompt in zip(rids, PROMPTS):
         rig.loop._arrive(rig.dispatch(rid, prompt, 6, temperature=0.8, seed=7))
-    rig.loop._admit()
+    rig.loop._step()  # the core admits all three and runs their first step here
     assert sorted(rig.loop.running) == sorted(rids)
     object.__setattr__(rig.loop.running["poisoned"].params, "temperature", "hot")  # sampling raises for it
     while rig.loop.running:
@@ -241,8 +241,7 @@ def test_tokens_that_leave_a_requests_constraint_fail_it_alone_at_the_decode_wor
     failed = rig.record("bad")
     assert failed["state"] == "FAILED" and "structured output" in failed["error"]
     assert rig.left == ["bad"] and [s.rid for s in rig.loop.waiting] == ["fine"]
-    rig.loop._admit()
-    while rig.loop.running:
+    while rig.loop.busy:
         rig.loop._step()
     rig.loop.settle()
     assert rig.record("fine")["state"] == "COMPLETED" and rig.runner.free_tokens == rig.runner.capacity_tokens

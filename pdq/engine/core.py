@@ -20,13 +20,24 @@ a worker's loop feed it the same way, and tests drive it with made-up tokens.
 3. plans the step with the `BatchPolicy`: every decode row, then prompt chunks under the
    per-step token budget.
 `update()` appends each sampled token, ends a sequence on EOS / a stop token / max_tokens / a full
-context, frees its blocks and reports it. `finish(seq_id, reason)` ends one from outside (a stop
-string the caller matched on text, a cancel, a deadline).
+context (or on what the caller's `judge` says: stop strings matched on text, a complete grammar),
+frees its blocks and reports it. `finish(seq_id, reason)` ends one from outside (a cancel, a
+deadline, a failure of its own).
+
+Request-level batches (static, dynamic) run as naive servers run them: a sequence that ends keeps
+its seat, its blocks and its row in every step (computed, sampled, thrown away: `padded`) until
+the batch's last sequence ends; then they all leave at once.
+
+A decode worker's core is the same core fed differently: a sequence whose K/V arrived from a
+prefill worker joins with `add_prefilled` (it holds its blocks already and needs no prefill), the
+blocks promised to hand-offs still on their way are kept out of reach (`reserved_blocks`), the
+victim rule sees what the worker knows (tiers, tenants), and preempted sequences go back to the
+caller (`requeue_preempted=False`) to be requeued in the cluster.
 """
 
 import time
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from pdq.engine.batch_policy import BatchPolicy, Chunk
@@ -55,6 +66,7 @@ class CorePlan:
     decode: list[Sequence] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    held_back: list[Sequence] = field(default_factory=list)  # running, but no block for their next token
 
     def __bool__(self) -> bool:
         return bool(self.prefill or self.decode)
@@ -79,18 +91,30 @@ class StepOutput:
     finish_reason: str = ""
 
 
+Judge = Callable[[Sequence, int], str]  # (sequence, its newest token) -> why it ends ("" = it goes on)
+
+
 class EngineCore:
+    """victim: which running sequence is preempted first when the blocks run out (default: the
+    highest `priority`, then the newest; None: none may go); reserved_blocks: free blocks the
+    core must leave alone (promised to sequences arriving); requeue_preempted: a preempted
+    sequence goes back to the head of the waiting queue (else out, in `plan.preempted`)."""
+
     def __init__(self, runner: ModelRunner, policy: BatchPolicy = BatchPolicy(),
                  strategy: Strategy = Strategy(), requeue_preempted: bool = True,
-                 clock=time.monotonic):
+                 clock=time.monotonic, victim: Callable[[list[Sequence]], Sequence | None] | None = None,
+                 reserved_blocks: Callable[[], int] = lambda: 0):
         self.runner = runner
         self.policy = policy
         self.strategy = strategy
         self.requeue_preempted = requeue_preempted
         self.clock = clock
+        self.pick_victim = victim or self.victim
+        self.reserved_blocks = reserved_blocks
         self.waiting: deque[Sequence] = deque()
         self.running: dict[Hashable, Sequence] = {}  # insertion order = admission order
         self.preemptions = 0
+        self.padded = 0  # rows computed for seats kept by finished sequences (request-level batches)
         self._wanted = False  # the last admission wanted to admit someone
 
     # -- in ------------------------------------------------------------------------------------
@@ -99,6 +123,16 @@ class EngineCore:
         """Queue a sequence (prompt, and tokens an earlier attempt generated, in `output`)."""
         seq.status = SeqStatus.WAITING
         seq.num_cached = 0
+        seq.waiting_since = self.clock()
+        self.waiting.append(seq)
+
+    def add_prefilled(self, seq: Sequence) -> None:
+        """Queue a sequence whose K/V for positions [0, `seq.num_cached`) is in the pool already
+        under its `seq_id` (a KV hand-off received): it holds those blocks while it waits, and is
+        admitted by the strategy with no prefill (its next row decodes)."""
+        if not 0 < seq.num_cached < seq.num_tokens:
+            raise ValueError(f"sequence {seq.seq_id!r}: {seq.num_cached} positions cached of {seq.num_tokens}")
+        seq.status = SeqStatus.WAITING
         seq.waiting_since = self.clock()
         self.waiting.append(seq)
 
@@ -117,19 +151,29 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def held(self) -> list[Sequence]:
+        """Every sequence the core holds that has not finished (waiting, then running)."""
+        return [*self.waiting, *(s for s in self.running.values() if s.status is not SeqStatus.FINISHED)]
+
     # -- schedule ------------------------------------------------------------------------------
 
     def schedule(self) -> CorePlan:
         plan = CorePlan()
         self._wanted = False
+        self.release_seats()
         self._make_room(plan)
         admitted = self._admit() if not plan.preempted else []  # as vLLM: none joins a step that preempted
-        new = {id(s) for s in admitted}
-        step = self.policy.schedule((s.view() for s in self.running.values() if id(s) not in new),
+        new = {id(s) for s in admitted if s.num_tokens - s.num_cached > 1}  # prompts to prefill
+        out = new | {id(s) for s in plan.held_back}
+        max_seq_len = self.runner.max_seq_len
+        step = self.policy.schedule((s.view() for s in self.running.values()
+                                     if id(s) not in out and (s.status is SeqStatus.RUNNING or s.num_tokens < max_seq_len)),
                                     [], self.runner.free_blocks)
         budget = self.policy.max_batched_tokens - step.num_tokens
         chunks = list(step.prefill)
-        for seq in admitted:  # admitted this step: their first chunk in the budget left
+        for seq in admitted:  # prompts admitted this step: their first chunk in the budget left
+            if id(seq) not in new:
+                continue
             if budget <= 0:
                 break
             n = min(seq.num_tokens - seq.num_cached, self.policy.prefill_chunk, budget)
@@ -157,23 +201,34 @@ class EngineCore:
             return 0.0
         return self.strategy.wait_hint_ms((self.clock() - self.waiting[0].waiting_since) * 1000) / 1000
 
-    def victim(self) -> Sequence:
-        """The running sequence preempted first: the least important `priority`, then the newest."""
-        order = {seq_id: i for i, seq_id in enumerate(self.running)}
-        return max(self.running.values(), key=lambda s: (s.priority, order[s.seq_id]))
+    def victim(self, running: list[Sequence]) -> Sequence:
+        """The default victim rule: of `running` (admission order), the least important
+        `priority`, then the newest."""
+        return max(enumerate(running), key=lambda p: (p[1].priority, p[0]))[1]
 
     def _make_room(self, plan: CorePlan) -> None:
-        """Blocks for every decoding sequence's next token; while they are not free, the
-        `victim` is preempted by recompute (which may be that sequence itself)."""
+        """Blocks for every decoding sequence's next token, taken from the free blocks not
+        reserved; while they are not free, the victim is preempted by recompute (which may be
+        that sequence itself). A seat kept for a finished sequence takes a block only if one is
+        free (else its padding row is left out)."""
+        runner = self.runner
         for seq in list(self.running.values()):
             if self.running.get(seq.seq_id) is not seq or seq.num_tokens - seq.num_cached != 1:
                 continue
+            padding = seq.status is SeqStatus.FINISHED
             while self.running.get(seq.seq_id) is seq:
-                try:
-                    self.runner.ensure(seq.seq_id, seq.num_tokens)
+                missing = runner.missing_blocks(seq.seq_id, seq.num_tokens)
+                if not missing:
                     break
-                except KVPoolFull:
-                    self._preempt(self.victim(), plan)
+                if missing <= runner.free_blocks - self.reserved_blocks():
+                    runner.ensure(seq.seq_id, seq.num_tokens)
+                    break
+                victim = None if padding else self.pick_victim(
+                    [s for s in self.running.values() if s.status is SeqStatus.RUNNING])
+                if victim is None:  # nothing may go: its row waits (a padding row, or no victim allowed)
+                    plan.held_back.append(seq)
+                    break
+                self._preempt(victim, plan)
 
     def _preempt(self, seq: Sequence, plan: CorePlan) -> None:
         del self.running[seq.seq_id]
@@ -206,11 +261,17 @@ class EngineCore:
         for seq in candidates:
             if budget <= 0 and not strategy.run_to_completion:  # a request-level batch starts whole
                 break
-            tokens = seq.tokens(0, seq.num_tokens)
-            try:
-                seq.num_cached = runner.allocate(seq.seq_id, tokens)
-            except KVPoolFull:  # no blocks: it waits (in order: the ones behind it wait too)
-                break
+            if seq.num_cached:  # its K/V arrived with it (add_prefilled): a block for its next token
+                missing = runner.missing_blocks(seq.seq_id, seq.num_tokens)
+                if missing > runner.free_blocks - self.reserved_blocks():
+                    self._wanted = False  # it waits for blocks that others hold; it is not stuck
+                    break
+                runner.ensure(seq.seq_id, seq.num_tokens)
+            else:
+                try:
+                    seq.num_cached = runner.allocate(seq.seq_id, seq.tokens(0, seq.num_tokens))
+                except KVPoolFull:  # no blocks: it waits (in order: the ones behind it wait too)
+                    break
             budget -= min(seq.num_tokens - seq.num_cached, policy.prefill_chunk)
             self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
@@ -220,22 +281,46 @@ class EngineCore:
 
     # -- update --------------------------------------------------------------------------------
 
-    def update(self, plan: CorePlan, tokens: list[int]) -> list[StepOutput]:
+    def update(self, plan: CorePlan, tokens: list[int], judge: Judge | None = None) -> list[StepOutput]:
         """`tokens[i]`: the token sampled for `plan.sample[i]`. -> what each of them took; those
-        that finished have left (blocks freed, status FINISHED)."""
+        that finished have left (blocks freed, status FINISHED), or keep their seat until their
+        request-level batch ends. `judge(seq, token)`, called once the token is appended, says
+        whether it ends (default: `end_reason`'s token-level rules)."""
         outputs = []
         max_seq_len = self.runner.max_seq_len
+        keep_seats = self.strategy.run_to_completion
         for seq, token in zip(plan.sample, tokens):
             if self.running.get(seq.seq_id) is not seq:  # ended meanwhile (finish())
                 continue
             seq.output.append(token)
-            reason = end_reason(seq.params, token, seq.eos_token_ids, len(seq.output), seq.num_tokens - 1,
-                                max_seq_len)
+            if seq.status is SeqStatus.FINISHED:  # a seat kept: its token is thrown away
+                self.padded += 1
+                continue
+            if judge is not None:
+                reason = judge(seq, token)
+            else:
+                reason = end_reason(seq.params, token, seq.eos_token_ids, len(seq.output), seq.num_tokens - 1,
+                                    max_seq_len)
             if reason:
-                del self.running[seq.seq_id]
-                self._end(seq, reason)
+                if keep_seats:
+                    seq.status = SeqStatus.FINISHED
+                    seq.finish_reason = reason
+                else:
+                    del self.running[seq.seq_id]
+                    self._end(seq, reason)
             outputs.append(StepOutput(seq, token, reason))
         return outputs
+
+    def release_seats(self) -> list[Sequence]:
+        """Once every running sequence of a request-level batch has finished, their seats are
+        given up (their blocks freed; `schedule()` does it too). -> the sequences that left."""
+        if not self.running or any(s.status is not SeqStatus.FINISHED for s in self.running.values()):
+            return []
+        done = list(self.running.values())
+        for seq in done:
+            del self.running[seq.seq_id]
+            self.runner.free(seq.seq_id)
+        return done
 
     def _end(self, seq: Sequence, reason: str) -> None:
         self.runner.free(seq.seq_id)

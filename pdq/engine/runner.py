@@ -204,6 +204,10 @@ class ModelRunner:
     def blocks_for(self, tokens: int) -> int:
         return self.pool.blocks.blocks_for(tokens)
 
+    def missing_blocks(self, seq_id: Hashable, num_tokens: int) -> int:
+        """Blocks `seq_id` still needs for positions [0, num_tokens) (`ensure` takes them)."""
+        return max(0, self.blocks_for(num_tokens) - len(self.pool.table(seq_id)))
+
     @property
     def prefix_cache(self) -> bool:
         """Whether full blocks are named and shared (automatic prefix caching)."""

@@ -8,6 +8,7 @@ from pdq.engine import SamplingParams
 from pdq.engine.batch_policy import BatchPolicy
 from pdq.engine.batching import Strategy
 from pdq.engine.core import EngineCore
+from pdq.engine.runner import PrefillItem
 from pdq.engine.sequence import Sequence, SeqStatus
 
 
@@ -108,12 +109,17 @@ def test_a_static_batch_starts_full_or_at_its_flush_time_and_nothing_joins_until
     core.add(seq(3, 5, 4))
     plan, _ = run_step(core)
     assert sorted(c.seq.seq_id for c in plan.prefill) == [0, 1, 2]  # a full batch, in arrival order
+    batch = [core.running[i] for i in (0, 1, 2)]
     steps = 1
-    while any(s in core.running for s in (0, 1, 2)):
+    while any(s.status is SeqStatus.RUNNING for s in batch):
         plan, _ = run_step(core)
         assert 3 not in core.running  # it waits for the whole batch to end
+        assert sorted(s.seq_id for s in plan.decode) == [0, 1, 2]  # the finished keep their seats and rows
         steps += 1
     assert steps == 8  # the longest of the batch (8 tokens)
+    assert core.padded == 8 and [len(s.output) for s in batch] == [8, 8, 8]  # 4 + 4 rows thrown away
+    assert [s.finish_reason for s in batch] == ["length"] * 3
+    assert core.release_seats() == batch and runner.free_tokens == runner.capacity_tokens
     clock.t = 5.0
     plan, _ = run_step(core)
     assert [c.seq.seq_id for c in plan.prefill] == [3]  # alone, once its flush time passed
@@ -136,7 +142,68 @@ def test_a_bucketed_dynamic_batch_in_the_core_holds_similar_lengths(tiny_llama, 
         core.add(seq(i, 5, max_tokens))
     plan, _ = run_step(core)
     assert sorted(c.seq.seq_id for c in plan.prefill) == [0, 2]  # the oldest (35) and the nearest (33)
-    while 0 in core.running or 2 in core.running:
+    first = [core.running[0], core.running[2]]
+    while any(s.status is SeqStatus.RUNNING for s in first):
         run_step(core)
-    plan, _ = run_step(core)
+    plan, _ = run_step(core)  # the finished batch gives up its seats; the next one starts
     assert sorted(c.seq.seq_id for c in plan.prefill) == [1, 3]
+
+
+def prefilled(runner, seq_id, prompt_len: int, max_tokens: int, priority=()) -> Sequence:
+    """A sequence as a decode worker gets it: its prompt's K/V written into the pool (a hand-off
+    received) and its first token sampled elsewhere."""
+    s = seq(seq_id, prompt_len, max_tokens, priority)
+    runner.allocate(seq_id, s.prompt)
+    runner.step([PrefillItem(seq_id, s.prompt, 0)], [])
+    s.output.append(5)
+    s.num_cached = prompt_len
+    return s
+
+
+def test_a_prefilled_sequence_joins_with_its_blocks_and_decodes_without_a_prefill(tiny_llama, make_runner):
+    runner = make_runner(tiny_llama, slots=2, block_size=16)
+    core = EngineCore(runner, BatchPolicy(max_batched_tokens=64, prefill_chunk=8))
+    s = prefilled(runner, "h", 20, 4)
+    core.add_prefilled(s)
+    plan, out = run_step(core)
+    assert not plan.prefill and plan.items()[1] == [("h", 5, 20)]  # its first token, fed at position 20
+    assert [o.token for o in out] == [7] and s.output == [5, 7]
+    while core.has_unfinished():
+        run_step(core)
+    assert s.finish_reason == "length" and len(s.output) == 4 and runner.free_tokens == runner.capacity_tokens
+    with pytest.raises(ValueError, match="positions cached"):
+        core.add_prefilled(seq("x", 4, 4))  # nothing cached: not a hand-off
+
+
+def test_reserved_blocks_are_left_alone_and_the_callers_victim_rule_chooses(tiny_llama, make_runner):
+    """A decode worker's core: blocks promised to hand-offs on their way are out of reach (a
+    sequence that needs one preempts instead), the victim is the caller's rule, and preempted
+    sequences go out to the caller."""
+    runner = make_runner(tiny_llama, slots=2, block_size=16)  # 16 blocks
+    reserved = [0]
+    chosen = []
+
+    def victim(running):
+        chosen.append([s.seq_id for s in running])
+        return min(running, key=lambda s: s.seq_id)  # the caller's rule: here, the smallest id
+
+    core = EngineCore(runner, BatchPolicy(max_batched_tokens=64), requeue_preempted=False, victim=victim,
+                      reserved_blocks=lambda: reserved[0])
+    a, b = prefilled(runner, "a", 32, 40), prefilled(runner, "b", 32, 40)  # 2 full blocks each
+    core.add_prefilled(a)
+    core.add_prefilled(b)
+    reserved[0] = runner.free_blocks - 2  # two blocks left to take: one each for position 32
+    plan, _ = run_step(core)
+    assert [s.seq_id for s in plan.decode] == ["a", "b"] and not plan.preempted and not chosen
+    reserved[0] = runner.free_blocks - 1  # one left: at position 48 a takes it, and b needs one too
+    for _ in range(16):
+        plan, _ = run_step(core)
+        if plan.preempted:
+            break
+    assert chosen == [["a", "b"]] and [s.seq_id for s in plan.preempted] == ["a"]  # the caller's rule picked a
+    assert a.status == SeqStatus.WAITING and a not in core.waiting and "a" not in core.running  # out to the caller
+    assert [s.seq_id for s in plan.decode] == ["b"] and b.num_cached == 49
+    reserved[0] = 0
+    while core.has_unfinished():
+        run_step(core)
+    assert b.finish_reason == "length" and runner.free_tokens == runner.capacity_tokens

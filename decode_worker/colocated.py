@@ -7,9 +7,10 @@ runs every running sequence's decode row and, in the rest of the token budget
 in-process engine does. A prompt whose decode worker is this process keeps its K/V where it is
 (`prefill_worker.loop.Outcome` "local"), so the hand-off moves no bytes.
 
-The two halves stay what they are alone (`PrefillLoop` plans chunks and samples first tokens,
-`DecodeLoop` admits, samples and streams); this loop only feeds them from one inbox and runs the
-forward pass they share. On a machine that two separate workers would share, this avoids two
+The two halves stay what they are alone, each a shell around its engine core over the one
+runner and pool (`PrefillLoop`'s plans the prompt chunks and the loop samples first tokens;
+`DecodeLoop`'s admits and plans the decode rows, and the loop samples and streams); this loop
+only feeds them from one inbox and runs the forward pass they share. On a machine that two separate workers would share, this avoids two
 processes fighting for the same cores and runs the decode rows inside the prompt passes.
 """
 
@@ -115,10 +116,10 @@ class ColocatedLoop(ModelLoop):
         started = time.perf_counter()
         plan = d.schedule() if d.core.has_unfinished() else CorePlan()
         rows = plan.items()[1]
-        live, chunks, jobs = [], [], []
+        prompts = CorePlan()
         if self.pending:
-            live, chunks, jobs = p.plan(self.pending, max(1, self.step_tokens - len(rows)))
-            self.pending = live
+            self.pending, prompts = p.plan(self.pending, max(1, self.step_tokens - len(rows)))
+        chunks = prompts.items()[0]
         if not chunks and not rows:
             d._give_back_preempted()
             return
@@ -126,7 +127,7 @@ class ColocatedLoop(ModelLoop):
         if d.step_delay_s:  # fault injection: a slow worker
             time.sleep(d.step_delay_s)
         if chunks:
-            self.pending = p.finish(live, chunks, jobs, logits[:len(chunks)], started)
+            self.pending = p.finish(self.pending, prompts, logits[:len(chunks)], started)
         if rows:
             d.after(plan, logits[len(chunks):], started)
         else:

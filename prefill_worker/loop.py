@@ -1,5 +1,14 @@
-"""The prefill model loop (a thread): chunked, batched prefill under a token budget, then the
-first token written to Redis and the KV cache exported for the hand-off.
+"""The prefill model loop (a thread): a shell around the engine core, chunked, batched prefill
+under a token budget, then the first token written to Redis and the KV cache exported for the
+hand-off.
+
+The prompts are the engine core's (`pdq.engine.core.EngineCore`, the one the in-process engine
+runs, with prefill only): a job's prompt joins it as a `Sequence` of the scheduler's priority
+(`urgent_first`: a pass runs only the most urgent prompts that can run), the core admits it by free
+KV blocks (sharing what the prefix cache holds, waiting a pass for blocks another prompt is
+computing) and plans each pass's chunks; once its prompt is complete it leaves the core with its
+blocks (`detach`) and this loop samples its first token and hands it off. This loop is what is
+around the core: jobs, cancels and deadlines in; first tokens to Redis and the KV out.
 
 A failed forward pass answers its jobs with an error (the scheduler retries them); a request whose
 own parameters cannot be sampled ends FAILED alone. Redis errors are ridden by the store's client
@@ -20,18 +29,17 @@ from pdq.observability import metrics, telemetry
 from pdq.state import redisconn
 from pdq.state.cancel_listener import CancelListener
 from pdq.transport.convert import sampling_from_pb
-from pdq.engine.blocks import KVPoolFull
+from pdq.engine.batch_policy import BatchPolicy
 from pdq.engine.constraint import Grammars, advance
-from pdq.engine.runner import PrefillItem as ChunkItem
+from pdq.engine.core import CorePlan, EngineCore
 from pdq.engine.sampling import SamplingParams, logprob_records, sample_each
-from pdq.engine.sequence import end_reason
+from pdq.engine.sequence import Sequence, SeqStatus, end_reason
 from pdq.model.output_text import TextOutput
 from pdq.state.ending import Ending
 from pdq.state.request import State
 from pdq.state.store import Moved, StepItem, SyncStore, now_ms
 from pdq.v1 import internal_pb2 as pb
 from pdq.engine.worker import IDLE_BEAT_S, ModelLoop, kv_reserve_tokens
-from prefill_worker.chunking import plan_chunks, waits_for_shared_prefix
 
 log = logging.getLogger("pdq.prefill")
 
@@ -58,13 +66,18 @@ class Job:
     done: Callable[[Outcome], None]  # called once, from the model thread
     prompt: list[int] = field(default_factory=list)  # tokens to prefill
     generated: list[int] = field(default_factory=list)  # streamed by an earlier attempt (migration)
-    filled: int = 0  # tokens of `prompt` whose KV is in the pool
-    admitted: bool = False
+    seq: Sequence | None = None  # its prompt in the engine core (from its start)
+    admitted: bool = False  # holds KV blocks under `key` (in the core, or detached from it)
     started: bool = False
     span: Any = None  # this attempt's prefill span (None when tracing is off)
     more_coming: bool = False  # its batch's PrefillBatch.more_coming: the scheduler is sending more
     params: SamplingParams | None = None  # its sampling parameters, read when it starts
     ended: bool = False  # `done` was called
+
+    @property
+    def filled(self) -> int:
+        """Tokens of `prompt` whose KV is in the pool (or written by the pass planned)."""
+        return self.seq.num_cached if self.seq is not None else 0
 
     @property
     def rid(self) -> str:
@@ -75,16 +88,6 @@ class Job:
         """Its KV slot's key: never the bare request id, which a decode sequence of an earlier
         attempt may still hold in a pool shared with decode (a colocated worker)."""
         return ("prefill", self.rid, self.item.epoch)
-
-
-def most_urgent(jobs: list[Job]) -> list[Job]:
-    """The jobs a forward pass may take: those of the lowest `PrefillItem.priority` pending (the
-    scheduler's tier, then below/at fair share). The rest wait, keeping any chunks already in
-    the pool, so a pass never makes an under-share tenant's prompt wait behind a flood's."""
-    if not jobs:
-        return jobs
-    best = min(j.item.priority for j in jobs)
-    return [j for j in jobs if j.item.priority == best]
 
 
 class PrefillLoop(ModelLoop):
@@ -113,6 +116,11 @@ class PrefillLoop(ModelLoop):
         self.grammars = Grammars(tokenizer, runner, self.eos_ids)  # structured output's masks
         self.max_batched_tokens = max_batched_tokens
         self.prefill_chunk = prefill_chunk
+        # the prompts: admitted by free blocks, most urgent first; the pool may be shared with a
+        # colocated decode core, so a prompt that does not fit now waits rather than fails
+        self.core = EngineCore(runner, BatchPolicy(max_batched_tokens, prefill_chunk, max_num_seqs=1 << 30),
+                               urgent_first=True, alone=False)
+        self._jobs: dict[Any, Job] = {}  # by key: the jobs whose prompt is in the core
         self.inbox: queue.Queue[Job | None] = queue.Queue()
         self._gaps_seen = cancels.gaps if cancels is not None else 0  # the listener's gaps caught up on
 
@@ -139,6 +147,11 @@ class PrefillLoop(ModelLoop):
             self.store.step([StepItem(job.rid, job.item.epoch, final_state=State.COMPLETED, finish_reason=reason)])
             self._end(job, Outcome("finished", generated=job.generated))
             return False
+        # a prompt whose decode worker is this process holds room for every token it may generate
+        reserve = kv_reserve_tokens(job.item.spec, self.runner.max_seq_len, self.output_grant) if self._local(job) else 0
+        job.seq = Sequence(job.key, job.prompt, job.params, priority=(job.item.priority,), reserve_tokens=reserve)
+        self._jobs[job.key] = job
+        self.core.add(job.seq)
         return True
 
     def _run(self) -> None:
@@ -181,6 +194,8 @@ class PrefillLoop(ModelLoop):
         if job.ended:  # answered already (a pass that failed after ending some of its jobs)
             return
         job.ended = True
+        if self._jobs.pop(job.key, None) is not None:
+            self.core.finish(job.key, outcome.kind)  # still in the core (waiting or prefilling): out, blocks freed
         if job.admitted:
             self.runner.free(job.key)
             job.admitted = False
@@ -194,50 +209,18 @@ class PrefillLoop(ModelLoop):
             job.span = None
         job.done(outcome)
 
-    def _admit(self, jobs: list[Job], budget: int) -> list[Job]:
-        """Those of `jobs` holding KV blocks here, taking them for each that fits while the
-        admitted ones leave tokens of `budget` to run: its prompt's (the leading blocks the prefix
-        cache holds are shared, and their prefill skipped, so a prompt is admitted only when a
-        pass is about to run it: by then the prompts before it have named their blocks); for a
-        prompt whose decode worker is this process, room for every token it may generate too.
-        A prompt whose leading blocks an admitted one is computing waits for them to be named
-        (`waits_for_shared_prefix`)."""
-        admitted, pending, computing = [], 0, []
-        share = self.runner.prefix_cache
-        for job in jobs:
-            if not job.admitted and pending >= budget:
-                continue
-            if not job.admitted:
-                if share and computing and waits_for_shared_prefix(
-                        job.prompt, lambda: self.runner.cached_tokens(job.prompt), computing, self.runner.block_size):
-                    continue
-                local = self._local(job)
-                reserve = kv_reserve_tokens(job.item.spec, self.runner.max_seq_len, self.output_grant) if local else 0
-                try:
-                    job.filled = self.runner.allocate(job.key, job.prompt, reserve)
-                    job.admitted = True
-                except KVPoolFull:
-                    continue
-                if local and self.taken is not None:
-                    self.taken(job.rid)
-            admitted.append(job)
-            pending += len(job.prompt) - job.filled
-            if share and job.filled < len(job.prompt):
-                computing.append(job.prompt)
-        return admitted
-
     def _pass(self, pending: list[Job]) -> list[Job]:
         """One forward pass over chunks of pending jobs. -> jobs still pending."""
-        live, chunks, jobs = self.plan(pending, self.max_batched_tokens)
-        if not chunks:
+        live, plan = self.plan(pending, self.max_batched_tokens)
+        if not plan:
             return live
         started = time.perf_counter()
-        logits = self.runner.prefill(chunks)
-        return self.finish(live, chunks, jobs, logits, started)
+        logits = self.runner.prefill(plan.items()[0])
+        return self.finish(live, plan, logits, started)
 
-    def plan(self, pending: list[Job], budget: int) -> tuple[list[Job], list[ChunkItem], list[Job]]:
-        """Drops jobs that ended, admits what fits and plans the next chunks under `budget`
-        tokens. -> (jobs still live, chunks to run, the job of each chunk)."""
+    def plan(self, pending: list[Job], budget: int) -> tuple[list[Job], CorePlan]:
+        """Drops jobs that ended, then the core's next pass under `budget` tokens (admissions by
+        free blocks, most urgent first; the chunks). -> (jobs still live, the plan)."""
         live = []
         self._gaps_seen = self.cancels.caught_up(self._gaps_seen, self.store,
                                                  lambda: [(j.rid, j.item.epoch) for j in pending])
@@ -263,28 +246,27 @@ class PrefillLoop(ModelLoop):
                 self._end(job, Outcome("dropped", error="deadline exceeded"))
             else:
                 live.append(job)
-        admitted = self._admit(most_urgent(live), budget) or self._admit(live, budget)  # no room for the urgent: go on
-        if not admitted:
-            return live, [], []
-        plan = plan_chunks([len(j.prompt) - j.filled for j in admitted], budget, self.prefill_chunk)
-        chunks, jobs = [], []
-        for job, n in zip(admitted, plan):
-            if n:
-                chunks.append(ChunkItem(job.key, job.prompt[job.filled:job.filled + n], job.filled))
-                jobs.append(job)
-        return live, chunks, jobs
+        plan = self.core.schedule(budget)
+        for job in live:  # admitted this pass: its blocks are held under its key
+            if not job.admitted and job.seq is not None and job.seq.status is SeqStatus.RUNNING:
+                job.admitted = True
+                if self.taken is not None and self._local(job):
+                    self.taken(job.rid)
+        return live, plan
 
-    def finish(self, live: list[Job], chunks: list[ChunkItem], jobs: list[Job], logits: torch.Tensor,
-               started: float) -> list[Job]:
-        """After the pass (`logits`: a row per chunk, started at perf_counter `started`): first
-        tokens of the prompts it completed, and their hand-offs. -> jobs still pending."""
-        metrics.prefill_pass(len(chunks), sum(len(c.token_ids) for c in chunks), self.max_batched_tokens,
+    def finish(self, live: list[Job], plan: CorePlan, logits: torch.Tensor, started: float) -> list[Job]:
+        """After the pass (`logits`: a row per chunk of `plan`, started at perf_counter
+        `started`): the prompts it completed leave the core with their blocks; their first
+        tokens, and their hand-offs. -> jobs still pending."""
+        chunks = plan.prefill
+        metrics.prefill_pass(len(chunks), sum(c.length for c in chunks), self.max_batched_tokens,
                              time.perf_counter() - started)
         metrics.kv_pool("prefill", self.runner)
         complete = []
-        for row, job in enumerate(jobs):
-            job.filled += len(chunks[row].token_ids)
-            if job.filled == len(job.prompt):
+        for row in plan.sample_rows:
+            job = self._jobs.pop(chunks[row].seq.seq_id, None)
+            if job is not None:  # (None: it ended meanwhile)
+                self.core.detach(job.key)
                 complete.append((row, job))
         fresh = [(row, job) for row, job in complete if not job.generated]
         if fresh:

@@ -3,7 +3,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefill_worker.chunking import plan_chunks, waits_for_shared_prefix
+from pdq.engine.batch_policy import waits_for_shared_prefix
 from scheduler.policies import Candidate, DecodeSlots, choose_decode_worker, form_batch
 
 
@@ -31,13 +31,15 @@ def test_choose_decode_worker_prefers_the_colocated_one_while_it_has_room():
     assert choose_decode_worker(ws, local="h:1").worker_id == "b"  # full: elsewhere, over the wire
 
 
-@given(st.lists(st.integers(1, 3000), min_size=1, max_size=20), st.integers(1, 4096), st.integers(1, 1024))
-def test_plan_chunks_bounds(remaining, budget, chunk):
-    plan = plan_chunks(remaining, budget, chunk)
-    assert len(plan) == len(remaining)
-    assert all(0 <= p <= min(r, chunk) for p, r in zip(plan, remaining))
-    assert plan[0] >= 1  # progress every pass
-    assert sum(plan) <= max(budget, plan[0])
+@given(st.lists(st.integers(2, 3000), min_size=1, max_size=20), st.integers(1, 4096), st.integers(1, 1024))
+def test_prompt_chunks_of_a_step_stay_in_the_budget_and_the_first_always_runs(remaining, budget, chunk):
+    from pdq.engine.batch_policy import BatchPolicy, SeqView
+    plan = BatchPolicy(max_batched_tokens=budget, prefill_chunk=chunk).schedule(
+        [SeqView(i, need) for i, need in enumerate(remaining)], [], 0)
+    lengths = {c.seq_id: c.length for c in plan.prefill}
+    assert all(0 < n <= min(remaining[i], chunk) for i, n in lengths.items())
+    assert lengths.get(0, 0) >= 1  # progress every step
+    assert sum(lengths.values()) <= budget and not plan.decode
 
 
 def test_a_prompt_waits_only_for_full_blocks_another_is_computing_that_the_cache_lacks():

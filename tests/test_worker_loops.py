@@ -258,11 +258,11 @@ def test_a_prefill_pass_with_one_poisoned_row_fails_only_that_request(rig):
         (claimed,) = rig.store.claim([(rid, "decode-there")], "prefill-here")
         item = pb.PrefillItem(spec=spec, epoch=claimed.epoch, decode_address="elsewhere:1")
         jobs.append(Job(item, lambda outcome, rid=rid: outcomes.__setitem__(rid, outcome)))
-    live, chunks, chunk_jobs = prefill.plan(jobs, 256)
-    assert len(chunks) == 3
+    live, plan = prefill.plan(jobs, 256)
+    assert len(plan.prefill) == 3
     object.__setattr__(jobs[1].params, "temperature", "hot")
-    logits = rig.runner.prefill(chunks)
-    assert prefill.finish(live, chunks, chunk_jobs, logits, time.perf_counter()) == []
+    logits = rig.runner.prefill(plan.items()[0])
+    assert prefill.finish(live, plan, logits, time.perf_counter()) == []
     assert {rid: o.kind for rid, o in outcomes.items()} == {"a": "handoff", "poisoned": "dropped", "b": "handoff"}
     poisoned = rig.record("poisoned")
     assert poisoned["state"] == "FAILED" and "sampling failed" in poisoned["error"]
@@ -284,13 +284,12 @@ def test_prompts_sharing_blocks_with_one_being_prefilled_wait_a_pass_and_skip_th
         (claimed,) = rig.store.claim([(rid, "decode-there")], "prefill-here")
         jobs.append(Job(pb.PrefillItem(spec=spec, epoch=claimed.epoch, decode_address="elsewhere:1"),
                         lambda outcome, rid=rid: outcomes.__setitem__(rid, outcome)))
-    live, chunks, chunk_jobs = prefill.plan(jobs, 1024)
-    assert [j.rid for j in chunk_jobs] == ["c0", "other"]  # c1 and c2 wait for c0's blocks
-    live = prefill.finish(live, chunks, chunk_jobs, rig.runner.prefill(chunks), time.perf_counter())
-    live, chunks, chunk_jobs = prefill.plan(live, 1024)
-    assert [(j.rid, c.start_pos, len(c.token_ids)) for j, c in zip(chunk_jobs, chunks)] == [
-        ("c1", 96, 5), ("c2", 96, 6)]
-    assert prefill.finish(live, chunks, chunk_jobs, rig.runner.prefill(chunks), time.perf_counter()) == []
+    live, plan = prefill.plan(jobs, 1024)
+    assert [c.seq.seq_id[1] for c in plan.prefill] == ["c0", "other"]  # c1 and c2 wait for c0's blocks
+    live = prefill.finish(live, plan, rig.runner.prefill(plan.items()[0]), time.perf_counter())
+    live, plan = prefill.plan(live, 1024)
+    assert [(c.seq.seq_id[1], c.start, c.length) for c in plan.prefill] == [("c1", 96, 5), ("c2", 96, 6)]
+    assert prefill.finish(live, plan, rig.runner.prefill(plan.items()[0]), time.perf_counter()) == []
     assert {o.kind for o in outcomes.values()} == {"handoff"} and len(outcomes) == 4
 
 
@@ -376,9 +375,9 @@ def test_workers_reread_a_passed_deadline_from_the_record_before_they_time_a_req
     job = Job(pb.PrefillItem(spec=spec, epoch=claimed.epoch, decode_address="elsewhere:1"),
               lambda outcome: outcomes.__setitem__("p", outcome))
     wait_for("the spec's deadline to pass", lambda: now_ms() > soon)
-    live, chunks, _ = prefill.plan([job], 256)
-    assert live == [job] and len(chunks) == 1 and rig.record("p")["state"] == "PREFILLING"
-    rig.runner.free(job.key)
+    live, plan = prefill.plan([job], 256)
+    assert live == [job] and len(plan.prefill) == 1 and rig.record("p")["state"] == "PREFILLING"
+    prefill.core.finish(job.key, "test over")  # its blocks freed
     # decode: a running sequence whose known deadline passes while the record says `later`
     arrived = rig.dispatch("d", PROMPTS[1], 40, deadline_ms=now_ms() + 300)
     rig.loop.step_delay_s = 0.02

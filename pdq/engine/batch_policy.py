@@ -13,7 +13,7 @@ Policy (decode first, then chunked prefill, FCFS, under a per-step token budget)
 A chunk is at most `prefill_chunk` tokens; all tokens of a step are at most `max_batched_tokens`.
 """
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 
@@ -67,12 +67,15 @@ class BatchPolicy:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
-    def schedule(self, running: Iterable[SeqView], waiting: Iterable[SeqView], free_blocks: int) -> StepPlan:
+    def schedule(self, running: Iterable[SeqView], waiting: Iterable[SeqView], free_blocks: int,
+                 budget: int | None = None) -> StepPlan:
         """Plan one step. `running`: sequences holding KV blocks, in priority (FCFS) order, each
         with room for its next token; `waiting`: sequences without, in admission order;
-        `free_blocks`: KV blocks free."""
+        `free_blocks`: KV blocks free; `budget`: this step's tokens, if fewer than
+        `max_batched_tokens` (a colocated step's prompt part)."""
         running = list(running)
-        budget = self.max_batched_tokens
+        budget = self.max_batched_tokens if budget is None else min(budget, self.max_batched_tokens)
+        total = budget
         decode: list[Hashable] = []
         prefill: list[Chunk] = []
         admit: list[Hashable] = []
@@ -102,4 +105,29 @@ class BatchPolicy:
             budget -= n
             seats -= 1
             free_blocks -= s.blocks
-        return StepPlan(decode, prefill, admit, self.max_batched_tokens - budget)
+        return StepPlan(decode, prefill, admit, total - budget)
+
+
+def waits_for_shared_prefix(prompt: list[int], cached: Callable[[], int], computing: list[list[int]],
+                            block_size: int) -> bool:
+    """Whether a prompt not yet admitted should wait for a pass: one of the prompts this pass
+    computes (`computing`) will, once its blocks are written and named, hold more of this
+    prompt's leading full blocks than the prefix cache holds now (`cached()` tokens, asked only
+    when a computing prompt shares its first block). Waiting one pass then skips their prefill
+    (n choices of one prompt, a burst sharing a system prompt) instead of computing the same
+    blocks twice in one pass. Only blocks the cache could give it count: full ones, before its
+    last token."""
+    usable = (len(prompt) - 1) // block_size * block_size
+    first = prompt[:block_size]
+    computing = [other for other in computing if usable and other[:block_size] == first]
+    if not computing:
+        return False
+    held = cached()
+    start = held - held % block_size
+    for other in computing:
+        at = start
+        while at + block_size <= min(usable, len(other)) and prompt[at:at + block_size] == other[at:at + block_size]:
+            at += block_size
+        if at > start and prompt[:start] == other[:start]:
+            return True
+    return False

@@ -40,7 +40,7 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from pdq.engine.batch_policy import BatchPolicy, Chunk
+from pdq.engine.batch_policy import BatchPolicy, Chunk, waits_for_shared_prefix
 from pdq.engine.batching import Strategy
 from pdq.engine.blocks import KVPoolFull
 from pdq.engine.runner import DecodeItem, ModelRunner, PrefillItem
@@ -98,12 +98,18 @@ class EngineCore:
     """victim: which running sequence is preempted first when the blocks run out (default: the
     highest `priority`, then the newest; None: none may go); reserved_blocks: free blocks the
     core must leave alone (promised to sequences arriving); requeue_preempted: a preempted
-    sequence goes back to the head of the waiting queue (else out, in `plan.preempted`)."""
+    sequence goes back to the head of the waiting queue (else out, in `plan.preempted`);
+    urgent_first: sequences wait in `priority` order, and a step's prompt chunks go only to the
+    most urgent priority with a prompt to run (unless none of those can be admitted), so an
+    urgent prompt's step is not made longer by others' chunks (a prefill worker: the
+    scheduler's tier, then below/at fair share); alone: the core is the only user of its pool,
+    so a sequence it cannot admit with nothing running never will be (it raises rather than
+    hang; a worker sharing its pool with another core waits instead)."""
 
     def __init__(self, runner: ModelRunner, policy: BatchPolicy = BatchPolicy(),
                  strategy: Strategy = Strategy(), requeue_preempted: bool = True,
                  clock=time.monotonic, victim: Callable[[list[Sequence]], Sequence | None] | None = None,
-                 reserved_blocks: Callable[[], int] = lambda: 0):
+                 reserved_blocks: Callable[[], int] = lambda: 0, urgent_first: bool = False, alone: bool = True):
         self.runner = runner
         self.policy = policy
         self.strategy = strategy
@@ -111,6 +117,8 @@ class EngineCore:
         self.clock = clock
         self.pick_victim = victim or self.victim
         self.reserved_blocks = reserved_blocks
+        self.urgent_first = urgent_first
+        self.alone = alone
         self.waiting: deque[Sequence] = deque()
         self.running: dict[Hashable, Sequence] = {}  # insertion order = admission order
         self.preemptions = 0
@@ -124,7 +132,11 @@ class EngineCore:
         seq.status = SeqStatus.WAITING
         seq.num_cached = 0
         seq.waiting_since = self.clock()
-        self.waiting.append(seq)
+        if self.urgent_first and self.waiting and self.waiting[-1].priority > seq.priority:
+            at = next(i for i, s in enumerate(self.waiting) if s.priority > seq.priority)
+            self.waiting.insert(at, seq)  # behind every sequence as urgent as it
+        else:
+            self.waiting.append(seq)
 
     def add_prefilled(self, seq: Sequence) -> None:
         """Queue a sequence whose K/V for positions [0, `seq.num_cached`) is in the pool already
@@ -148,6 +160,14 @@ class EngineCore:
         self._end(seq, reason)
         return seq
 
+    def detach(self, seq_id: Hashable) -> Sequence:
+        """A running sequence leaves the core with its KV blocks, which the caller now owns
+        (and frees): a prompt prefilled here and handed off to decode elsewhere."""
+        seq = self.running.pop(seq_id)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = "detached"
+        return seq
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -157,19 +177,33 @@ class EngineCore:
 
     # -- schedule ------------------------------------------------------------------------------
 
-    def schedule(self) -> CorePlan:
+    def schedule(self, budget: int | None = None) -> CorePlan:
+        """The next step (see the module's docstring); `budget`: its tokens, if fewer than the
+        policy's `max_batched_tokens`."""
         plan = CorePlan()
         self._wanted = False
         self.release_seats()
         self._make_room(plan)
-        admitted = self._admit() if not plan.preempted else []  # as vLLM: none joins a step that preempted
+        budget = self.policy.max_batched_tokens if budget is None else min(budget, self.policy.max_batched_tokens)
+        urgent = self._urgent() if self.urgent_first else None
+        admitted = self._admit(budget, urgent) if not plan.preempted else []  # as vLLM: none joins a step that preempted
+        if urgent is not None and not admitted and not any(
+                s.priority == urgent and s.num_tokens - s.num_cached > 1 for s in self.running.values()):
+            admitted = self._admit(budget, skip=urgent) if not plan.preempted else []  # none of them can run: the others go on
+            urgent = None
         new = {id(s) for s in admitted if s.num_tokens - s.num_cached > 1}  # prompts to prefill
         out = new | {id(s) for s in plan.held_back}
         max_seq_len = self.runner.max_seq_len
-        step = self.policy.schedule((s.view() for s in self.running.values()
-                                     if id(s) not in out and (s.status is SeqStatus.RUNNING or s.num_tokens < max_seq_len)),
-                                    [], self.runner.free_blocks)
-        budget = self.policy.max_batched_tokens - step.num_tokens
+        views = []
+        for s in self.running.values():
+            pending = s.num_tokens - s.num_cached
+            if id(s) in out or (s.status is SeqStatus.FINISHED and s.num_tokens >= max_seq_len):
+                continue
+            if urgent is not None and pending > 1 and s.priority != urgent:
+                continue  # a prompt less urgent than this step's waits, keeping its chunks
+            views.append(s.view())
+        step = self.policy.schedule(views, [], self.runner.free_blocks, budget)
+        budget -= step.num_tokens
         chunks = list(step.prefill)
         for seq in admitted:  # prompts admitted this step: their first chunk in the budget left
             if id(seq) not in new:
@@ -190,9 +224,16 @@ class EngineCore:
             plan.decode.append(seq)
             seq.num_cached += 1
         plan.sample_rows += range(len(plan.prefill), len(plan.prefill) + len(plan.decode))
-        if not plan and self.waiting and not self.running and self._wanted:
+        if not plan and self.waiting and not self.running and self._wanted and self.alone:
             raise RuntimeError("cannot schedule any waiting sequence (no KV blocks or seat)")
         return plan
+
+    def _urgent(self) -> tuple | None:
+        """The most urgent priority of the sequences with a prompt to run (waiting, or running
+        partway through their prompt); None when there is none."""
+        prompts = [s.priority for s in self.waiting]
+        prompts += [s.priority for s in self.running.values() if s.num_tokens - s.num_cached > 1]
+        return min(prompts, default=None)
 
     def wait_hint_s(self) -> float:
         """With nothing to run, how long until `schedule()` may admit with no arrival (a
@@ -241,9 +282,12 @@ class EngineCore:
             seq.waiting_since = self.clock()
             self.waiting.appendleft(seq)
 
-    def _admit(self) -> list[Sequence]:
+    def _admit(self, budget: int, urgent: tuple | None = None, skip: tuple | None = None) -> list[Sequence]:
         """Waiting sequences given KV blocks this step (in order), as the strategy, the seats
-        (`max_num_seqs`), the token budget and the free blocks allow."""
+        (`max_num_seqs`), the step's token `budget` and the free blocks allow (only those of
+        priority `urgent`, or all but those of priority `skip`, if given). With the prefix cache on, a prompt whose leading full
+        blocks a prompt being computed will hold, and the cache does not yet, waits a step
+        (`waits_for_shared_prefix`) to share them instead of computing them twice."""
         self._wanted = False
         if not self.waiting:
             return []
@@ -256,7 +300,11 @@ class EngineCore:
         self._wanted = True
         picked = strategy.pick([s.num_tokens + s.params.max_tokens - len(s.output) for s in self.waiting], n)
         candidates = [self.waiting[i] for i in picked]
-        budget = policy.max_batched_tokens - sum(1 for s in self.running.values() if s.num_tokens - s.num_cached == 1)
+        if urgent is not None or skip is not None:
+            candidates = [s for s in candidates if (s.priority == urgent if urgent is not None else s.priority != skip)]
+        budget -= sum(1 for s in self.running.values() if s.num_tokens - s.num_cached == 1)
+        computing = [s.tokens(0, s.num_tokens) for s in self.running.values()
+                     if s.num_tokens - s.num_cached > 1] if runner.prefix_cache else []
         admitted = []
         for seq in candidates:
             if budget <= 0 and not strategy.run_to_completion:  # a request-level batch starts whole
@@ -268,10 +316,16 @@ class EngineCore:
                     break
                 runner.ensure(seq.seq_id, seq.num_tokens)
             else:
+                tokens = seq.tokens(0, seq.num_tokens)
+                if computing and waits_for_shared_prefix(tokens, lambda: runner.cached_tokens(tokens), computing,
+                                                         runner.block_size):
+                    continue
                 try:
-                    seq.num_cached = runner.allocate(seq.seq_id, seq.tokens(0, seq.num_tokens))
+                    seq.num_cached = runner.allocate(seq.seq_id, tokens, seq.reserve_tokens)
                 except KVPoolFull:  # no blocks: it waits (in order: the ones behind it wait too)
                     break
+                if runner.prefix_cache and seq.num_cached < seq.num_tokens:
+                    computing.append(tokens)
             budget -= min(seq.num_tokens - seq.num_cached, policy.prefill_chunk)
             self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING

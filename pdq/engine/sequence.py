@@ -55,6 +55,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     priority: tuple = ()
     waiting_since: float = 0.0  # clock time it (re)entered the waiting queue
+    reserve_tokens: int = 0  # KV positions to hold from admission on, if more than its tokens (room to grow)
 
     @property
     def num_tokens(self) -> int:

@@ -207,3 +207,29 @@ def test_reserved_blocks_are_left_alone_and_the_callers_victim_rule_chooses(tiny
     while core.has_unfinished():
         run_step(core)
     assert b.finish_reason == "length" and runner.free_tokens == runner.capacity_tokens
+
+
+def test_urgent_first_runs_only_the_most_urgent_prompts_unless_none_of_them_can_run(tiny_llama, make_runner):
+    """A prefill worker's core: prompts wait in priority order and a step's chunks go only to the
+    most urgent priority with a prompt to run, so an urgent prompt's pass is not made longer by
+    a flood's chunks; when none of the most urgent can be admitted, the others go on."""
+    runner = make_runner(tiny_llama, slots=2, block_size=16)  # 16 blocks of 16
+    core = EngineCore(runner, BatchPolicy(max_batched_tokens=256, prefill_chunk=64), urgent_first=True, alone=False)
+    flood = [seq(f"f{i}", 40, 4, priority=(2,), first_token=100 + 50 * i) for i in range(3)]  # no shared prefix
+    urgent = [seq("u0", 30, 4, priority=(0,)), seq("u1", 20, 4, priority=(0,), first_token=60)]
+    for s in flood[:2] + urgent[:1] + flood[2:] + urgent[1:]:
+        core.add(s)
+    assert [s.seq_id for s in core.waiting] == ["u0", "u1", "f0", "f1", "f2"]  # by priority, then arrival
+    plan = core.schedule()
+    assert [(c.seq.seq_id, c.length) for c in plan.prefill] == [("u0", 30), ("u1", 20)]  # the budget left: unused
+    core.update(plan, [7, 7])
+    for s in urgent:
+        core.detach(s.seq_id)  # handed off with their blocks
+        runner.free(s.seq_id)
+    big = seq("big", 100, 4, priority=(0,), first_token=30)  # urgent, but 7 blocks: more than are free
+    runner.allocate("h1", [5] * 120)  # 10 of 16 blocks held elsewhere (a decode core's)
+    runner.allocate("h2", [6] * 32)
+    core.add(big)
+    plan = core.schedule()
+    assert [c.seq.seq_id for c in plan.prefill] == ["f0", "f1"]  # the urgent one cannot run: the others go on
+    assert core.waiting[0] is big and [s.seq_id for s in core.waiting] == ["big", "f2"]  # f2: no blocks left

@@ -61,13 +61,3 @@ def test_below_share_and_prefill_priority():
     assert below_share("heavy", 8, {"heavy": 7}, {}, {"heavy"})  # alone
     assert below_share("heavy", 8, {"heavy": 5}, {"heavy": 3.0}, active)  # weight 3: share 6
     assert [prefill_priority(0, True), prefill_priority(0, False), prefill_priority(1, True)] == [0, 1, 2]
-
-
-def test_a_prefill_pass_takes_only_the_most_urgent_jobs():
-    from pdq.v1 import internal_pb2 as pb
-    from prefill_worker.loop import Job, most_urgent
-
-    jobs = [Job(pb.PrefillItem(spec=pb.RequestSpec(request_id=f"r{i}"), priority=p), done=lambda o: None)
-            for i, p in enumerate([1, 0, 3, 0])]
-    assert [j.rid for j in most_urgent(jobs)] == ["r1", "r3"]
-    assert most_urgent([]) == []

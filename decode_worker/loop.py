@@ -399,6 +399,7 @@ class DecodeLoop(ModelLoop):
         (`memory_victim`) is preempted by recompute (which may be that sequence itself), to be
         given back to the scheduler once the step's writes have settled; the strategy's
         admissions; the decode rows."""
+        self._release_seats()  # a batch whose last running sequence left (preempted, cancelled) is over
         plan = self.core.schedule()
         self._preempted += plan.preempted  # type: ignore[arg-type]
         self._note_admitted(plan)

@@ -418,3 +418,31 @@ def test_when_kv_blocks_run_out_mid_decode_the_least_important_sequence_is_preem
         assert any("KV blocks ran out" in r.getMessage() for r in caplog.records)
     finally:
         rig.close()
+
+
+def test_a_static_batch_keeps_finished_seats_and_gives_them_up_when_its_last_running_sequence_is_preempted(rig):
+    """Request-level batches in the decode worker's core: a finished sequence keeps its seat (its
+    row computed and thrown away) while the batch runs; when the batch's last running sequence
+    leaves by preemption instead of finishing, the kept seats are given up too (their holds
+    told, their blocks freed): nothing is left seated."""
+    from decode_worker.loop import PreemptAsk
+    from pdq.engine.batching import Strategy
+
+    rig.loop.strategy = rig.loop.core.strategy = Strategy("static", batch_size=2)
+    rig.loop._arrive(rig.dispatch("short", PROMPTS[0], 3))
+    rig.loop._arrive(rig.dispatch("long", PROMPTS[1], 40))
+    rig.loop._step()
+    assert sorted(rig.loop.running) == ["long", "short"]  # a full batch of 2
+    while rig.record("short")["state"] != "COMPLETED":
+        rig.loop._step()
+        rig.loop.settle()
+    assert rig.loop.running["short"].done and rig.left == []  # its seat is kept
+    padded = rig.loop.core.padded
+    rig.loop._step()
+    assert rig.loop.core.padded == padded + 1  # and its row computed, for nothing
+    ask = PreemptAsk(("interactive",), "a better tier arrived")
+    rig.loop._preempt(ask)
+    assert ask.done.result() == "long" and rig.record("long")["state"] == "QUEUED"
+    rig.loop._step()  # the batch is over: the seat goes
+    assert sorted(rig.left) == ["long", "short"] and not rig.loop.busy
+    assert rig.runner.free_tokens == rig.runner.capacity_tokens

@@ -25,8 +25,9 @@ frees its blocks and reports it. `finish(seq_id, reason)` ends one from outside 
 deadline, a failure of its own).
 
 Request-level batches (static, dynamic) run as naive servers run them: a sequence that ends keeps
-its seat, its blocks and its row in every step (computed, sampled, thrown away: `padded`) until
-the batch's last sequence ends; then they all leave at once.
+its seat, its blocks and a row in every step (computed, sampled and thrown away: `padded`; the row
+recomputes its last position, so its output and its blocks stay as they ended) until the batch's
+last sequence ends; then they all leave at once.
 
 A decode worker's core is the same core fed differently: a sequence whose K/V arrived from a
 prefill worker joins with `add_prefilled` (it holds its blocks already and needs no prefill), the
@@ -79,7 +80,8 @@ class CorePlan:
     def items(self) -> tuple[list[PrefillItem], list[DecodeItem]]:
         """The forward's inputs (`ModelRunner.step`)."""
         return ([PrefillItem(c.seq.seq_id, c.seq.tokens(c.start, c.start + c.length), c.start) for c in self.prefill],
-                [(s.seq_id, s.token_at(s.num_cached - 1), s.num_cached - 1) for s in self.decode])
+                [(s.seq_id, s.token_at(p), p) for s in self.decode
+                 for p in (s.num_tokens - 1 if s.status is SeqStatus.FINISHED else s.num_cached - 1,)])
 
 
 @dataclass(frozen=True)
@@ -222,7 +224,8 @@ class EngineCore:
         for seq_id in step.decode:
             seq = self.running[seq_id]
             plan.decode.append(seq)
-            seq.num_cached += 1
+            if seq.status is SeqStatus.RUNNING:  # a kept seat's row recomputes its last position
+                seq.num_cached += 1
         plan.sample_rows += range(len(plan.prefill), len(plan.prefill) + len(plan.decode))
         if not plan and self.waiting and not self.running and self._wanted and self.alone:
             raise RuntimeError("cannot schedule any waiting sequence (no KV blocks or seat)")
@@ -346,10 +349,10 @@ class EngineCore:
         for seq, token in zip(plan.sample, tokens):
             if self.running.get(seq.seq_id) is not seq:  # ended meanwhile (finish())
                 continue
-            seq.output.append(token)
             if seq.status is SeqStatus.FINISHED:  # a seat kept: its token is thrown away
                 self.padded += 1
                 continue
+            seq.output.append(token)
             if judge is not None:
                 reason = judge(seq, token)
             else:

@@ -119,17 +119,18 @@ class ColocatedLoop(ModelLoop):
         prompts = CorePlan()
         if self.pending:
             self.pending, prompts = p.plan(self.pending, max(1, self.step_tokens - len(rows)))
-        chunks = prompts.items()[0]
-        if not chunks and not rows:
+        chunks, last = prompts.items()  # (a prompt with one token left runs as a one-token row)
+        if not chunks and not last and not rows:
             d._give_back_preempted()
             return
-        logits = self.runner.step(chunks, rows)
+        logits = self.runner.step(chunks, last + rows)
         if d.step_delay_s:  # fault injection: a slow worker
             time.sleep(d.step_delay_s)
-        if chunks:
-            self.pending = p.finish(self.pending, prompts, logits[:len(chunks)], started)
+        n = len(chunks) + len(last)
+        if n:
+            self.pending = p.finish(self.pending, prompts, logits[:n], started)
         if rows:
-            d.after(plan, logits[len(chunks):], started)
+            d.after(plan, logits[n:], started)
         else:
             d._give_back_preempted()
 

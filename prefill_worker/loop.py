@@ -215,7 +215,7 @@ class PrefillLoop(ModelLoop):
         if not plan:
             return live
         started = time.perf_counter()
-        logits = self.runner.prefill(plan.items()[0])
+        logits = self.runner.step(*plan.items())
         return self.finish(live, plan, logits, started)
 
     def plan(self, pending: list[Job], budget: int) -> tuple[list[Job], CorePlan]:
@@ -255,16 +255,17 @@ class PrefillLoop(ModelLoop):
         return live, plan
 
     def finish(self, live: list[Job], plan: CorePlan, logits: torch.Tensor, started: float) -> list[Job]:
-        """After the pass (`logits`: a row per chunk of `plan`, started at perf_counter
-        `started`): the prompts it completed leave the core with their blocks; their first
-        tokens, and their hand-offs. -> jobs still pending."""
-        chunks = plan.prefill
-        metrics.prefill_pass(len(chunks), sum(c.length for c in chunks), self.max_batched_tokens,
+        """After the pass (`logits`: a row per chunk, then per one-token row, of `plan`, started
+        at perf_counter `started`): the prompts it completed leave the core with their blocks;
+        their first tokens, and their hand-offs. -> jobs still pending. (A prompt with one token
+        left, e.g. past a cached prefix, runs as a one-token row.)"""
+        metrics.prefill_pass(len(plan.prefill) + len(plan.decode),
+                             sum(c.length for c in plan.prefill) + len(plan.decode), self.max_batched_tokens,
                              time.perf_counter() - started)
         metrics.kv_pool("prefill", self.runner)
         complete = []
-        for row in plan.sample_rows:
-            job = self._jobs.pop(chunks[row].seq.seq_id, None)
+        for row, seq in zip(plan.sample_rows, plan.sample):
+            job = self._jobs.pop(seq.seq_id, None)
             if job is not None:  # (None: it ended meanwhile)
                 self.core.detach(job.key)
                 complete.append((row, job))

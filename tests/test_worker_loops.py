@@ -261,7 +261,7 @@ def test_a_prefill_pass_with_one_poisoned_row_fails_only_that_request(rig):
     live, plan = prefill.plan(jobs, 256)
     assert len(plan.prefill) == 3
     object.__setattr__(jobs[1].params, "temperature", "hot")
-    logits = rig.runner.prefill(plan.items()[0])
+    logits = rig.runner.step(*plan.items())
     assert prefill.finish(live, plan, logits, time.perf_counter()) == []
     assert {rid: o.kind for rid, o in outcomes.items()} == {"a": "handoff", "poisoned": "dropped", "b": "handoff"}
     poisoned = rig.record("poisoned")
@@ -286,10 +286,10 @@ def test_prompts_sharing_blocks_with_one_being_prefilled_wait_a_pass_and_skip_th
                         lambda outcome, rid=rid: outcomes.__setitem__(rid, outcome)))
     live, plan = prefill.plan(jobs, 1024)
     assert [c.seq.seq_id[1] for c in plan.prefill] == ["c0", "other"]  # c1 and c2 wait for c0's blocks
-    live = prefill.finish(live, plan, rig.runner.prefill(plan.items()[0]), time.perf_counter())
+    live = prefill.finish(live, plan, rig.runner.step(*plan.items()), time.perf_counter())
     live, plan = prefill.plan(live, 1024)
     assert [(c.seq.seq_id[1], c.start, c.length) for c in plan.prefill] == [("c1", 96, 5), ("c2", 96, 6)]
-    assert prefill.finish(live, plan, rig.runner.prefill(plan.items()[0]), time.perf_counter()) == []
+    assert prefill.finish(live, plan, rig.runner.step(*plan.items()), time.perf_counter()) == []
     assert {o.kind for o in outcomes.values()} == {"handoff"} and len(outcomes) == 4
 
 
@@ -445,4 +445,27 @@ def test_a_static_batch_keeps_finished_seats_and_gives_them_up_when_its_last_run
     assert ask.done.result() == "long" and rig.record("long")["state"] == "QUEUED"
     rig.loop._step()  # the batch is over: the seat goes
     assert sorted(rig.left) == ["long", "short"] and not rig.loop.busy
+    assert rig.runner.free_tokens == rig.runner.capacity_tokens
+
+
+def test_a_prompt_with_one_token_left_past_its_cached_prefix_is_prefilled_as_a_one_token_row(rig):
+    """A prompt whose every full block the prefix cache holds has one token left to run: the core
+    plans it as a one-token row, which the prefill loop runs and hands off like any chunk."""
+    prefill = PrefillLoop(rig.runner, rig.store, rig.cancels, rig.tokenizer, rig.eos, 256, 64)
+    prompt = [(11 * i) % 250 + 3 for i in range(rig.runner.block_size + 1)]  # one full block, then one token
+    outcomes = {}
+    for rid in ("first", "again"):
+        spec = pb.RequestSpec(request_id=rid, tenant="acme", tier="interactive", prompt_token_ids=prompt,
+                              sampling=gen_pb.SamplingParams(max_tokens=4, temperature=0))
+        rig.store.submit(spec)
+        (claimed,) = rig.store.claim([(rid, "decode-there")], "prefill-here")
+        job = Job(pb.PrefillItem(spec=spec, epoch=claimed.epoch, decode_address="elsewhere:1"),
+                  lambda outcome, rid=rid: outcomes.__setitem__(rid, outcome))
+        live, plan = prefill.plan([job], 256)
+        logits = rig.runner.step(*plan.items())
+        assert prefill.finish(live, plan, logits, time.perf_counter()) == []
+        if rid == "again":
+            assert not plan.prefill and [s.seq_id for s in plan.decode] == [job.key]  # its last token alone
+    assert {rid: o.kind for rid, o in outcomes.items()} == {"first": "handoff", "again": "handoff"}
+    assert outcomes["again"].generated == outcomes["first"].generated  # the same first token (greedy)
     assert rig.runner.free_tokens == rig.runner.capacity_tokens

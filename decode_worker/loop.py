@@ -270,6 +270,9 @@ class DecodeLoop(ModelLoop):
                 except ValueError as exc:
                     own = f"structured output: {exc}"
             if not own:
+                held = self.runner.kv_length(kv.key)
+                if held != seq.num_cached:  # (a header at odds with its K/V: it must not reach a shared step)
+                    raise ValueError(f"the hand-off holds K/V for {held} positions, its tokens need {seq.num_cached}")
                 self.runner.rename(kv.key, rid)  # the K/V was received into the slot (kv_receive)
         except Exception as exc:
             log.error("cannot take KV of %s: %s", rid, exc)

@@ -469,3 +469,21 @@ def test_a_prompt_with_one_token_left_past_its_cached_prefix_is_prefilled_as_a_o
     assert {rid: o.kind for rid, o in outcomes.items()} == {"first": "handoff", "again": "handoff"}
     assert outcomes["again"].generated == outcomes["first"].generated  # the same first token (greedy)
     assert rig.runner.free_tokens == rig.runner.capacity_tokens
+
+
+def test_a_hand_off_whose_tokens_do_not_match_its_kv_is_given_back_and_the_rest_decode(rig):
+    """A header claiming more tokens than its K/V holds would make a step fail for every sequence
+    in it: the hand-off is refused on arrival (its slot freed, the request requeued for another
+    attempt), and the batch decodes on."""
+    fine = rig.dispatch("fine", PROMPTS[0], 5)
+    odd = rig.dispatch("odd", PROMPTS[1], 5)
+    odd.header.generated_token_ids.append(9)  # one token more than its K/V covers
+    rig.loop._arrive(odd)
+    rig.loop._arrive(fine)
+    assert rig.left == ["odd"] and rig.record("odd")["state"] == "QUEUED"
+    assert "hand-off holds K/V for 7 positions" in rig.record("odd")["error"]
+    while rig.loop.busy:
+        rig.loop._step()
+    rig.loop.settle()
+    assert rig.record("fine")["state"] == "COMPLETED" and len(rig.stream("fine")) == 5
+    assert rig.runner.free_tokens == rig.runner.capacity_tokens

@@ -98,6 +98,17 @@ async def test_a_burst_larger_than_the_pool_waits_for_connections_instead_of_fai
     await client.aclose()
 
 
+async def test_a_burst_waits_for_busy_connections_longer_than_a_short_outage_window(server):
+    """Waiting for a pooled connection is queueing, not Redis being unreachable: with a 0.5 s
+    outage window, 40 calls holding one of 2 connections ~50 ms each (~1 s of queueing) all
+    succeed instead of the last ones failing "No connection available"."""
+    client = redisconn.connect_async(server["server"].url, max_connections=2, outage_s=0.5)
+    started = time.monotonic()
+    got = await asyncio.gather(*(client.blpop([f"empty-{i}"], timeout=0.05) for i in range(40)))
+    assert got == [None] * 40 and time.monotonic() - started > 0.5  # queued past the outage window
+    await client.aclose()
+
+
 def test_only_connection_failures_count_as_unavailable():
     assert redisconn.unavailable(redis.ConnectionError("x"))
     assert redisconn.unavailable(redis.TimeoutError("x"))

@@ -2,7 +2,9 @@
 
 Contract of a client made by `connect()` (sync or asyncio):
 - At most `max_connections` connections; a command that finds them all busy waits for one
-  (up to the outage window) instead of failing, so a burst of calls queues rather than errors.
+  (up to POOL_WAIT_S, or the outage window if that is longer) instead of failing, so a burst of
+  calls queues rather than errors: waiting for a busy connection is queueing, not Redis being
+  unreachable, and it is not bounded by a short outage window.
 - A command that meets a connection error (a broken pooled socket after a Redis restart, a
   dropped connection, Redis down or still loading its AOF) reconnects and is sent again, with
   exponential backoff and jitter (first retry at once, then up to 1 s apart), for up to
@@ -50,6 +52,7 @@ RETRY_BASE_S = 0.01
 RETRY_CAP_S = 1.0
 DEFAULT_MAX_CONNECTIONS = 64
 DEFAULT_OUTAGE_S = 30.0
+POOL_WAIT_S = 30.0  # the longest a command waits for a busy pool's connection (or the outage window, if longer)
 
 
 def unavailable(exc: BaseException) -> bool:
@@ -163,7 +166,7 @@ class AsyncRideRetry(AsyncRetry):
 
 
 def _pool_kwargs(max_connections: int, outage_s: float, socket_timeout: float | None) -> dict[str, Any]:
-    return dict(max_connections=max_connections, timeout=outage_s, socket_timeout=socket_timeout,
+    return dict(max_connections=max_connections, timeout=max(outage_s, POOL_WAIT_S), socket_timeout=socket_timeout,
                 socket_connect_timeout=CONNECT_TIMEOUT_S, socket_keepalive=True,
                 health_check_interval=HEALTH_CHECK_INTERVAL_S)
 

@@ -368,7 +368,8 @@ def build_server(config: DecodeConfig) -> Server:
                           capacity=service.capacity, running=running, reserved=len(service.holds),
                           # what its prefix cache holds: colocated, the prefill role reports it; separate, the
                           # scheduler tells prefill workers which prefix a hand-off here may leave out
-                          **kv_info(state.get("runner"), prefixes=prefill is None))
+                          **kv_info(state.get("runner"), prefixes=prefill is None,
+                                    kept_tokens=service.spare_blocks * service.runner.block_size if service.runner else 0))
 
     def prefill_info() -> WorkerInfo:
         runner = state.get("runner")

@@ -297,15 +297,18 @@ def kv_reserve_tokens(spec: Any, max_seq_len: int, output_grant: int = 0) -> int
     return kv_grant_tokens(len(spec.prompt_token_ids), spec.sampling.max_tokens, max_seq_len, output_grant)
 
 
-def kv_info(runner: Any, prefixes: bool = True) -> dict[str, Any]:
+def kv_info(runner: Any, prefixes: bool = True, kept_tokens: int = 0) -> dict[str, Any]:
     """A runner's KV pool for its heartbeat (`WorkerInfo` fields), with (`prefixes`) what its
     prefix cache holds, for the scheduler's prefix-aware placement of prefill batches; nothing
-    before it is loaded."""
+    before it is loaded. `kept_tokens`: positions of the pool this role may not use (a colocated
+    worker's decode role: the room it keeps for prompts it prefills for other workers), left out
+    of its total and free figures, which the scheduler's KV-fit check reads."""
     if runner is None:
         return {}
     blocks = getattr(getattr(runner, "pool", None), "blocks", None)
     held = blocks.cached_hashes(MAX_PREFIXES) if prefixes and blocks is not None and blocks.prefix_cache else []
-    return {"kv_free_tokens": runner.free_tokens, "kv_total_tokens": runner.capacity_tokens,
+    return {"kv_free_tokens": max(0, runner.free_tokens - kept_tokens),
+            "kv_total_tokens": runner.capacity_tokens - kept_tokens,
             "kv_block_size": runner.block_size, "prefixes": tuple(h.hex()[:PREFIX_HEX] for h in held)}
 
 

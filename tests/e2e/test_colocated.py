@@ -21,11 +21,13 @@ from tests import oracles
 
 MODEL = "builtin:tiny"
 CHUNK = 8  # prompt tokens per sequence per pass: every prompt below spans several passes
+KV_BUDGET, MAX_SEQ_LEN = 8192, 1024
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    env = {"PDQ_PREFILL_CHUNK": str(CHUNK), "PDQ_STEP_TOKENS": "64", "PDQ_HEARTBEAT_S": "0.2"}
+    env = {"PDQ_PREFILL_CHUNK": str(CHUNK), "PDQ_STEP_TOKENS": "64", "PDQ_HEARTBEAT_S": "0.2",
+           "PDQ_KV_BUDGET_TOKENS": str(KV_BUDGET), "PDQ_MAX_SEQ_LEN": str(MAX_SEQ_LEN)}
     with Cluster(model=MODEL, port=0, colocate=True, auth=False, extra_env=env) as c:
         yield c
 
@@ -65,6 +67,18 @@ def test_one_process_serves_both_roles_at_one_address(cluster, rdb):
     assert [c.name for c in cluster.children if "prefill" in c.name] == []
     (prefill,), (decode,) = workers(rdb, "prefill"), workers(rdb, "decode")
     assert prefill["address"] == decode["address"]
+
+
+def test_the_decode_role_reports_the_kv_budget_it_may_use_and_the_prefill_role_the_whole_pool(cluster, rdb):
+    """The pool also keeps room for 4 prompts this process prefills for other decode workers;
+    the decode role cannot grant it, so its reported total (what the scheduler's KV-fit check at
+    submit reads) leaves it out: a request bigger than the budget is refused, not queued forever."""
+    wait_for("both roles' pools", lambda: all(w.get("kv_total_tokens") for r in ("prefill", "decode")
+                                               for w in workers(rdb, r)))
+    (prefill,), (decode,) = workers(rdb, "prefill"), workers(rdb, "decode")
+    assert int(decode["kv_total_tokens"]) == KV_BUDGET
+    assert int(prefill["kv_total_tokens"]) == KV_BUDGET + 4 * MAX_SEQ_LEN
+    assert int(decode["kv_free_tokens"]) <= KV_BUDGET
 
 
 def test_the_model_process_keeps_the_cores_and_the_rest_run_under_batch(cluster):

@@ -261,8 +261,9 @@ def test_stats_count_queued_work_running_requests_and_kv(op, client):
     long = client.submit("run", max_tokens=1500, ignore_eos=True)
     try:
         decoding(op, long)
-        busy = op.stats()
-        assert busy.running >= 1 and busy.kv_slots_used >= 1
+        # the seat counts come from the workers' heartbeats, which may lag the request's state by one
+        busy = wait_for(lambda: (lambda s: s if s.kv_slots_used >= 1 else None)(op.stats()), 20, "the seat in stats")
+        assert busy.running >= 1
     finally:
         op.cancel(long)
     wait_for(lambda: op.stats().kv_slots_used == 0 and op.stats().running == 0, 20, "idle stats")

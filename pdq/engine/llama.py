@@ -44,12 +44,13 @@ class LlamaLayer(nn.Module):
             return Linear(w, torch.cat([sd[f"{n}.bias"] for n in names]) if bias else None)
 
         self.spec = spec
-        self.qkv = fused([a + "q_proj", a + "k_proj", a + "v_proj"], spec.qkv_bias)
+        stored_fused = a + "qkv_proj.weight" in sd  # (Phi-3: q/k/v and gate/up stored fused, in this order)
+        self.qkv = fused([a + "qkv_proj"] if stored_fused else [a + "q_proj", a + "k_proj", a + "v_proj"], spec.qkv_bias)
         self.o = fused([a + "o_proj"], spec.o_bias)
         if spec.qk_norm:  # one RMSNorm over q and k heads together: [q_norm x num_heads | k_norm x kv_heads]
             self.qk_norm = _param(torch.cat([sd[a + "q_norm.weight"].expand(spec.num_heads, -1),
                                              sd[a + "k_norm.weight"].expand(spec.num_kv_heads, -1)]))
-        self.gate_up = fused([m + "gate_proj", m + "up_proj"], spec.mlp_bias)
+        self.gate_up = fused([m + "gate_up_proj"] if stored_fused else [m + "gate_proj", m + "up_proj"], spec.mlp_bias)
         self.down = fused([m + "down_proj"], spec.mlp_bias)
         self.in_norm = _param(sd[prefix + "input_layernorm.weight"])
         self.post_norm = _param(sd[prefix + "post_attention_layernorm.weight"])

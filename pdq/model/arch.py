@@ -10,7 +10,8 @@ the CLI check a checkpoint without loading the model.
 
 from dataclasses import dataclass
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+FUSED_PROJECTIONS = ("phi3",)  # checkpoints that store q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -59,6 +60,9 @@ class ModelSpec:
         rope_type = rope_params(config).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             problems.append(f"rope type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        partial = rope_params(config).get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+        if partial not in (None, 1, 1.0):
+            problems.append(f"partial_rotary_factor={partial} (only 1.0: rotary over whole heads)")
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         if heads % kv_heads:

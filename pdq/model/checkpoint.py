@@ -27,7 +27,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from pdq.model.arch import SUPPORTED_MODEL_TYPES, ModelSpec, rope_params
+from pdq.model.arch import FUSED_PROJECTIONS, SUPPORTED_MODEL_TYPES, ModelSpec, rope_params
 from pdq.model.builtin import default_cache_dir
 
 if TYPE_CHECKING:
@@ -106,6 +106,10 @@ def required_weights(spec: ModelSpec) -> list[str]:
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        if spec.model_type in FUSED_PROJECTIONS:  # as stored: q/k/v in one tensor, gate/up in another
+            names += [p + "self_attn.qkv_proj.weight", p + "self_attn.o_proj.weight", p + "mlp.gate_up_proj.weight",
+                      p + "mlp.down_proj.weight"]
+            continue
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             names.append(f"{p}self_attn.{proj}.weight")
             if (spec.o_bias if proj == "o_proj" else spec.qkv_bias):

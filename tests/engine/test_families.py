@@ -1,4 +1,4 @@
-"""Every supported family (Llama, Mistral, Qwen2, Qwen3): a small random-weight checkpoint built
+"""Every supported family (Llama, Mistral, Qwen2, Qwen3, Phi-3): a small random-weight checkpoint built
 with `transformers`, saved, loaded as a worker loads it, decodes greedily token for token as its
 own `generate()` does; a checkpoint of anything else is refused with what it lacks."""
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config,
+from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
                           Qwen3Config)
 
 from pdq.engine import LLMEngine, ModelRunner, ModelSpec, SamplingParams, UnsupportedModelError
@@ -20,6 +20,7 @@ FAMILIES = {
     "mistral": (MistralConfig, {"sliding_window": 4096}),
     "qwen2": (Qwen2Config, {}),  # biased q/k/v, unbiased output projection
     "qwen3": (Qwen3Config, {"head_dim": 24}),  # q/k head norms; head_dim != hidden / heads
+    "phi3": (Phi3Config, {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),  # q/k/v and gate/up stored fused
 }
 PROMPTS = [[5, 9, 200, 31, 7], list(range(40, 77)), [3] * 12]
 MAX_TOKENS = [14, 9, 20]
@@ -56,6 +57,7 @@ def test_greedy_output_matches_the_familys_own_generate(tmp_path, family, hf_gre
     ("mistral", dict(qkv_bias=False, o_bias=False, qk_norm=False, sliding_window=4096)),
     ("qwen2", dict(qkv_bias=True, o_bias=False, qk_norm=False, sliding_window=None)),
     ("qwen3", dict(qkv_bias=False, o_bias=False, qk_norm=True, sliding_window=None)),
+    ("phi3", dict(qkv_bias=False, o_bias=False, qk_norm=False, sliding_window=None)),
 ])
 def test_each_family_reads_its_switches(family, switches):
     config_cls, extra = FAMILIES[family]
@@ -78,11 +80,14 @@ def test_a_configured_window_that_no_layer_uses_is_no_window():
 
 
 def test_every_unsupported_feature_is_named_at_once():
-    with pytest.raises(UnsupportedModelError, match="model_type='gpt2' .supported: llama, mistral, qwen2, qwen3"):
+    with pytest.raises(UnsupportedModelError, match="model_type='gpt2' .supported: llama, mistral, qwen2, qwen3, phi3"):
         ModelSpec.from_hf_config(GPT2Config())
     dynamic_rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
     with pytest.raises(UnsupportedModelError, match="hidden_act='gelu'.*rope type 'dynamic'"):
         ModelSpec.from_hf_config(LlamaConfig(**{**TINY, "hidden_act": "gelu", "rope_parameters": dynamic_rope}))
+    partial = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor=0.5 .only 1.0"):
+        ModelSpec.from_hf_config(Phi3Config(**{**TINY, **FAMILIES["phi3"][1], "rope_parameters": partial}))
 
 
 def test_a_worker_given_an_unsupported_checkpoint_exits_1_with_one_line(tmp_path, redis_server):

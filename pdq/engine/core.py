@@ -33,7 +33,12 @@ A decode worker's core is the same core fed differently: a sequence whose K/V ar
 prefill worker joins with `add_prefilled` (it holds its blocks already and needs no prefill), the
 blocks promised to hand-offs still on their way are kept out of reach (`reserved_blocks`), the
 victim rule sees what the worker knows (tiers, tenants), and preempted sequences go back to the
-caller (`requeue_preempted=False`) to be requeued in the cluster.
+caller (`requeue_preempted=False`) to be requeued in the cluster. A prefill worker's core keeps
+its prompts in priority order and runs only the most urgent that can run (`urgent_first`); a
+prompt the pass completed leaves with its blocks (`detach`), to be handed off. With the prefix
+cache on, a prompt whose leading blocks another prompt is computing waits a step for them
+(`waits_for_shared_prefix`) instead of computing them twice. A prompt with one token left (past
+its cached prefix, or a last chunk of one) runs as a one-token row among the decode rows.
 """
 
 import time

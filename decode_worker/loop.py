@@ -26,7 +26,7 @@ import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -141,7 +141,6 @@ def take(inbox: queue.Queue, wait: float | None, handle: Callable[[Any], None]) 
 class LoopStats:
     steps: int = 0
     seq_steps: int = 0  # sequence-steps computed
-    wasted_seq_steps: int = 0  # of those, for sequences already finished (padding)
 
 
 class DecodeLoop(ModelLoop):
@@ -306,12 +305,12 @@ class DecodeLoop(ModelLoop):
 
     def _note_admitted(self, plan: CorePlan) -> None:
         """Marks the sequences the core admitted for this step (their spans' "admitted" event)."""
-        for seq in plan.decode:
-            if not seq.admitted:  # type: ignore[attr-defined]
-                seq.admitted = True  # type: ignore[attr-defined]
-                if seq.span is not None:  # type: ignore[attr-defined]
-                    seq.span.add_event("admitted", {"pdq.batch.running": len(self.core.running)})  # type: ignore[attr-defined]
-                    self._first_pending.append(seq)  # type: ignore[arg-type]
+        for seq in cast(list[Sequence], plan.decode):
+            if not seq.admitted:
+                seq.admitted = True
+                if seq.span is not None:
+                    seq.span.add_event("admitted", {"pdq.batch.running": len(self.core.running)})
+                    self._first_pending.append(seq)
 
     def _end_span(self, seq: Sequence, event: str, error: str | None = None, reason: str = "") -> None:
         """Ends the sequence's decode span once (the first end wins)."""
@@ -457,11 +456,9 @@ class DecodeLoop(ModelLoop):
         for seq, token in zip(seqs, tokens):
             if isinstance(token, Exception) and not seq.done and self.running.get(seq.rid) is seq:
                 self._fail(seq, f"sampling failed: {token}")  # this request's own: it alone ends
-        padded = self.core.padded
         max_seq_len = self.runner.max_seq_len
         outputs = self.core.update(plan, [t if isinstance(t, int) else 0 for t in tokens],
                                    lambda seq, token: bookkeeping.judge(seq, token, self.eos_ids, max_seq_len))  # type: ignore[arg-type]
-        self.stats.wasted_seq_steps += self.core.padded - padded
         step = bookkeeping.writes(outputs, {id(s): r for s, r in zip(seqs, records)}, self.stats.steps)
         now = time.monotonic()
         itl = []
@@ -485,7 +482,7 @@ class DecodeLoop(ModelLoop):
                         self._leave(seq)
             if items:
                 self._sent = (sent, step.owners, items)
-            self.step_metrics.step(self.stats.seq_steps, self.stats.wasted_seq_steps, len(seqs),
+            self.step_metrics.step(self.stats.seq_steps, self.core.padded, len(seqs),
                                    time.perf_counter() - started, itl)
             metrics.kv_pool("decode", self.runner, prefix=False)
             self._release_seats()
@@ -581,6 +578,5 @@ class DecodeLoop(ModelLoop):
             metrics.REQUEUES.labels("decode", state or "stale").inc()
             self._end_span(seq, "requeued", why, reason=f"{why}: {state or 'stale'}")
             self._leave(seq)
-        self._preempted = []
         for seq in seated:
             self._leave(seq)  # type: ignore[arg-type]

@@ -75,11 +75,6 @@ class Job:
     ended: bool = False  # `done` was called
 
     @property
-    def filled(self) -> int:
-        """Tokens of `prompt` whose KV is in the pool (or written by the pass planned)."""
-        return self.seq.num_cached if self.seq is not None else 0
-
-    @property
     def rid(self) -> str:
         return self.item.spec.request_id
 

@@ -85,8 +85,14 @@ class CorePlan:
     def items(self) -> tuple[list[PrefillItem], list[DecodeItem]]:
         """The forward's inputs (`ModelRunner.step`)."""
         return ([PrefillItem(c.seq.seq_id, c.seq.tokens(c.start, c.start + c.length), c.start) for c in self.prefill],
-                [(s.seq_id, s.token_at(p), p) for s in self.decode
-                 for p in (s.num_tokens - 1 if s.status is SeqStatus.FINISHED else s.num_cached - 1,)])
+                [_decode_row(s) for s in self.decode])
+
+
+def _decode_row(seq: Sequence) -> DecodeItem:
+    """A decode row: the position the step writes and the token there (`schedule()` counted it
+    in `num_cached`; a kept seat's row, not counted, recomputes its last position)."""
+    pos = seq.num_cached if seq.status is SeqStatus.FINISHED else seq.num_cached - 1
+    return seq.seq_id, seq.token_at(pos), pos
 
 
 @dataclass(frozen=True)
@@ -260,24 +266,29 @@ class EngineCore:
         reserved; while they are not free, the victim is preempted by recompute (which may be
         that sequence itself). A seat kept for a finished sequence takes a block only if one is
         free (else its padding row is left out)."""
-        runner = self.runner
         for seq in list(self.running.values()):
             if self.running.get(seq.seq_id) is not seq or seq.num_tokens - seq.num_cached != 1:
                 continue
             padding = seq.status is SeqStatus.FINISHED
-            while self.running.get(seq.seq_id) is seq:
-                missing = runner.missing_blocks(seq.seq_id, seq.num_tokens)
-                if not missing:
-                    break
-                if missing <= runner.free_blocks - self.reserved_blocks():
-                    runner.ensure(seq.seq_id, seq.num_tokens)
-                    break
+            while self.running.get(seq.seq_id) is seq and not self._grow(seq):
                 victim = None if padding else self.pick_victim(
                     [s for s in self.running.values() if s.status is SeqStatus.RUNNING])
                 if victim is None:  # nothing may go: its row waits (a padding row, or no victim allowed)
                     plan.held_back.append(seq)
                     break
                 self._preempt(victim, plan)
+
+    def _grow(self, seq: Sequence) -> bool:
+        """Takes the blocks `seq` needs for its next token from the free blocks not reserved.
+        -> False (taking nothing) when they are not there."""
+        runner = self.runner
+        missing = runner.missing_blocks(seq.seq_id, seq.num_tokens)
+        if not missing:  # most steps: its last block has room (the reserve is not even asked)
+            return True
+        if missing > runner.free_blocks - self.reserved_blocks():
+            return False
+        runner.ensure(seq.seq_id, seq.num_tokens)
+        return True
 
     def _preempt(self, seq: Sequence, plan: CorePlan) -> None:
         del self.running[seq.seq_id]
@@ -318,11 +329,9 @@ class EngineCore:
             if budget <= 0 and not strategy.run_to_completion:  # a request-level batch starts whole
                 break
             if seq.num_cached:  # its K/V arrived with it (add_prefilled): a block for its next token
-                missing = runner.missing_blocks(seq.seq_id, seq.num_tokens)
-                if missing > runner.free_blocks - self.reserved_blocks():
+                if not self._grow(seq):
                     self._wanted = False  # it waits for blocks that others hold; it is not stuck
                     break
-                runner.ensure(seq.seq_id, seq.num_tokens)
             else:
                 tokens = seq.tokens(0, seq.num_tokens)
                 if computing and waits_for_shared_prefix(tokens, lambda: runner.cached_tokens(tokens), computing,
@@ -376,7 +385,8 @@ class EngineCore:
     def release_seats(self) -> list[Sequence]:
         """Once every running sequence of a request-level batch has finished, their seats are
         given up (their blocks freed; `schedule()` does it too). -> the sequences that left."""
-        if not self.running or any(s.status is not SeqStatus.FINISHED for s in self.running.values()):
+        if (not self.strategy.run_to_completion or not self.running
+                or any(s.status is not SeqStatus.FINISHED for s in self.running.values())):
             return []
         done = list(self.running.values())
         for seq in done:

@@ -12,7 +12,7 @@ from torch import nn
 
 from pdq.engine.attention import AttnMetadata, attend
 from pdq.engine.layers import Linear, RotaryEmbedding, residual_rms_norm, rms_norm, silu_and_mul
-from pdq.model.arch import ModelSpec, rope_params
+from pdq.model.arch import FUSED_PROJECTIONS, ModelSpec, rope_params
 
 def rope_inv_freq(config, spec: ModelSpec) -> tuple[torch.Tensor, float]:
     """(inv_freq float32 [head_dim // 2], cos/sin scaling) exactly as HF computes them."""
@@ -44,7 +44,7 @@ class LlamaLayer(nn.Module):
             return Linear(w, torch.cat([sd[f"{n}.bias"] for n in names]) if bias else None)
 
         self.spec = spec
-        stored_fused = a + "qkv_proj.weight" in sd  # (Phi-3: q/k/v and gate/up stored fused, in this order)
+        stored_fused = spec.model_type in FUSED_PROJECTIONS  # (Phi-3: q/k/v and gate/up stored fused, in this order)
         self.qkv = fused([a + "qkv_proj"] if stored_fused else [a + "q_proj", a + "k_proj", a + "v_proj"], spec.qkv_bias)
         self.o = fused([a + "o_proj"], spec.o_bias)
         if spec.qk_norm:  # one RMSNorm over q and k heads together: [q_norm x num_heads | k_norm x kv_heads]

@@ -109,6 +109,7 @@ class _Reader:
         self.conn = pool.make_connection()
         self.streams: dict[bytes, _Stream] = {}
         self.client_id: int | None = None  # of the live connection; None until read after a (re)connect
+        self.connects = 0  # connections made so far (a restarted Redis may give a new one the old id)
         self.reading = 0  # generation of the XREAD in flight; 0 when none
         self._generation = 0
         self._waking = 0  # generation of the XREAD a wake was sent for (one wake per XREAD)
@@ -171,6 +172,7 @@ class _Reader:
                     await self.conn.connect()
                     await self.conn.send_command("CLIENT", "ID", check_health=False)
                     self.client_id = int(await self.conn.read_response())
+                    self.connects += 1
                 if self._closing.is_set():
                     return
                 if not self.streams:  # all left while it connected

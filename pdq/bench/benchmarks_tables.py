@@ -146,6 +146,16 @@ def _cpu_cell(cpu: dict) -> str:
     return ", ".join(f"{k} {v:.0f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]))
 
 
+def _capacity_row(label: str, s: dict) -> list[str]:
+    best, broken = s.get("best"), s.get("first_broken")
+    brk = f"{num(broken['offered_rps'])}/s offered: {broken['why']}" if broken else "-"
+    if not best:
+        return [label, str(s["max_tokens"]), "none: the first step broke", *["-"] * 4, brk]
+    cpu_ms = sum(best["cpu_pct"].values()) * 10 / best["requests_per_s"]
+    return [label, str(s["max_tokens"]), f"{num(best['requests_per_s'])} ({num(best['offered_rps'])})",
+            num(best["tokens_per_s"]), num(best["p99_ms"]), f"{cpu_ms:.1f}", _cpu_cell(best["cpu_pct"]), brk]
+
+
 def capacity_table(docs: Docs, files: dict[str, str]) -> list[str]:
     head = ["run", "max_tokens", "best sustained req/s (offered)", "streamed tok/s", "p99 submit->done ms",
             "CPU ms / request (all processes)", "CPU at the best step, % of a core", "first broken step"]
@@ -153,16 +163,13 @@ def capacity_table(docs: Docs, files: dict[str, str]) -> list[str]:
     for name, label in files.items():
         doc = docs.doc(name)
         for s in doc["sweeps"]:
-            best, broken = s.get("best"), s.get("first_broken")
-            brk = f"{num(broken['offered_rps'])}/s offered: {broken['why']}" if broken else "-"
-            if best:
-                cpu_ms = sum(best["cpu_pct"].values()) * 10 / best["requests_per_s"]
-                rows.append([label or name, str(s["max_tokens"]),
-                             f"{num(best['requests_per_s'])} ({num(best['offered_rps'])})",
-                             num(best["tokens_per_s"]), num(best["p99_ms"]), f"{cpu_ms:.1f}",
-                             _cpu_cell(best["cpu_pct"]), brk])
-            else:
-                rows.append([label or name, str(s["max_tokens"]), "none: the first step broke", *["-"] * 4, brk])
+            rows.append(_capacity_row(label or name, s))
+            if s.get("ceiling"):
+                rows.append(_capacity_row(f"{label or name}, bare gRPC server", s["ceiling"]))
+            if s.get("share_of_ceiling"):
+                sh = s["share_of_ceiling"]
+                notes.append(f"- {label or name}, max_tokens {s['max_tokens']}: pdq / the bare gRPC server "
+                             f"{sh['requests_per_s']:.2f}x req/s, {sh['tokens_per_s']:.2f}x streamed tok/s")
             if s.get("redis_ceiling_rps"):
                 notes.append(f"- {label or name}, max_tokens {s['max_tokens']}: at Redis's CPU per request of the "
                              f"best step, Redis alone on one core would carry ~{num(s['redis_ceiling_rps'])} req/s")

@@ -77,18 +77,19 @@ class RedisProbe:
 
 
 def run_step(target: str, plan: SweepPlan, rps: float, *, prompt_tokens: int, vocab: list[int], seed: int,
-             stream_interval: int, cpu_probe, redis_probe: RedisProbe, client_policy: str) -> Step:
+             stream_interval: int, cpu_probe, redis_probe: "RedisProbe | None", client_policy: str) -> Step:
     from pdq.bench.metrics import summarize
     from pdq.bench.service import run_service
 
     work = workload(plan, rps, prompt_tokens, vocab, seed)
     arrivals = Arrivals(rate=rps, seed=seed)
-    redis_probe.start()
+    if redis_probe:
+        redis_probe.start()
     busy0 = machine_cpu()
     record = run_service(target, "capacity", "continuous", work, arrivals, timeout_s=max(30.0, 10 * plan.step_s),
                          cpu_probe=cpu_probe, client_policy=client_policy, stream_interval=stream_interval)
     entry = summarize(record)
-    commands = redis_probe.stop(entry["completed"])
+    commands = redis_probe.stop(entry["completed"]) if redis_probe else {}
     offsets = arrivals.offsets(len(work.requests))
     offered, achieved, tokens_per_s = rates(record, offsets, rps)
     duration = entry["duration_s"]
@@ -141,17 +142,56 @@ def rates(record, offsets: list[float], rps: float) -> tuple[float, float, float
     return round(offered, 1), round(achieved, 1), round(tokens, 1)
 
 
-def sweep(target: str, plan: SweepPlan, **kw) -> list[Step]:
+def sweep(target: str, plan: SweepPlan, label: str = "capacity", **kw) -> list[Step]:
     steps: list[Step] = []
     while (rps := next_rate(steps, plan)) is not None:
         step = run_step(target, plan, rps, **kw)
         steps.append(step)
         cpu = ", ".join(f"{k} {v:.0f}%" for k, v in sorted(step.cpu_pct.items(), key=lambda kv: -kv[1]))
-        say(f"pdq bench: capacity max_tokens={plan.max_tokens} @ {step.offered_rps:.0f}/s offered: "
+        say(f"pdq bench: {label} max_tokens={plan.max_tokens} @ {step.offered_rps:.0f}/s offered: "
             f"{step.achieved_rps:.0f} req/s, {step.tokens_per_s:.0f} tok/s, p99 {step.p99_ms} ms, "
             f"machine {step.extra['machine_busy_pct']}% busy"
             f"{'; BROKE: ' + step.broke if step.broke else ''}  [{cpu}]")
     return steps
+
+
+def transport_ceiling(sweeps: list[SweepPlan], args: argparse.Namespace, vocab: list[int], cores: int) -> list[dict]:
+    """The same sweeps against a bare GenerateStream server (`pdq.bench.stream_ceiling`), run
+    as the cluster's control processes were (its CPU policy), once the cluster has stopped."""
+    from pdq.bench.procstat import CpuProbe
+    from pdq.bench.service import warm_up
+    from pdq.ops.child import spawn, stop
+    from pdq.ops.redis_server import free_port
+
+    port = free_port()
+    say("pdq bench: the same sweeps against a bare gRPC GenerateStream server (the transport's ceiling) ...")
+    server = spawn([sys.executable, "-m", "pdq.bench.stream_ceiling", str(port)], cpu_policy=args.control_policy)
+    target = f"127.0.0.1:{port}"
+    try:
+        import grpc
+
+        with grpc.insecure_channel(target) as channel:  # up before the first step
+            grpc.channel_ready_future(channel).result(timeout=60)
+        warm_up(target, vocab[0], max(2, args.warmup))
+        probe = CpuProbe({"grpc-server": server.pid})
+        out = []
+        for plan in sweeps:
+            steps = sweep(target, plan, prompt_tokens=args.capacity_prompt_tokens, vocab=vocab, seed=args.seed,
+                          stream_interval=args.stream_interval, cpu_probe=probe, redis_probe=None,
+                          client_policy=args.client_policy, label="bare gRPC")
+            out.append(summary(plan, steps, cores))
+        return out
+    finally:
+        stop(server)
+
+
+def share_of_ceiling(result: dict, ceiling: dict) -> dict | None:
+    """pdq's best sustained requests/s and streamed tokens/s over the bare server's."""
+    mine, bare = result.get("best"), ceiling.get("best")
+    if not mine or not bare or not bare["requests_per_s"] or not bare["tokens_per_s"]:
+        return None
+    return {"requests_per_s": round(mine["requests_per_s"] / bare["requests_per_s"], 3),
+            "tokens_per_s": round(mine["tokens_per_s"] / bare["tokens_per_s"], 3)}
 
 
 def redis_benchmark(host: str, port: int) -> dict | None:
@@ -229,6 +269,11 @@ def run(args: argparse.Namespace) -> int:
             redis_bench = redis_benchmark(cluster.redis.host, cluster.redis.port)
     finally:
         cluster.stop()
+    if args.capacity_ceiling:
+        ceilings = transport_ceiling(sweeps, args, vocab, cores)
+        for result, ceiling in zip(results, ceilings):
+            result["ceiling"] = ceiling
+            result["share_of_ceiling"] = share_of_ceiling(result, ceiling)
     print(report_text(results, redis_bench))
     if args.json:
         doc = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(["pdq", "bench", *sys.argv[
@@ -236,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
                "config": {"model": args.model, "colocate": args.colocate, "prefill": args.prefill,
                           "decode": args.decode, "stream_interval": args.stream_interval, "env": env,
                           "prompt_tokens": args.capacity_prompt_tokens, "control_policy": args.control_policy,
-                          "client_policy": args.client_policy},
+                          "client_policy": args.client_policy, "ceiling": args.capacity_ceiling},
                "machine": machine(), "sweeps": results, "redis_benchmark": redis_bench}
         with open(args.json, "w") as f:
             f.write(json.dumps(doc, indent=2) + "\n")
@@ -262,6 +307,13 @@ def report_text(results: list[dict], redis_bench: dict | None) -> str:
         if r["redis_ceiling_rps"]:
             lines.append(f"    Redis alone could carry ~{r['redis_ceiling_rps']:.0f} requests/s of this traffic "
                          f"(its CPU per request at the best step, on one whole core)")
+        c = (r.get("ceiling") or {}).get("best")
+        if c:
+            lines.append(f"    a bare gRPC GenerateStream server, same client and rules: {c['requests_per_s']:.0f} "
+                         f"requests/s, {c['tokens_per_s']:.0f} tokens/s ({c['bottleneck']})")
+        if r.get("share_of_ceiling"):
+            sh = r["share_of_ceiling"]
+            lines.append(f"    pdq / that ceiling: {sh['requests_per_s']:.2f}x requests/s, {sh['tokens_per_s']:.2f}x tokens/s")
     if redis_bench:
         lines.append("  redis-benchmark on the same Redis: " +
                      ", ".join(f"{k} {v:.0f}" for k, v in redis_bench.items()))

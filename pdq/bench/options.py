@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cap.add_argument("--capacity-max-tokens", default="8,128",
                      help="one sweep per value: the max_tokens of every request (default 8,128: submits, then "
                           "streamed tokens)")
+    cap.add_argument("--no-capacity-ceiling", dest="capacity_ceiling", action="store_false",
+                     help="skip the same sweeps against a bare gRPC GenerateStream server (pdq.bench.stream_ceiling), "
+                          "the transport's own ceiling on this machine, run after the cluster's")
     cap.add_argument("--capacity-prompt-tokens", type=int, default=8, help="prompt tokens per request (default 8)")
     cap.add_argument("--capacity-start", type=float, default=50.0, help="first offered rate, requests/s (default 50)")
     cap.add_argument("--capacity-factor", type=float, default=1.5, help="rate multiplier per step (default 1.5)")

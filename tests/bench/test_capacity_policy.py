@@ -47,3 +47,41 @@ def test_the_bottleneck_is_a_process_on_a_full_core_else_the_machine_else_none()
     assert bottleneck({"gateway": 97.0, "scheduler": 40.0}, cores=2).startswith("gateway (a full core")
     assert bottleneck({"gateway": 60.0, "scheduler": 60.0, "client": 55.0}, cores=2).startswith("the machine's 2 cores")
     assert bottleneck({"gateway": 30.0, "redis": 10.0}, cores=2).startswith("no process CPU-bound")
+
+
+def test_pdqs_share_of_the_bare_grpc_ceiling_is_its_best_step_over_the_bare_servers():
+    from pdq.bench.capacity import share_of_ceiling
+
+    mine = {"best": {"requests_per_s": 200.0, "tokens_per_s": 1600.0}}
+    bare = {"best": {"requests_per_s": 800.0, "tokens_per_s": 6400.0}}
+    assert share_of_ceiling(mine, bare) == {"requests_per_s": 0.25, "tokens_per_s": 0.25}
+    assert share_of_ceiling({"best": None}, bare) is None and share_of_ceiling(mine, {"best": None}) is None
+
+
+def test_the_bare_grpc_server_answers_a_stream_with_the_messages_the_gateway_sends():
+    """`pdq.bench.stream_ceiling` as a process: a first message, one message per token, then
+    the finish reason with usage; anything else UNIMPLEMENTED."""
+    import subprocess
+    import sys
+
+    import grpc
+
+    from pdq.client import Client
+    from pdq.ops.redis_server import free_port
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "pdq.bench.stream_ceiling", str(port)])
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            grpc.channel_ready_future(channel).result(timeout=60)
+        with Client(f"127.0.0.1:{port}") as client:
+            msgs = list(client.generate_stream([5, 6, 7], max_tokens=4, timeout=30))
+            with pytest.raises(grpc.RpcError) as err:
+                client.submit([5], max_tokens=1, timeout=30)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        server.terminate()
+        server.wait(10)
+    assert len(msgs) == 6 and msgs[0].request_id and not msgs[0].HasField("index")
+    assert [(m.index, list(m.token_ids)) for m in msgs[1:5]] == [(i, [m.token_id]) for i, m in enumerate(msgs[1:5])]
+    assert msgs[-1].finish_reason and (msgs[-1].usage.prompt_tokens, msgs[-1].usage.completion_tokens) == (3, 4)

@@ -40,17 +40,6 @@ class Event:
         # an end's usage fields (USAGE_FIELDS, in order), so that its reader needs no other read
         self.usage = dict(zip(USAGE_FIELDS, _str(f["u"]).split(","))) if "u" in f else None
 
-    @classmethod
-    def of_tokens(cls, events: list["Event"]) -> "Event":
-        """One token event of consecutive token events' tokens, from the first one's index."""
-        event = cls.__new__(cls)
-        event.index = events[0].index
-        event.token_ids = [t for e in events for t in e.token_ids]
-        event.texts = [t for e in events for t in e.texts]
-        event.logprobs = [p for e in events for p in e.logprobs]
-        event.state, event.reason, event.error, event.usage = None, "", "", None
-        return event
-
 
 def token_logprob(token_id: int, record: str) -> gen_pb.TokenLogprob:
     chosen, top = decode_logprobs(record)
@@ -59,35 +48,28 @@ def token_logprob(token_id: int, record: str) -> gen_pb.TokenLogprob:
 
 
 async def follow(store: AsyncStore, follower: OutputFollower, rid: str,
-                 wait_ms: int | None = None, merge: bool = False) -> AsyncIterator[Event]:
+                 wait_ms: int | None = None) -> AsyncIterator[Event]:
     """Yields the request's output stream from its first entry until its end entry; with
     wait_ms, stops early (without an end) once that long has passed (0: what is there now).
-    merge: one-token entries that are at hand together (read at once, or waiting because the
-    reader fell behind) come as one event (`joined`); entries of several tokens (a
-    stream_interval) stay as written. Raises FollowerUnavailable when the stream cannot be
-    followed (Redis unreachable past the outage window, the gateway stopping): the request is
-    untouched."""
-    async for events in _hands(store, follower, rid, wait_ms):
-        for event in joined(events) if merge else events:
+    Raises FollowerUnavailable when the stream cannot be followed (Redis unreachable past the
+    outage window, the gateway stopping): the request is untouched."""
+    key = store.keys.output(rid)
+    if wait_ms == 0:
+        async for fields in _entries(store, key, b"+"):
+            event = Event(fields)
             yield event
             if event.state is not None:
                 return
-
-
-async def _hands(store: AsyncStore, follower: OutputFollower, rid: str,
-                 wait_ms: int | None) -> AsyncIterator[list[Event]]:
-    """The request's output stream as the lists of events that are at hand at once."""
-    key = store.keys.output(rid)
-    if wait_ms == 0:
-        async for page in _entries(store, key, b"+"):
-            yield [Event(fields) for fields in page]
         return
     sub = follower.subscribe(key)
     deadline = None if wait_ms is None else asyncio.get_running_loop().time() + wait_ms / 1000
     try:
         if sub.start != b"0-0":  # joined a stream already followed: its entries so far are ours to read
-            async for page in _entries(store, key, sub.start):
-                yield [Event(fields) for fields in page]
+            async for fields in _entries(store, key, sub.start):
+                event = Event(fields)
+                yield event
+                if event.state is not None:
+                    return
         while True:
             if deadline is None:
                 batch = await sub.queue.get()
@@ -97,48 +79,25 @@ async def _hands(store: AsyncStore, follower: OutputFollower, rid: str,
                         batch = await sub.queue.get()
                 except TimeoutError:
                     return
-            failed = batch if isinstance(batch, Exception) else None
-            hand = [] if failed else list(batch)
-            while not failed and not sub.queue.empty():  # what came while this reader was behind
-                more = sub.queue.get_nowait()
-                if isinstance(more, Exception):
-                    failed = more
-                else:
-                    hand += more
-            if hand:  # parsed by the follower, or not
-                yield [entry if isinstance(entry, Event) else Event(entry) for _, entry in hand]
-            if failed is not None:
-                raise failed
+            if isinstance(batch, Exception):
+                raise batch
+            for _, entry in batch:
+                event = entry if isinstance(entry, Event) else Event(entry)  # parsed by the follower, or not
+                yield event
+                if event.state is not None:
+                    return
     finally:
         follower.unsubscribe(sub)
 
 
-def joined(events: list[Event]) -> list[Event]:
-    """`events` with each run of consecutive one-token events (indices in order) made one event
-    of their tokens; events of several tokens, and ends, stay as they are."""
-    out: list[Event] = []
-    run: list[Event] = []
-    for event in events + [None]:
-        single = event is not None and event.state is None and len(event.token_ids) == 1
-        if single and (not run or event.index == run[-1].index + len(run[-1].token_ids)):
-            run.append(event)
-            continue
-        if run:
-            out.append(run[0] if len(run) == 1 else Event.of_tokens(run))
-            run = [event] if single else []
-        if event is not None and not single:
-            out.append(event)
-    return out
-
-
-async def _entries(store: AsyncStore, key: str, upto: bytes) -> AsyncIterator[list[dict]]:
+async def _entries(store: AsyncStore, key: str, upto: bytes) -> AsyncIterator[dict]:
     """The stream's entries from its first to `upto` (an entry id, or b"+": its last), read
-    COUNT at a time: a list of their fields per read."""
+    COUNT at a time."""
     start = b"-"
     while True:
         entries = await store.client.xrange(key, start, upto, count=COUNT)
-        if entries:
-            yield [fields for _, fields in entries]
+        for _, fields in entries:
+            yield fields
         if len(entries) < COUNT:
             return
         start = b"(" + entries[-1][0]

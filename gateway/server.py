@@ -171,10 +171,8 @@ class GenerationService(gen_grpc.GenerationServicer):
 
     async def stream(self, rid: str, context: grpc.aio.ServicerContext, offset: int = 0, cancel_on_close: bool = True):
         """GenerateStreamResponse messages of a request from token `offset`, then its end: one
-        message per output stream entry, i.e. the tokens a worker wrote at once (a
-        stream_interval's group), except that one-token entries at hand together (the client
-        or this gateway fell behind the worker) go as one message: under load the gateway sends
-        fewer, larger messages instead of falling further behind (`results.joined`)."""
+        message per output stream entry, i.e. the tokens a worker wrote at once (one, unless
+        the request has a stream_interval)."""
         end = None
         sent = offset  # the first token index the client has not got
         left: BaseException | None = None  # what ended the call before the request ended
@@ -182,7 +180,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         first = span is not None
         try:
             yield gen_pb.GenerateStreamResponse(request_id=rid)
-            async for event in follow(self.store, self.follower, rid, merge=True):
+            async for event in follow(self.store, self.follower, rid):
                 if event.state is not None:
                     end = event
                     break

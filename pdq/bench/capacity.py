@@ -158,6 +158,8 @@ def sweep(target: str, plan: SweepPlan, label: str = "capacity", **kw) -> list[S
 def transport_ceiling(sweeps: list[SweepPlan], args: argparse.Namespace, vocab: list[int], cores: int) -> list[dict]:
     """The same sweeps against a bare GenerateStream server (`pdq.bench.stream_ceiling`), run
     as the cluster's control processes were (its CPU policy), once the cluster has stopped."""
+    import grpc
+
     from pdq.bench.procstat import CpuProbe
     from pdq.bench.service import warm_up
     from pdq.ops.child import spawn, stop
@@ -168,8 +170,6 @@ def transport_ceiling(sweeps: list[SweepPlan], args: argparse.Namespace, vocab: 
     server = spawn([sys.executable, "-m", "pdq.bench.stream_ceiling", str(port)], cpu_policy=args.control_policy)
     target = f"127.0.0.1:{port}"
     try:
-        import grpc
-
         with grpc.insecure_channel(target) as channel:  # up before the first step
             grpc.channel_ready_future(channel).result(timeout=60)
         warm_up(target, vocab[0], max(2, args.warmup))
@@ -289,6 +289,18 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r["best"] for r in results) else 1
 
 
+def _ceiling_lines(r: dict) -> list[str]:
+    """A sweep's bare gRPC server figures, and pdq's share of them, as report lines."""
+    lines = []
+    if c := (r.get("ceiling") or {}).get("best"):
+        lines.append(f"    a bare gRPC GenerateStream server, same client and rules: {c['requests_per_s']:.0f} "
+                     f"requests/s, {c['tokens_per_s']:.0f} tokens/s ({c['bottleneck']})")
+    if sh := r.get("share_of_ceiling"):
+        lines.append(f"    pdq / that ceiling: {sh['requests_per_s']:.2f}x requests/s, "
+                     f"{sh['tokens_per_s']:.2f}x tokens/s")
+    return lines
+
+
 def report_text(results: list[dict], redis_bench: dict | None) -> str:
     lines = ["control-plane capacity (best sustained step of each sweep):"]
     for r in results:
@@ -296,6 +308,7 @@ def report_text(results: list[dict], redis_bench: dict | None) -> str:
         if b is None:
             lines.append(f"  max_tokens={r['max_tokens']}: no step sustained "
                          f"({r['first_broken']['why'] if r['first_broken'] else 'no steps'})")
+            lines += _ceiling_lines(r)
             continue
         lines.append(f"  max_tokens={r['max_tokens']}: {b['requests_per_s']:.0f} requests/s, "
                      f"{b['tokens_per_s']:.0f} streamed tokens/s, p99 {b['p99_ms']} ms")
@@ -307,13 +320,7 @@ def report_text(results: list[dict], redis_bench: dict | None) -> str:
         if r["redis_ceiling_rps"]:
             lines.append(f"    Redis alone could carry ~{r['redis_ceiling_rps']:.0f} requests/s of this traffic "
                          f"(its CPU per request at the best step, on one whole core)")
-        c = (r.get("ceiling") or {}).get("best")
-        if c:
-            lines.append(f"    a bare gRPC GenerateStream server, same client and rules: {c['requests_per_s']:.0f} "
-                         f"requests/s, {c['tokens_per_s']:.0f} tokens/s ({c['bottleneck']})")
-        if r.get("share_of_ceiling"):
-            sh = r["share_of_ceiling"]
-            lines.append(f"    pdq / that ceiling: {sh['requests_per_s']:.2f}x requests/s, {sh['tokens_per_s']:.2f}x tokens/s")
+        lines += _ceiling_lines(r)
     if redis_bench:
         lines.append("  redis-benchmark on the same Redis: " +
                      ", ".join(f"{k} {v:.0f}" for k, v in redis_bench.items()))

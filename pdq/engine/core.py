@@ -304,9 +304,10 @@ class EngineCore:
     def _admit(self, budget: int, urgent: tuple | None = None, skip: tuple | None = None) -> list[Sequence]:
         """Waiting sequences given KV blocks this step (in order), as the strategy, the seats
         (`max_num_seqs`), the step's token `budget` and the free blocks allow (only those of
-        priority `urgent`, or all but those of priority `skip`, if given). With the prefix cache on, a prompt whose leading full
-        blocks a prompt being computed will hold, and the cache does not yet, waits a step
-        (`waits_for_shared_prefix`) to share them instead of computing them twice."""
+        priority `urgent`, or all but those of priority `skip`, if given). With the prefix
+        cache on, a prompt whose leading full blocks a prompt being computed will hold, and the
+        cache does not yet, waits a step (`waits_for_shared_prefix`) to share them instead of
+        computing them twice."""
         self._wanted = False
         if not self.waiting:
             return []

@@ -20,7 +20,7 @@ from urllib.parse import quote
 import redis
 
 from pdq.ops.child import spawn, stop
-from pdq.ops.redis_server import BIND_TRIES, PortTaken, RedisServer, find_redis_server, free_port
+from pdq.ops.redis_server import RedisServer, find_redis_server, free_port
 
 HOST = "127.0.0.1"
 NODE_ARGS = ("--repl-diskless-sync-delay", "0")  # a replica syncs at once, not after 5 s waiting for others
@@ -73,8 +73,8 @@ class SentinelServer:
                  *((f"requirepass {password}", f"sentinel sentinel-pass {password}") if password else ())]
         with open(self.config, "w") as f:  # Sentinel rewrites it with what it learns
             f.write("\n".join(lines) + "\n")
-        self.process = spawn([find_redis_server(tls=tls is not None), self.config, "--sentinel"], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
+        self.process = spawn([find_redis_server(tls=tls is not None), self.config, "--sentinel"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         self.client = redis.Redis(HOST, self.port, socket_timeout=2, socket_connect_timeout=0.5, decode_responses=True,
                                   password=password or None, **(tls.client_kwargs() if tls else {}))
 
@@ -133,18 +133,10 @@ class SentinelGroup:
     def _node(self, name: str, *args: str) -> RedisServer:
         """Starts a node; over TLS it also listens on a TLS port (its plain one stays, for this
         group's own checks) and replicates over TLS."""
-        directory = self._dir(name)
-        for attempt in range(BIND_TRIES):  # its ports are chosen afresh when another process took one
-            tls_port = free_port() if self.tls else 0
-            extra = ("--tls-port", str(tls_port), *self.tls.server_args()) if self.tls else ()
-            try:
-                node = RedisServer(directory, extra_args=(*NODE_ARGS, *extra, *args), tls=bool(self.tls)).start()
-                break
-            except PortTaken:
-                if attempt == BIND_TRIES - 1:
-                    raise
+        node = RedisServer(self._dir(name), extra_args=(*NODE_ARGS, *args),
+                           tls_args=self.tls.server_args() if self.tls else ()).start()
         self.nodes.append(node)
-        self.tls_ports[node.port] = tls_port
+        self.tls_ports[node.port] = node.tls_port
         return node
 
     def _watched(self, node: RedisServer) -> int:

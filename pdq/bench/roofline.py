@@ -7,7 +7,10 @@ sequence still running as a row. A pass costs the model's linear layers at its r
 (q|k|v, o, gate|up, down per layer, the LM head on the rows that sample), timed with the
 runtime's own fastest GEMM path (`pdq.engine.layers.Linear`, prepacked on CPU) on weights of the
 model's shapes, plus attention's two matrix multiplies per layer (scores and values, batched
-matmuls): each prompt over itself, each decode step's rows over the step's longest context.
+matmuls): each prompt over itself, each decode step's rows over as many keys as the step's
+sequences hold (every row over their mean context: the real step's work and bytes). Each layer
+reads keys and values of its own, as the model's layers do: one tensor reread by every layer
+would time the cache, not memory.
 Norms, rotary, softmax, sampling and everything else count as free, so no server can beat the
 roofline; a run's efficiency is its tokens/s over the roofline's. On a GPU each pass is timed as
 a CUDA graph replay, so that kernel launches, free on the roofline too, do not bound it.
@@ -54,10 +57,11 @@ def passes(workload: Workload, step_tokens: int) -> Counter:
 
 
 def decode_steps(workload: Workload) -> list[tuple[int, int]]:
-    """(sequences running, longest context) of each decode step, every request started at once."""
+    """(sequences running, keys they read: their contexts summed) of each decode step, every
+    request started at once."""
     reqs = [(r.max_tokens - 1, r.prompt_len) for r in workload.requests]
     steps = max((left for left, _ in reqs), default=0)
-    return [(sum(1 for left, _ in reqs if left > k), max(p + 1 + k for left, p in reqs if left > k))
+    return [(sum(1 for left, _ in reqs if left > k), sum(p + 1 + k for left, p in reqs if left > k))
             for k in range(steps)]
 
 
@@ -101,23 +105,33 @@ def measure(model_dir: str, workload: Workload, *, step_tokens: int = 1024, repe
         return _median_time(lambda: one_pass(x, x_mid, x_attn, sampled), repeats, device)
 
     group = spec.num_heads // spec.num_kv_heads
+    steps = [(running, -(-keys // running)) for running, keys in decode_steps(workload)]  # (rows, mean context)
+    most_rows = max([1, *(running for running, _ in steps)]) * spec.num_kv_heads
+    most_keys = max([1, *(r.prompt_len for r in workload.requests), *(keys for _, keys in steps)])
+    # every layer's keys and values: the largest shape once, each pass a slice of it (the same
+    # values in every element, which leaves a matrix multiply's speed as it is)
+    kv = [(torch.full((most_rows, most_keys, spec.head_dim), 0.02, dtype=dtype, device=device),
+           torch.full((most_rows, most_keys, spec.head_dim), 0.02, dtype=dtype, device=device))
+          for _ in range(spec.num_layers)]
 
     @torch.inference_mode()
     def attention(batch: int, queries: int, keys: int) -> float:
-        """Both matmuls of every layer: [batch * kv_heads, group * queries, hd] x keys."""
+        """Both matmuls of every layer: [batch * kv_heads, group * queries, hd] x keys, over
+        that layer's own keys and values."""
         q_ = torch.randn(batch * spec.num_kv_heads, group * queries, spec.head_dim, generator=gen).to(device, dtype)
-        k_ = torch.randn(batch * spec.num_kv_heads, keys, spec.head_dim, generator=gen).to(device, dtype)
+        rows = batch * spec.num_kv_heads
 
         def run() -> None:
-            for _ in range(spec.num_layers):
-                torch.bmm(torch.bmm(q_, k_.transpose(1, 2)), k_)
+            for k_, v_ in kv:
+                torch.bmm(torch.bmm(q_, k_[:rows, :keys].transpose(1, 2)), v_[:rows, :keys])
 
         return _median_time(run, repeats, device)
 
     shapes = passes(workload, step_tokens)
     seconds = sum(count * timed(rows, sampled) for (rows, sampled), count in shapes.items())
     seconds += sum(attention(1, r.prompt_len, r.prompt_len) for r in workload.requests) / 2  # causal: half
-    seconds += sum(attention(running, 1, keys) for running, keys in decode_steps(workload))
+    seconds += sum(attention(running, 1, keys) for running, keys in steps)
+    del kv
     return Roofline(seconds, workload.output_tokens, sum(shapes.values()))
 
 

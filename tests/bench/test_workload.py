@@ -79,7 +79,8 @@ def test_the_roofline_runs_every_prompt_row_and_every_decode_row_once():
     assert sampled == w.output_tokens  # a row samples once per output token
     steps = decode_steps(w)
     assert len(steps) == max(r.max_tokens for r in w.requests) - 1
-    assert steps[0] == (sum(r.max_tokens > 1 for r in w.requests), max(r.prompt_len + 1 for r in w.requests))
+    assert steps[0] == (sum(r.max_tokens > 1 for r in w.requests),
+                        sum(r.prompt_len + 1 for r in w.requests if r.max_tokens > 1))  # each row's own context
     assert all(a[0] >= b[0] for a, b in zip(steps, steps[1:]))  # sequences only leave
 
 

@@ -175,3 +175,19 @@ def test_the_cpu_kernel_leaves_the_process_floating_point_mode_alone():
     tiny = float.fromhex("0x1p-1070")  # subnormal
     assert tiny * 2 > 0 and torch.tensor([tiny], dtype=torch.float64).mul(2).item() > 0
 
+
+
+def test_prompt_attention_runs_torchs_fused_cpu_kernel(tiny_llama, make_runner):
+    """Prompt chunks, from position 0 (causal) and continuing one (masked), attend through
+    torch's flash kernel for CPU: given 3-D inputs SDPA falls back to its math path (scores
+    materialized, a "safe" softmax), 2-3x slower."""
+    runner = make_runner(tiny_llama, slots=2)
+    a, b = tokens(40, 11), tokens(24, 12)
+    for s in "ab":
+        runner.allocate(s)
+    runner.prefill([PrefillItem("a", a[:16], 0)])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        runner.prefill([PrefillItem("a", a[16:], 16), PrefillItem("b", b, 0)])
+    ops = [e.name for e in prof.events()]
+    assert ops.count("aten::_scaled_dot_product_flash_attention_for_cpu") == 2 * tiny_llama.config.num_hidden_layers
+    assert "aten::_scaled_dot_product_attention_math" not in ops

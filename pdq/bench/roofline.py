@@ -17,7 +17,6 @@ a CUDA graph replay, so that kernel launches, free on the roofline too, do not b
 """
 
 import logging
-import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -66,7 +65,8 @@ def decode_steps(workload: Workload) -> list[tuple[int, int]]:
 
 
 def measure(model_dir: str, workload: Workload, *, step_tokens: int = 1024, repeats: int = 3) -> Roofline:
-    """Times every pass shape of `passes` (median of `repeats`) on this machine's CPU or GPU."""
+    """Times every pass shape of `passes` (the best of `repeats`: other load only ever slows a
+    timing, and a roofline is a bound) on this machine's CPU or GPU."""
     import torch
     from transformers import AutoConfig
 
@@ -102,7 +102,7 @@ def measure(model_dir: str, workload: Workload, *, step_tokens: int = 1024, repe
         x = torch.randn(rows, h, generator=gen).to(device, dtype)
         x_attn = torch.randn(rows, q, generator=gen).to(device, dtype)
         x_mid = torch.randn(rows, spec.intermediate_size, generator=gen).to(device, dtype)
-        return _median_time(lambda: one_pass(x, x_mid, x_attn, sampled), repeats, device)
+        return _best_time(lambda: one_pass(x, x_mid, x_attn, sampled), repeats, device)
 
     group = spec.num_heads // spec.num_kv_heads
     steps = [(running, -(-keys // running)) for running, keys in decode_steps(workload)]  # (rows, mean context)
@@ -125,7 +125,7 @@ def measure(model_dir: str, workload: Workload, *, step_tokens: int = 1024, repe
             for k_, v_ in kv:
                 torch.bmm(torch.bmm(q_, k_[:rows, :keys].transpose(1, 2)), v_[:rows, :keys])
 
-        return _median_time(run, repeats, device)
+        return _best_time(run, repeats, device)
 
     shapes = passes(workload, step_tokens)
     seconds = sum(count * timed(rows, sampled) for (rows, sampled), count in shapes.items())
@@ -135,7 +135,7 @@ def measure(model_dir: str, workload: Workload, *, step_tokens: int = 1024, repe
     return Roofline(seconds, workload.output_tokens, sum(shapes.values()))
 
 
-def _median_time(fn, repeats: int, device) -> float:
+def _best_time(fn, repeats: int, device) -> float:
     import torch
 
     fn()  # warm: first use of a shape
@@ -150,7 +150,7 @@ def _median_time(fn, repeats: int, device) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def _graphed(fn):

@@ -228,11 +228,13 @@ def run(args: argparse.Namespace) -> int:
             stop(bare)
         ttft_ms = _client_ttft(cluster.target, median_prompt)
         served = _split(cluster, workload)
+    from pdq.bench.report import machine
+
     med = handoff["median"]
     overhead = {t: (med["export_ms"] + med[t]["push_ms"]) / med["prefill_ms"] for t in TRANSPORTS}
     total = sum(served.values())
     shares = {k: round(v / total, 3) for k, v in served.items()}
-    out = {"model": args.model, "handoff": handoff,
+    out = {"model": args.model, "machine": machine(), "handoff": handoff,
            "ttft": {"prefill_alone_ms": med["prefill_ms"], "client_ttft_ms": ttft_ms,
                     **{t: {"prefill_plus_handoff_ms": round(med["prefill_ms"] + med["export_ms"] + med[t]["push_ms"], 3),
                            "handoff_overhead": round(overhead[t], 3),

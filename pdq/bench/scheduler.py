@@ -30,6 +30,7 @@ from pathlib import Path
 import grpc
 import redis
 
+from pdq.bench.report import machine
 from pdq.ops import cpu
 from pdq.client import Client
 from pdq.ops.up import Cluster
@@ -242,5 +243,5 @@ def run(args: argparse.Namespace) -> int:
         value = report[part][key]
         print(f"  {name}: {value}   goal {low}..{high}: {'met' if low <= value <= high else 'NOT met'}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"scheduler": report}, indent=2))
+        Path(args.json).write_text(json.dumps({"scheduler": report, "machine": machine()}, indent=2))
     return 0

@@ -1,0 +1,53 @@
+"""The paged decode attention kernel (`cpu_kernels.paged_decode`) against plain torch, over
+the shapes its work split takes: several sequences per thread (each item a sequence's blocks,
+all heads), and fewer sequences than threads (a sequence's heads split into parts)."""
+
+import math
+
+import pytest
+import torch
+
+from pdq.engine import cpu_kernels
+
+
+def reference(q, k_cache, v_cache, tables, lens):
+    """Each row over its own keys, gathered from its blocks, in float64."""
+    b, heads, dim = q.shape
+    kv_heads, bs = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(b, heads, dim, dtype=torch.float64)
+    for i in range(b):
+        n = int(lens[i])
+        blocks = tables[i, : -(-n // bs)].long()
+        keys = k_cache[blocks].transpose(0, 1).reshape(kv_heads, -1, dim)[:, :n].double()
+        values = v_cache[blocks].transpose(0, 1).reshape(kv_heads, -1, dim)[:, :n].double()
+        qi = q[i].double().view(kv_heads, heads // kv_heads, dim)
+        weights = torch.softmax(qi @ keys.transpose(1, 2) / math.sqrt(dim), dim=-1)
+        out[i] = (weights @ values).reshape(heads, dim)
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("batch,kv_heads,group,dim", [(1, 4, 2, 64), (2, 3, 2, 32), (3, 1, 4, 16), (5, 4, 1, 64),
+                                                      (24, 2, 2, 32)])
+def test_paged_decode_matches_torch(batch, kv_heads, group, dim, threads):
+    assert cpu_kernels.available()  # CI has a C compiler: the kernel must be what runs here
+    gen = torch.Generator().manual_seed(batch * 100 + kv_heads * 10 + group)
+    bs = 16
+    lens = torch.randint(1, 150, (batch,), generator=gen, dtype=torch.int32)
+    lens[0] = 1  # a sequence of one key, and one ending exactly on a block
+    if batch > 1:
+        lens[1] = 2 * bs
+    max_blocks = int(-(-int(lens.max()) // bs))
+    num_blocks = batch * max_blocks + 3
+    # each sequence's blocks anywhere in the pool, in no order
+    tables = torch.randperm(num_blocks, generator=gen)[: batch * max_blocks].view(batch, max_blocks).to(torch.int32)
+    k_cache = torch.randn(num_blocks, kv_heads, bs, dim, generator=gen)
+    v_cache = torch.randn(num_blocks, kv_heads, bs, dim, generator=gen)
+    q = torch.randn(batch, kv_heads * group, dim, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the kernel splits its work by the thread count
+    try:
+        out = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, 1 / math.sqrt(dim))
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, tables, lens), atol=1e-5, rtol=1e-5)

@@ -11,8 +11,10 @@ matmuls): each prompt over itself, each decode step's rows over as many keys as 
 sequences hold (every row over their mean context: the real step's work and bytes). Each layer
 reads keys and values of its own, as the model's layers do: one tensor reread by every layer
 would time the cache, not memory.
-Norms, rotary, softmax, sampling and everything else count as free, so no server can beat the
-roofline; a run's efficiency is its tokens/s over the roofline's. On a GPU each pass is timed as
+Norms, rotary, softmax, sampling and everything else count as free, so no server beats the
+roofline as a whole (its attention part is torch's batched matmul, which pdq's own paged decode
+kernel outruns on CPU: a bound for the linear layers, a yardstick for attention); a run's
+efficiency is its tokens/s over the roofline's. On a GPU each pass is timed as
 a CUDA graph replay, so that kernel launches, free on the roofline too, do not bound it.
 """
 

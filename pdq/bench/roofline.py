@@ -108,12 +108,12 @@ def measure(model_dir: str, workload: Workload, *, step_tokens: int = 1024, repe
 
     group = spec.num_heads // spec.num_kv_heads
     steps = [(running, -(-keys // running)) for running, keys in decode_steps(workload)]  # (rows, mean context)
-    most_rows = max([1, *(running for running, _ in steps)]) * spec.num_kv_heads
-    most_keys = max([1, *(r.prompt_len for r in workload.requests), *(keys for _, keys in steps)])
-    # every layer's keys and values: the largest shape once, each pass a slice of it (the same
-    # values in every element, which leaves a matrix multiply's speed as it is)
-    kv = [(torch.full((most_rows, most_keys, spec.head_dim), 0.02, dtype=dtype, device=device),
-           torch.full((most_rows, most_keys, spec.head_dim), 0.02, dtype=dtype, device=device))
+    # every layer's keys and values, as much as the largest pass reads (the workload's own KV at
+    # its largest step), each pass a view of its start; one value throughout, which leaves a
+    # matrix multiply's speed as it is
+    most = spec.num_kv_heads * spec.head_dim * max([1, *(r.prompt_len for r in workload.requests),
+                                                    *(running * keys for running, keys in steps)])
+    kv = [(torch.full((most,), 0.02, dtype=dtype, device=device), torch.full((most,), 0.02, dtype=dtype, device=device))
           for _ in range(spec.num_layers)]
 
     @torch.inference_mode()
@@ -123,9 +123,12 @@ def measure(model_dir: str, workload: Workload, *, step_tokens: int = 1024, repe
         q_ = torch.randn(batch * spec.num_kv_heads, group * queries, spec.head_dim, generator=gen).to(device, dtype)
         rows = batch * spec.num_kv_heads
 
+        n = rows * keys * spec.head_dim
+        layers = [(k_[:n].view(rows, keys, spec.head_dim), v_[:n].view(rows, keys, spec.head_dim)) for k_, v_ in kv]
+
         def run() -> None:
-            for k_, v_ in kv:
-                torch.bmm(torch.bmm(q_, k_[:rows, :keys].transpose(1, 2)), v_[:rows, :keys])
+            for k_, v_ in layers:
+                torch.bmm(torch.bmm(q_, k_.transpose(1, 2)), v_)
 
         return _best_time(run, repeats, device)
 

@@ -10,12 +10,11 @@ model's shapes, plus attention's two matrix multiplies per layer (scores and val
 matmuls): each prompt over itself, each decode step's rows over as many keys as the step's
 sequences hold (every row over their mean context: the real step's work and bytes). Each layer
 reads keys and values of its own, as the model's layers do: one tensor reread by every layer
-would time the cache, not memory.
-Norms, rotary, softmax, sampling and everything else count as free, so no server beats the
-roofline as a whole (its attention part is torch's batched matmul, which pdq's own paged decode
-kernel outruns on CPU: a bound for the linear layers, a yardstick for attention); a run's
-efficiency is its tokens/s over the roofline's. On a GPU each pass is timed as
-a CUDA graph replay, so that kernel launches, free on the roofline too, do not bound it.
+would time the cache, not memory. Norms, rotary, softmax, sampling and everything else count as
+free, so no server beats the roofline as a whole (its attention part is torch's batched matmul,
+which pdq's own paged decode kernel outruns on CPU: a bound for the linear layers, a yardstick
+for attention); a run's efficiency is its tokens/s over the roofline's. On a GPU each pass is
+timed as a CUDA graph replay, so that kernel launches, free on the roofline too, do not bound it.
 """
 
 import logging
@@ -122,7 +121,6 @@ def measure(model_dir: str, workload: Workload, *, step_tokens: int = 1024, repe
         that layer's own keys and values."""
         q_ = torch.randn(batch * spec.num_kv_heads, group * queries, spec.head_dim, generator=gen).to(device, dtype)
         rows = batch * spec.num_kv_heads
-
         n = rows * keys * spec.head_dim
         layers = [(k_[:n].view(rows, keys, spec.head_dim), v_[:n].view(rows, keys, spec.head_dim)) for k_, v_ in kv]
 
@@ -136,7 +134,6 @@ def measure(model_dir: str, workload: Workload, *, step_tokens: int = 1024, repe
     seconds = sum(count * timed(rows, sampled) for (rows, sampled), count in shapes.items())
     seconds += sum(attention(1, r.prompt_len, r.prompt_len) for r in workload.requests) / 2  # causal: half
     seconds += sum(attention(running, 1, keys) for running, keys in steps)
-    del kv
     return Roofline(seconds, workload.output_tokens, sum(shapes.values()))
 
 

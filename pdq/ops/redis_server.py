@@ -133,15 +133,15 @@ class RedisServer:
         object chose itself (`free_port`), one of which another process took meanwhile, moves to
         new ones (up to BIND_TRIES times); a port the caller gave stays, and a taken one raises
         `PortTaken`."""
-        for attempt in range(BIND_TRIES):
+        for _ in range(BIND_TRIES - 1):
             try:
                 return self._start(timeout_s)
             except PortTaken:
-                if not self._auto_port or self._started or attempt == BIND_TRIES - 1:
+                if not self._auto_port or self._started:
                     raise
                 self.port = free_port()
                 self.tls_port = free_port() if self.tls_args else 0
-        raise AssertionError("unreachable")
+        return self._start(timeout_s)
 
     def _start(self, timeout_s: float) -> "RedisServer":
         log_from = self._log_size()  # what this start logs comes after

@@ -93,16 +93,19 @@ def attend(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttnMetadata,
+    stored: bool = False,
 ) -> torch.Tensor:
-    """Write this step's K/V into the pool, then attend. Returns [T, q_heads, head_dim].
+    """Write this step's K/V into the pool (unless `stored`: already written), then attend.
+    Returns [T, q_heads, head_dim].
 
     q: [T, q_heads, head_dim]; k, v: [T, kv_heads, head_dim] (rotary already applied).
     k_cache, v_cache: this layer's pool tensors [num_blocks, kv_heads, block_size, head_dim];
     written in place at meta.kv_rows.
     """
-    head_dim = k.shape[-1]
-    k_cache.view(-1, head_dim).index_copy_(0, meta.kv_rows, k.reshape(-1, head_dim))
-    v_cache.view(-1, head_dim).index_copy_(0, meta.kv_rows, v.reshape(-1, head_dim))
+    if not stored:
+        head_dim = k.shape[-1]
+        k_cache.view(-1, head_dim).index_copy_(0, meta.kv_rows, k.reshape(-1, head_dim))
+        v_cache.view(-1, head_dim).index_copy_(0, meta.kv_rows, v.reshape(-1, head_dim))
     gqa = q.shape[1] != k.shape[1]
     outs = []
     for c in meta.chunks:

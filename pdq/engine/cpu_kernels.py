@@ -92,6 +92,7 @@ def _build() -> ctypes.CDLL | None:
                        ("rms_norm_f32", [ptr, i64, ptr, ptr, i64, i32, i32, f32, i32]),
                        ("add_rms_norm_f32", [ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, f32, i32]),
                        ("rotary_f32", [ptr, i64, i32, i32, i32, ptr, ptr, i32]),
+                       ("rotary_kv_f32", [ptr, i64, i32, i32, i32, i32, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32]),
                        ("silu_mul_f32", [ptr, i64, ptr, i32, i32, i32])):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = None, args
@@ -157,6 +158,28 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> tor
     _library().rotary_f32(ptr(x.data_ptr()), x.stride(0), rows, heads, dim, ptr(cos.data_ptr()),
                           ptr(sin_signed.data_ptr()), torch.get_num_threads())
     return x
+
+
+def rotary_kv_(qk: torch.Tensor, q_heads: int, cos: torch.Tensor, sin_signed: torch.Tensor, v: torch.Tensor,
+               kv_rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """`rotary_` of qk [rows, q_heads + kv_heads, head_dim] in place, and in the same pass this
+    step's K/V into a layer's pool: the rotated k heads and v [rows, kv_heads, head_dim] (heads
+    contiguous in each row) at `kv_rows` (long [rows * kv_heads], rows of the pool viewed as
+    [-1, head_dim]; see `attention.kv_rows`) of k_cache and v_cache (contiguous). -> qk.
+    Needs `fused_ops()`."""
+    rows, heads, dim = qk.shape
+    kv_heads = heads - q_heads
+    if (qk.stride(2) != 1 or qk.stride(1) != dim or v.stride(2) != 1 or v.stride(1) != dim
+            or not (cos.is_contiguous() and sin_signed.is_contiguous() and k_cache.is_contiguous()
+                    and v_cache.is_contiguous() and kv_rows.is_contiguous())
+            or kv_rows.dtype != torch.int64 or kv_rows.numel() != rows * kv_heads or tuple(v.shape) != (rows, kv_heads, dim)):
+        raise ValueError("rotary_kv_: qk's and v's heads must be contiguous in each row, the tables, caches and "
+                         "int64 kv_rows [rows * kv_heads] contiguous")
+    ptr = ctypes.c_void_p
+    _library().rotary_kv_f32(ptr(qk.data_ptr()), qk.stride(0), rows, q_heads, kv_heads, dim, ptr(cos.data_ptr()),
+                             ptr(sin_signed.data_ptr()), ptr(v.data_ptr()), v.stride(0), ptr(kv_rows.data_ptr()),
+                             ptr(k_cache.data_ptr()), ptr(v_cache.data_ptr()), torch.get_num_threads())
+    return qk
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

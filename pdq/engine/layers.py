@@ -134,3 +134,16 @@ class RotaryEmbedding(torch.nn.Module):
             return cpu_kernels.rotary_(x, cos, sin_signed)
         swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d)  # [x2 | x1]
         return x * cos + swapped * sin_signed
+
+
+def rotary_and_store(qk: torch.Tensor, q_heads: int, cos: torch.Tensor, sin_signed: torch.Tensor, v: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, kv_rows: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Rotates qk [T, q_heads + kv_heads, head_dim] (`RotaryEmbedding.apply`). On CPU in float32
+    it also writes this step's K/V (the rotated k heads, v) into the layer's pool at `kv_rows`
+    in the same pass (`cpu_kernels.rotary_kv_`). -> (the rotated qk, whether K/V were written)."""
+    d = qk.shape[2]
+    if (_fused(qk) and qk.stride(2) == 1 and qk.stride(1) == d and v.stride(2) == 1 and v.stride(1) == d
+            and cos.is_contiguous() and sin_signed.is_contiguous() and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and kv_rows.dtype == torch.int64):
+        return cpu_kernels.rotary_kv_(qk, q_heads, cos, sin_signed, v, kv_rows, k_cache, v_cache), True
+    return RotaryEmbedding.apply(qk, cos, sin_signed), False

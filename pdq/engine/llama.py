@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdq.engine.attention import AttnMetadata, attend
-from pdq.engine.layers import Linear, RotaryEmbedding, residual_rms_norm, rms_norm, silu_and_mul
+from pdq.engine.layers import Linear, RotaryEmbedding, residual_rms_norm, rms_norm, rotary_and_store, silu_and_mul
 from pdq.model.arch import FUSED_PROJECTIONS, ModelSpec, rope_params
 
 def rope_inv_freq(config, spec: ModelSpec) -> tuple[torch.Tensor, float]:
@@ -73,10 +73,10 @@ class LlamaLayer(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, s.head_dim)
         if s.qk_norm:
             qk = rms_norm(qk, self.qk_norm, s.rms_norm_eps)
-        qk = RotaryEmbedding.apply(qk, cos, sin)
-        q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, s.num_kv_heads, s.head_dim)
-        o = attend(q, k, v, k_cache, v_cache, meta)
+        qk, stored = rotary_and_store(qk, s.num_heads, cos, sin, v, k_cache, v_cache, meta.kv_rows)
+        q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
+        o = attend(q, k, v, k_cache, v_cache, meta, stored=stored)
         residual, normed = residual_rms_norm(residual, self.o(o.reshape(t, self.q_size)), self.post_norm,
                                              s.rms_norm_eps)
         return self.down(silu_and_mul(self.gate_up(normed))), residual

@@ -1,14 +1,15 @@
 """The fused CPU kernels of a decoder layer's elementwise work (`pdq.engine.cpu_kernels`:
-RMSNorm with and without the residual add, rotary embedding in place, SwiGLU) against the torch
-ops they replace, on views as the layer passes them; and a whole model's logits with them on
-and off."""
+RMSNorm with and without the residual add, rotary embedding in place, rotary with the step's
+K/V written to the pool, SwiGLU) against the torch ops they replace, on views as the layer
+passes them; and a whole model's logits with them on and off."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from pdq.engine import cpu_kernels
-from pdq.engine.layers import RotaryEmbedding, residual_rms_norm, rms_norm, silu_and_mul
+from pdq.engine.attention import kv_rows
+from pdq.engine.layers import RotaryEmbedding, residual_rms_norm, rms_norm, rotary_and_store, silu_and_mul
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -50,6 +51,33 @@ def test_rotary_in_place_on_the_q_and_k_heads_of_a_fused_qkv_matches_torch_and_l
     torch.testing.assert_close(got, expected, **TOL)
     torch.testing.assert_close(qkv[:, (q_heads + kv_heads) * dim:], before[:, (q_heads + kv_heads) * dim:],
                                rtol=0, atol=0)  # v untouched
+
+
+@pytest.mark.parametrize("rows", [1, 9, 200])
+def test_rotary_with_the_kv_write_equals_rotary_then_torchs_index_copies_bit_for_bit(rows):
+    g = torch.Generator().manual_seed(rows)
+    dim, q_heads, kv_heads, blocks, bs = 64, 8, 4, 64, 16
+    rotary = RotaryEmbedding(1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)), 1.0, 4096, torch.float32)
+    qkv = torch.randn(rows, (q_heads + 2 * kv_heads) * dim, generator=g)
+    cos, sin = rotary.tables(torch.randint(0, 4096, (rows,), generator=g))
+    where = kv_rows(torch.randperm(blocks * bs, generator=g)[:rows], torch.arange(kv_heads), bs)  # scattered slots
+    caches = [torch.randn(blocks, kv_heads, bs, dim, generator=g) for _ in range(2)]
+
+    def views(t):
+        return t[:, : (q_heads + kv_heads) * dim].view(rows, -1, dim), t[:, (q_heads + kv_heads) * dim:].view(rows, kv_heads, dim)
+
+    want_qkv, (want_k, want_v) = qkv.clone(), [c.clone() for c in caches]
+    qk, v = views(want_qkv)
+    RotaryEmbedding.apply(qk, cos, sin)
+    want_k.view(-1, dim).index_copy_(0, where, qk[:, q_heads:].reshape(-1, dim))
+    want_v.view(-1, dim).index_copy_(0, where, v.reshape(-1, dim))
+
+    qk, v = views(qkv)
+    got, stored = rotary_and_store(qk, q_heads, cos, sin, v, caches[0], caches[1], where)
+    assert stored and got.data_ptr() == qkv.data_ptr()  # the fused path, in place
+    torch.testing.assert_close(qkv, want_qkv, rtol=0, atol=0)
+    torch.testing.assert_close(caches[0], want_k, rtol=0, atol=0)  # every other slot untouched too
+    torch.testing.assert_close(caches[1], want_v, rtol=0, atol=0)
 
 
 def test_swiglu_matches_torch():

@@ -55,6 +55,36 @@ void rotary_f32(float *x, int64_t row_stride, int rows, int heads, int dim, cons
   }
 }
 
+/* rotary_f32 over q and k heads (row t: `q_heads + kv_heads` heads from x + t * row_stride), then
+ * this step's K/V into the layer's pool: k head h of row t (rotated) and v head h (row t of v,
+ * `v_stride` apart) go to pool row kv_rows[t * kv_heads + h] of k_cache and v_cache (viewed as
+ * [rows, dim]). One pass instead of rotary plus two index copies. */
+void rotary_kv_f32(float *x, int64_t row_stride, int rows, int q_heads, int kv_heads, int dim, const float *cos,
+                   const float *sin_signed, const float *v, int64_t v_stride, const int64_t *kv_rows, float *k_cache,
+                   float *v_cache, int num_threads) {
+  const int half = dim / 2, heads = q_heads + kv_heads;
+#pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * heads * dim >= PAR_MIN_ELEMENTS)
+  for (int t = 0; t < rows; t++) {
+    const float *c = cos + (int64_t)t * dim, *s = sin_signed + (int64_t)t * dim;
+    for (int h = 0; h < heads; h++) {
+      float *p = x + t * row_stride + (int64_t)h * dim;
+      for (int i = 0; i < half; i++) {
+        const float a = p[i], b = p[i + half];
+        p[i] = a * c[i] + b * s[i];
+        p[i + half] = b * c[i + half] + a * s[i + half];
+      }
+      if (h >= q_heads) {
+        const int64_t at = kv_rows[(int64_t)t * kv_heads + (h - q_heads)] * dim;
+        const float *vr = v + t * v_stride + (int64_t)(h - q_heads) * dim;
+        for (int i = 0; i < dim; i++) {
+          k_cache[at + i] = p[i];
+          v_cache[at + i] = vr[i];
+        }
+      }
+    }
+  }
+}
+
 /* SwiGLU: out[r, i] = silu(g) * u for gate_up[r] = [g | u], `inter` each */
 void silu_mul_f32(const float *gate_up, int64_t stride, float *out, int rows, int inter, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * inter >= PAR_MIN_ELEMENTS)

@@ -42,7 +42,7 @@ OTHER = {
     "PDQ_NO_CPU_KERNEL": "set: never build or load the CPU kernels (decode attention gathers the blocks for one SDPA "
                          "instead; the layers run torch's ops)",
     "PDQ_NO_FUSED_OPS": "set: the layers run torch's ops instead of the fused CPU kernels (RMSNorm with the residual "
-                        "add, rotary, SwiGLU); decode attention keeps its kernel",
+                        "add, rotary with the K/V write, SwiGLU); decode attention keeps its kernel",
     "PDQ_LOAD_VIA_TRANSFORMERS": "1: load a checkpoint's weights through transformers' model classes instead of "
                                  "straight from its safetensors files (`pdq.model.checkpoint`)",
     "PDQ_CUDA_GRAPHS": "0 or false: run decode steps eagerly on CUDA instead of replaying captured graphs",

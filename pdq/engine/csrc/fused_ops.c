@@ -35,6 +35,14 @@ void add_rms_norm_f32(float *x, int64_t x_stride, const float *add, int64_t add_
   }
 }
 
+static inline void rotate_head(float *p, const float *c, const float *s, int half) {
+  for (int i = 0; i < half; i++) {
+    const float a = p[i], b = p[i + half];
+    p[i] = a * c[i] + b * s[i];
+    p[i + half] = b * c[i + half] + a * s[i + half];
+  }
+}
+
 /* Rotary embedding in place, rotate-half convention: for row t, head h, x = [x1 | x2],
  * x <- [x1 * cos1 + x2 * sin_signed1 | x2 * cos2 + x1 * sin_signed2], with cos, sin_signed the
  * [rows, dim] tables of the rows' positions (sin_signed = [-sin | sin]). */
@@ -44,14 +52,7 @@ void rotary_f32(float *x, int64_t row_stride, int rows, int heads, int dim, cons
 #pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * heads * dim >= PAR_MIN_ELEMENTS)
   for (int t = 0; t < rows; t++) {
     const float *c = cos + (int64_t)t * dim, *s = sin_signed + (int64_t)t * dim;
-    for (int h = 0; h < heads; h++) {
-      float *p = x + t * row_stride + (int64_t)h * dim;
-      for (int i = 0; i < half; i++) {
-        const float a = p[i], b = p[i + half];
-        p[i] = a * c[i] + b * s[i];
-        p[i + half] = b * c[i + half] + a * s[i + half];
-      }
-    }
+    for (int h = 0; h < heads; h++) rotate_head(x + t * row_stride + (int64_t)h * dim, c, s, half);
   }
 }
 
@@ -68,11 +69,7 @@ void rotary_kv_f32(float *x, int64_t row_stride, int rows, int q_heads, int kv_h
     const float *c = cos + (int64_t)t * dim, *s = sin_signed + (int64_t)t * dim;
     for (int h = 0; h < heads; h++) {
       float *p = x + t * row_stride + (int64_t)h * dim;
-      for (int i = 0; i < half; i++) {
-        const float a = p[i], b = p[i + half];
-        p[i] = a * c[i] + b * s[i];
-        p[i + half] = b * c[i + half] + a * s[i + half];
-      }
+      rotate_head(p, c, s, half);
       if (h >= q_heads) {
         const int64_t at = kv_rows[(int64_t)t * kv_heads + (h - q_heads)] * dim;
         const float *vr = v + t * v_stride + (int64_t)(h - q_heads) * dim;

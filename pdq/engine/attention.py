@@ -65,12 +65,12 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
-def kv_rows(pool_rows: torch.Tensor, heads: torch.Tensor, block_size: int) -> torch.Tensor:
+def kv_rows(pool_rows, heads, block_size: int):
     """Rows (block * block_size + offset) of a step's tokens -> their rows in a layer's pool viewed
     as [num_blocks * kv_heads * block_size, head_dim], one per (token, kv head); `heads` is
-    arange(kv_heads)."""
+    arange(kv_heads). Tensors or numpy arrays (int64) alike."""
     return (((pool_rows // block_size)[:, None] * heads.shape[0] + heads) * block_size
-            + (pool_rows % block_size)[:, None]).view(-1)
+            + (pool_rows % block_size)[:, None]).reshape(-1)
 
 
 def decode_mask(keys: torch.Tensor, lens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -217,3 +217,21 @@ def test_the_end_reason_of_a_step():
     assert end_reason(p, 2, {2}, 4, 13, 100, stopped=True) == "stop"  # a stop string first
     assert end_reason(p, 5, {2}, 4, 13, 100, complete=True) == "stop"  # the grammar's end before length
     assert end_reason(SamplingParams(max_tokens=4, ignore_eos=True), 2, {2}, 1, 10, 100) == ""
+
+
+def test_argmax_rows_is_torchs_argmax_ties_nans_and_views_included():
+    """The sampler's argmax (numpy's on CPU: torch's CPU argmax is many times slower over a
+    vocabulary) picks exactly what torch's would: the first of tied maxima, the first NaN, index
+    0 of an all -inf row, on views as well as on whole tensors."""
+    from pdq.engine.sampling import argmax_rows
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 4096, generator=g)
+    x[0, 9] = x[0, 3000] = x[0].max() + 1  # a tie: the first wins
+    x[1, 17] = x[1, 5] = float("nan")
+    x[2] = float("-inf")
+    x[3, :] = 0.5
+    for t in (x, x[:, 100:900], x[::2], x.double()):
+        got = argmax_rows(t)
+        assert got.dtype == torch.int64 and torch.equal(got, t.argmax(dim=-1))
+    assert argmax_rows(x)[:4].tolist() == [9, 5, 0, 0]

@@ -172,7 +172,8 @@ def rotary_kv_(qk: torch.Tensor, q_heads: int, cos: torch.Tensor, sin_signed: to
     if (qk.stride(2) != 1 or qk.stride(1) != dim or v.stride(2) != 1 or v.stride(1) != dim
             or not (cos.is_contiguous() and sin_signed.is_contiguous() and k_cache.is_contiguous()
                     and v_cache.is_contiguous() and kv_rows.is_contiguous())
-            or kv_rows.dtype != torch.int64 or kv_rows.numel() != rows * kv_heads or tuple(v.shape) != (rows, kv_heads, dim)):
+            or kv_rows.dtype != torch.int64 or kv_rows.numel() != rows * kv_heads
+            or tuple(v.shape) != (rows, kv_heads, dim)):
         raise ValueError("rotary_kv_: qk's and v's heads must be contiguous in each row, the tables, caches and "
                          "int64 kv_rows [rows * kv_heads] contiguous")
     ptr = ctypes.c_void_p

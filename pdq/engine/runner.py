@@ -340,7 +340,7 @@ class ModelRunner:
                 chunk.blocks = _ints(blocks, dev)
             chunks.append(chunk)
         rows = kv_rows(np.asarray(r.pool_rows, dtype=np.int64), np.arange(self.num_kv_heads, dtype=np.int64), bs)
-        meta = AttnMetadata(positions=_ints(r.positions, dev), kv_rows=torch.from_numpy(rows).to(dev), chunks=chunks,
+        meta = AttnMetadata(positions=_ints(r.positions, dev), kv_rows=_ints(rows, dev), chunks=chunks,
                             num_prefill_tokens=r.num_prefill, num_decode=len(r.tables))
         if r.tables:
             self._plan_decode(meta, r.tables, r.positions[r.num_prefill:])

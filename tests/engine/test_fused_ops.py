@@ -63,8 +63,9 @@ def test_rotary_with_the_kv_write_equals_rotary_then_torchs_index_copies_bit_for
     where = kv_rows(torch.randperm(blocks * bs, generator=g)[:rows], torch.arange(kv_heads), bs)  # scattered slots
     caches = [torch.randn(blocks, kv_heads, bs, dim, generator=g) for _ in range(2)]
 
-    def views(t):
-        return t[:, : (q_heads + kv_heads) * dim].view(rows, -1, dim), t[:, (q_heads + kv_heads) * dim:].view(rows, kv_heads, dim)
+    def views(t):  # (q|k heads, v heads) of a fused qkv output
+        at = (q_heads + kv_heads) * dim
+        return t[:, :at].view(rows, -1, dim), t[:, at:].view(rows, kv_heads, dim)
 
     want_qkv, (want_k, want_v) = qkv.clone(), [c.clone() for c in caches]
     qk, v = views(want_qkv)

@@ -428,9 +428,10 @@ def build_server(config: DecodeConfig) -> Server:
         if prefill is not None:
             state["prefill_heartbeat"] = Heartbeat(prefill_config, keys, prefill_info, alive)
             await state["prefill_heartbeat"].start()
-        log.info("%s worker %s at %s (%d sequences, KV %d tokens in blocks of %d%s)",
-                 "colocated prefill+decode" if prefill else "decode", worker_id, address, service.capacity,
-                 runner.capacity_tokens - extra, runner.block_size,
+        log.info("%s worker %s at %s (%s on %s, %d sequences, KV %d tokens in blocks of %d%s)",
+                 "colocated prefill+decode" if prefill else "decode", worker_id, address,
+                 service.expect["dtype"], runner.device.type, service.capacity, runner.capacity_tokens - extra,
+                 runner.block_size,
                  f", KV data plane at {service.kv_address}" if service.kv_address else "")
 
     async def stop() -> None:

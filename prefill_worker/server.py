@@ -216,8 +216,8 @@ def build_server(config: PrefillConfig) -> Server:
         server.ready = True
         state["heartbeat"] = Heartbeat(config, keys, info, lambda: server.ready and service.loop.alive)
         await state["heartbeat"].start()
-        log.info("prefill worker %s at %s (KV %d tokens in blocks of %d)", worker_id, address,
-                 runner.capacity_tokens, runner.block_size)
+        log.info("prefill worker %s at %s (%s on %s, KV %d tokens in blocks of %d)", worker_id, address,
+                 str(runner.dtype).removeprefix("torch."), runner.device.type, runner.capacity_tokens, runner.block_size)
 
     async def stop() -> None:
         if "heartbeat" in state:

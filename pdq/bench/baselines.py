@@ -95,19 +95,22 @@ class EngineBaseline:
     name = "engine"
 
     def __init__(self, model_dir: str | Path, kv_budget_tokens: int = ENGINE_KV_BUDGET_TOKENS,
-                 max_seq_len: int = ENGINE_MAX_SEQ_LEN):
+                 max_seq_len: int = ENGINE_MAX_SEQ_LEN, dtype: str | None = None):
         self.omp_wait_policy = import_torch()
+        import torch
+
         from pdq.engine import LLMEngine
 
         self.engine = LLMEngine.from_pretrained(str(model_dir), kv_budget_tokens=kv_budget_tokens,
-                                                max_seq_len=max_seq_len)
+                                                max_seq_len=max_seq_len, dtype=getattr(torch, dtype) if dtype else None)
         p = self.engine.policy
         self.engine.runner.warm_up(p.max_batched_tokens, p.prefill_chunk)  # as a worker does at start-up
         reserve_heap(DEFAULT_HEAP_RESERVE_MB << 20)  # as a worker does: its first run takes no page faults
 
     def notes(self) -> dict:
         p = self.engine.policy
-        return {"engine": {"max_batched_tokens": p.max_batched_tokens, "prefill_chunk": p.prefill_chunk,
+        return {"engine": {"dtype": str(self.engine.runner.dtype).removeprefix("torch."),
+                           "max_batched_tokens": p.max_batched_tokens, "prefill_chunk": p.prefill_chunk,
                            "max_num_seqs": p.max_num_seqs, "omp_wait_policy": self.omp_wait_policy,
                            "heap_reserve_mb": DEFAULT_HEAP_RESERVE_MB}}
 
@@ -175,13 +178,13 @@ class HFBaseline:
 
     name = "hf"
 
-    def __init__(self, model_dir: str | Path, batch_size: int = HF_BATCH_SIZE):
+    def __init__(self, model_dir: str | Path, batch_size: int = HF_BATCH_SIZE, dtype: str | None = None):
         import json
 
         self.omp_wait_policy = import_torch()
         from pdq.model.loader import load_hf_model
 
-        self.model = load_hf_model(model_dir)
+        self.model = load_hf_model(model_dir, dtype=dtype)  # None: float32
         self.batch_size = batch_size
         config = json.loads((Path(model_dir) / "config.json").read_text())
         self.pad_id = config.get("pad_token_id")

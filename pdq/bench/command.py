@@ -144,7 +144,8 @@ class Bench:
 
         if name not in self._baselines:
             say(f"pdq bench: loading the model for the {name} baseline ...")
-            self._baselines[name] = (EngineBaseline if name == "engine" else HFBaseline)(model_dir)
+            self._baselines[name] = (EngineBaseline if name == "engine" else HFBaseline)(model_dir,
+                                                                                       dtype=self.opts.dtype)
         system = self._baselines[name]
         if name == "engine":
             for load in self.opts.loads:
@@ -173,7 +174,7 @@ def config_json(opts: BenchOptions, model_dir: str, workload: Workload) -> dict:
             "loads": [a.offered() for a in opts.loads], "prefill": opts.prefill, "decode": opts.decode,
             "env": opts.env, "slo": Slo(opts.slo_ttft, opts.slo_itl).to_json(), "max_model_len": opts.max_model_len,
             "repeat": opts.repeat, "colocate": opts.colocate, "control_policy": opts.control_policy,
-            "client_policy": opts.client_policy, "stream_interval": opts.stream_interval}
+            "client_policy": opts.client_policy, "stream_interval": opts.stream_interval, "dtype": opts.dtype}
 
 
 def _command_line() -> list[str] | None:
@@ -242,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
 
         say("pdq bench: timing the workload's matrix multiplies alone (the roofline) ...")
         try:
-            roof = roofline.measure(model_dir, workload)
+            roof = roofline.measure(model_dir, workload, dtype=opts.dtype)
         except ValueError as exc:  # a model this runtime cannot run (UnsupportedModelError): no roofline
             say(f"pdq bench: no roofline: {exc}")
         else:

@@ -13,6 +13,7 @@ from pdq.state.request import MAX_STREAM_INTERVAL
 
 STRATEGIES = ("static", "dynamic", "continuous")
 BASELINES = ("hf", "engine")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,6 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          "vocabulary makes the prompts)")
     up.add_argument("--redis-url", default=os.environ.get("PDQ_UP_REDIS_URL"),
                     help="use this Redis instead of starting a private one")
+    up.add_argument("--dtype", choices=DTYPES, default=None,
+                    help="the model's dtype in the spawned workers, the baselines and the roofline alike (default: "
+                         "float32 on CPU, the checkpoint's 16-bit dtype or bfloat16 on a GPU); bfloat16 on a CPU "
+                         "with AMX (Intel Xeon 4th generation and later) runs its matrix multiplies on AMX")
     load = p.add_argument_group("workload and load")
     load.add_argument("--workload", default="mixed", choices=WORKLOADS, help="default mixed")
     load.add_argument("--requests", "-n", type=int, default=None,
@@ -148,6 +153,7 @@ class BenchOptions:
     stream_interval: int = 1
     doors: tuple[str, ...] = ("grpc",)
     redis_url: str | None = None
+    dtype: str | None = None  # None: the runtime's default (pdq.engine.runner.default_dtype)
     env: dict = field(default_factory=dict)
     api_keys: dict = field(default_factory=dict)
     warmup: int = 2
@@ -201,6 +207,10 @@ class BenchOptions:
         env = _pairs(a.env, "--env")
         if "PDQ_STRATEGY" in env:
             raise ValueError("--env PDQ_STRATEGY: use --strategies")
+        if "PDQ_DTYPE" in env:
+            raise ValueError("--env PDQ_DTYPE: use --dtype (the baselines and the roofline take it too)")
+        if a.dtype:
+            env["PDQ_DTYPE"] = a.dtype
         keys = _pairs(a.tenant_key, "--tenant-key")
         if a.api_key:
             keys["*"] = a.api_key
@@ -208,7 +218,8 @@ class BenchOptions:
                    loads=loads, workload=a.workload, requests=a.requests, seed=a.seed,
                    max_model_len=a.max_model_len, model=a.model, prefill=a.prefill, decode=a.decode,
                    colocate=a.colocate, control_policy=a.control_policy, client_policy=a.client_policy,
-                   stream_interval=a.stream_interval, doors=doors, redis_url=a.redis_url, env=env, api_keys=keys, warmup=a.warmup, repeat=a.repeat,
+                   stream_interval=a.stream_interval, doors=doors, redis_url=a.redis_url, dtype=a.dtype, env=env,
+                   api_keys=keys, warmup=a.warmup, repeat=a.repeat,
                    request_timeout=a.request_timeout, slo_ttft=a.slo_ttft, slo_itl=a.slo_itl, json=a.json,
                    plot=a.plot, progress=not a.no_progress, roofline=not getattr(a, "no_roofline", False))
 

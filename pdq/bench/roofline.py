@@ -65,9 +65,11 @@ def decode_steps(workload: Workload) -> list[tuple[int, int]]:
             for k in range(steps)]
 
 
-def measure(model_dir: str, workload: Workload, *, step_tokens: int = 1024, repeats: int = 3) -> Roofline:
+def measure(model_dir: str, workload: Workload, *, step_tokens: int = 1024, repeats: int = 3,
+            dtype: str | None = None) -> Roofline:
     """Times every pass shape of `passes` (the best of `repeats`: other load only ever slows a
-    timing, and a roofline is a bound) on this machine's CPU or GPU."""
+    timing, and a roofline is a bound) on this machine's CPU or GPU, in `dtype` (a torch dtype's
+    name; None: what the engine runs by default there, `pdq.engine.runner.default_dtype`)."""
     import torch
     from transformers import AutoConfig
 
@@ -77,7 +79,7 @@ def measure(model_dir: str, workload: Workload, *, step_tokens: int = 1024, repe
 
     spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(model_dir))
     device = default_device()
-    dtype = default_dtype(device, None)
+    dtype = getattr(torch, dtype) if dtype else default_dtype(device, None)
     gen = torch.Generator(device="cpu").manual_seed(0)
 
     def linear(out_f: int, in_f: int) -> Linear:

@@ -38,6 +38,8 @@ def _up(args: argparse.Namespace) -> int:
             print(f"pdq up: --redis-url: {exc}", file=sys.stderr)
             return 2
     env = {"PDQ_KV_TRANSPORT": args.kv_transport} if args.kv_transport else {}
+    if args.dtype:
+        env["PDQ_DTYPE"] = args.dtype
     prefill = 1 if args.prefill is None else args.prefill
     return run(Cluster(prefill=prefill, decode=args.decode, schedulers=args.schedulers, model=args.model,
                        redis_url=args.redis_url,
@@ -134,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "compute: measures the control plane), or a Hugging Face checkpoint dir")
     up.add_argument("--redis-url", default=os.environ.get("PDQ_UP_REDIS_URL"),
                     help="use this Redis instead of starting a private one")
+    up.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                    help="the workers' model dtype (default: float32 on CPU, bfloat16 on a GPU); bfloat16 on a CPU "
+                         "with AMX (Intel Xeon 4th generation and later) runs about twice as fast as float32")
     up.add_argument("--port", type=int, default=50051, help="gateway port (default 50051; 0 = any free)")
     up.add_argument("--http-port", type=int, default=8000,
                     help="port of the gateway's OpenAI-compatible HTTP API (default 8000; 0 = off)")

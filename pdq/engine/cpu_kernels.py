@@ -7,9 +7,11 @@ embedding and SwiGLU run in torch as several ops each, every one a pass over the
 (RMSNorm alone: square, mean, rsqrt, two multiplies). So on CPU pdq builds a few small C
 functions with the system's C compiler the first time a process needs them (about a second;
 optimized for the CPU it runs on) and keeps the library in a cache directory keyed by the
-sources, the flags and the CPU. Where no compiler is found, or off
-CPU, or for dtypes other than float32, `pdq.engine.attention` gathers instead and the layers run
-torch's ops (the same numbers up to rounding, slower); `available()` and `fused_ops()` say which.
+sources, the flags and the CPU. Each kernel is built for float32 and for bfloat16 tensors (the
+arithmetic float32 in both; bfloat16 rounded where torch's bfloat16 ops round: `csrc/elem.h`).
+Where no compiler is found, or off CPU, or for other dtypes, `pdq.engine.attention` gathers
+instead and the layers run torch's ops (the same numbers up to rounding, slower); `available()`
+and `fused_ops()` say which.
 `PDQ_NO_CPU_KERNEL` turns all of them off, `PDQ_NO_FUSED_OPS` the fused elementwise ones alone.
 """
 
@@ -29,6 +31,8 @@ import torch
 log = logging.getLogger("pdq.engine")
 
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.c", "fused_ops.c")]
+HEADERS = [Path(__file__).with_name("csrc") / "elem.h"]  # included by the sources: part of the cache key
+DTYPES = (torch.float32, torch.bfloat16)  # each kernel is built for both: NAME_f32, NAME_bf16
 # Compiled with -ffast-math (the dot products and exp vectorize), linked without it: a shared library
 # linked with -ffast-math turns on flush-to-zero for the whole process when it loads.
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
@@ -58,7 +62,7 @@ def _build() -> ctypes.CDLL | None:
         log.warning("no C compiler found: paged decode attention gathers its blocks (slower)")
         return None
     flags = " ".join([cc, *COMPILE_FLAGS, "|", *LINK_FLAGS])
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + flags.encode()
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES + HEADERS) + flags.encode()
                          + _cpu_id().encode()).hexdigest()[:16]
     path = cache_dir() / f"cpu_kernels-{key}.so"
     if not path.exists():
@@ -88,15 +92,23 @@ def _build() -> ctypes.CDLL | None:
                 Path(obj).unlink(missing_ok=True)
     lib = ctypes.CDLL(str(path))  # after torch: its OpenMP runtime is the one this library uses
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    for name, args in (("paged_decode_f32", [ptr] * 6 + [i32] * 6 + [f32, i32]),
-                       ("rms_norm_f32", [ptr, i64, ptr, ptr, i64, i32, i32, f32, i32]),
-                       ("add_rms_norm_f32", [ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, f32, i32]),
-                       ("rotary_f32", [ptr, i64, i32, i32, i32, ptr, ptr, i32]),
-                       ("rotary_kv_f32", [ptr, i64, i32, i32, i32, i32, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32]),
-                       ("silu_mul_f32", [ptr, i64, ptr, i32, i32, i32])):
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = None, args
+    for name, args in (("paged_decode", [ptr] * 6 + [i32] * 6 + [f32, i32]),
+                       ("rms_norm", [ptr, i64, ptr, ptr, i64, i32, i32, f32, i32]),
+                       ("add_rms_norm", [ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, f32, i32]),
+                       ("rotary", [ptr, i64, i32, i32, i32, ptr, ptr, i32]),
+                       ("rotary_kv", [ptr, i64, i32, i32, i32, i32, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32]),
+                       ("silu_mul", [ptr, i64, ptr, i32, i32, i32])):
+        for suffix in ("f32", "bf16"):
+            fn = getattr(lib, f"{name}_{suffix}")
+            fn.restype, fn.argtypes = None, args
     return lib
+
+
+def _kernel(name: str, dtype: torch.dtype):
+    """The built kernel `name` for tensors of `dtype` (one of DTYPES)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"the CPU kernels take float32 or bfloat16 tensors, got {dtype}")
+    return getattr(_library(), f"{name}_{'f32' if dtype == torch.float32 else 'bf16'}")
 
 
 def _library() -> ctypes.CDLL | None:
@@ -129,21 +141,21 @@ def _rows_view(x: torch.Tensor) -> tuple[int, int]:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual_add: torch.Tensor | None = None
              ) -> torch.Tensor:
-    """float32 RMSNorm of x [rows, dim] by weight [dim] -> a new [rows, dim] tensor. With
-    `residual_add` [rows, dim]: x += residual_add first, in place (x must be contiguous rows of
-    its own, not a view others read). Needs `fused_ops()`."""
-    lib, ptr = _library(), ctypes.c_void_p
+    """RMSNorm of x [rows, dim] by weight [dim] (float32 or bfloat16, both alike) -> a new [rows,
+    dim] tensor. With `residual_add` [rows, dim]: x += residual_add first, in place (x must be
+    contiguous rows of its own, not a view others read). Needs `fused_ops()`."""
+    ptr = ctypes.c_void_p
     rows, stride = _rows_view(x)
     dim = x.shape[1]
     out = torch.empty(rows, dim, dtype=x.dtype, device=x.device)
     if residual_add is None:
-        lib.rms_norm_f32(ptr(x.data_ptr()), stride, ptr(weight.data_ptr()), ptr(out.data_ptr()), dim, rows, dim,
-                         eps, torch.get_num_threads())
+        _kernel("rms_norm", x.dtype)(ptr(x.data_ptr()), stride, ptr(weight.data_ptr()), ptr(out.data_ptr()), dim,
+                                     rows, dim, eps, torch.get_num_threads())
     else:
         _, add_stride = _rows_view(residual_add)
-        lib.add_rms_norm_f32(ptr(x.data_ptr()), stride, ptr(residual_add.data_ptr()), add_stride,
-                             ptr(weight.data_ptr()), ptr(out.data_ptr()), dim, rows, dim, eps,
-                             torch.get_num_threads())
+        _kernel("add_rms_norm", x.dtype)(ptr(x.data_ptr()), stride, ptr(residual_add.data_ptr()), add_stride,
+                                         ptr(weight.data_ptr()), ptr(out.data_ptr()), dim, rows, dim, eps,
+                                         torch.get_num_threads())
     return out
 
 
@@ -155,8 +167,8 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> tor
     if x.stride(2) != 1 or x.stride(1) != dim or not (cos.is_contiguous() and sin_signed.is_contiguous()):
         raise ValueError("rotary_: x's heads must be contiguous in each row, cos and sin_signed contiguous")
     ptr = ctypes.c_void_p
-    _library().rotary_f32(ptr(x.data_ptr()), x.stride(0), rows, heads, dim, ptr(cos.data_ptr()),
-                          ptr(sin_signed.data_ptr()), torch.get_num_threads())
+    _kernel("rotary", x.dtype)(ptr(x.data_ptr()), x.stride(0), rows, heads, dim, ptr(cos.data_ptr()),
+                               ptr(sin_signed.data_ptr()), torch.get_num_threads())
     return x
 
 
@@ -177,9 +189,10 @@ def rotary_kv_(qk: torch.Tensor, q_heads: int, cos: torch.Tensor, sin_signed: to
         raise ValueError("rotary_kv_: qk's and v's heads must be contiguous in each row, the tables, caches and "
                          "int64 kv_rows [rows * kv_heads] contiguous")
     ptr = ctypes.c_void_p
-    _library().rotary_kv_f32(ptr(qk.data_ptr()), qk.stride(0), rows, q_heads, kv_heads, dim, ptr(cos.data_ptr()),
-                             ptr(sin_signed.data_ptr()), ptr(v.data_ptr()), v.stride(0), ptr(kv_rows.data_ptr()),
-                             ptr(k_cache.data_ptr()), ptr(v_cache.data_ptr()), torch.get_num_threads())
+    _kernel("rotary_kv", qk.dtype)(ptr(qk.data_ptr()), qk.stride(0), rows, q_heads, kv_heads, dim,
+                                   ptr(cos.data_ptr()), ptr(sin_signed.data_ptr()), ptr(v.data_ptr()), v.stride(0),
+                                   ptr(kv_rows.data_ptr()), ptr(k_cache.data_ptr()), ptr(v_cache.data_ptr()),
+                                   torch.get_num_threads())
     return qk
 
 
@@ -189,22 +202,24 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     inter = gate_up.shape[1] // 2
     out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
     ptr = ctypes.c_void_p
-    _library().silu_mul_f32(ptr(gate_up.data_ptr()), stride, ptr(out.data_ptr()), rows, inter,
-                            torch.get_num_threads())
+    _kernel("silu_mul", gate_up.dtype)(ptr(gate_up.data_ptr()), stride, ptr(out.data_ptr()), rows, inter,
+                                       torch.get_num_threads())
     return out
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                  lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: float32 [B, q_heads, D]; k_cache, v_cache: [num_blocks, kv_heads, bs, D] contiguous;
-    tables: int32 [B, max_blocks]; lens: int32 [B]. -> [B, q_heads, D]. Needs `available()`."""
-    lib = _library()
+    """q: [B, q_heads, D]; k_cache, v_cache: [num_blocks, kv_heads, bs, D] contiguous, of q's
+    dtype (float32 or bfloat16); tables: int32 [B, max_blocks]; lens: int32 [B]. -> [B, q_heads,
+    D]. Needs `available()`."""
+    if not (k_cache.dtype == v_cache.dtype == q.dtype):
+        raise ValueError(f"paged_decode: q {q.dtype}, k_cache {k_cache.dtype} and v_cache {v_cache.dtype} must match")
     q = q.contiguous()
     b, heads, dim = q.shape
     kv_heads, bs = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
     ptr = ctypes.c_void_p
-    lib.paged_decode_f32(ptr(q.data_ptr()), ptr(k_cache.data_ptr()), ptr(v_cache.data_ptr()), ptr(tables.data_ptr()),
-                         ptr(lens.data_ptr()), ptr(out.data_ptr()), b, kv_heads, heads // kv_heads, dim, bs,
-                         tables.shape[1], scale, torch.get_num_threads())
+    _kernel("paged_decode", q.dtype)(ptr(q.data_ptr()), ptr(k_cache.data_ptr()), ptr(v_cache.data_ptr()),
+                                     ptr(tables.data_ptr()), ptr(lens.data_ptr()), ptr(out.data_ptr()), b, kv_heads,
+                                     heads // kv_heads, dim, bs, tables.shape[1], scale, torch.get_num_threads())
     return out

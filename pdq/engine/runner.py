@@ -121,8 +121,9 @@ class ModelRunner:
             block_size=block_size,
             prefix_cache=prefix_cache,
         )
-        # decode attention through the CPU kernel where it runs (float32 on CPU), else by gathering
-        self.decode_kernel = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.available()
+        # decode attention through the CPU kernel where it runs (float32 or bfloat16 on CPU), else by gathering
+        self.decode_kernel = (self.device.type == "cpu" and self.dtype in cpu_kernels.DTYPES
+                              and cpu_kernels.available())
         # on a GPU, decode-only steps replay CUDA graphs (PDQ_CUDA_GRAPHS=0: always eager)
         self.graphs = None
         if (self.device.type == "cuda" and step_ms is None

@@ -49,6 +49,21 @@ def test_pdq_bench_spawn_with_baselines(tmp_path):
     assert all(x["value"] > 0 for x in ratios.values())
 
 
+def test_pdq_bench_dtype_runs_the_workers_the_engine_and_the_roofline_in_bfloat16(tmp_path):
+    out_json = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "pdq.cli", "bench", "--spawn", "--model", "builtin:tiny", "--strategies", "continuous",
+           "--requests", "4", "--baseline", "engine", "--dtype", "bfloat16", "--json", str(out_json), "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "colocated prefill+decode worker" in proc.stderr and "(bfloat16 on cpu," in proc.stderr  # its start line
+    doc = json.loads(out_json.read_text())
+    assert doc["config"]["dtype"] == "bfloat16"
+    engine = next(r for r in doc["runs"] if r["name"] == "engine")
+    assert engine["engine"]["dtype"] == "bfloat16"
+    assert all(r["completed"] == r["requests"] == 4 and r["errors"] == 0 for r in doc["runs"])
+    assert doc["roofline"]["output_tokens_per_s"] > 0
+
+
 def test_pdq_bench_scheduler_reports_every_goal(tmp_path):
     """`pdq bench --scheduler` on the tiny model: every measurement ran and every goal is printed."""
     out_json = tmp_path / "sched.json"

@@ -125,11 +125,16 @@ def test_options():
     assert options("--spawn").colocate and options("--spawn", "--colocate").colocate
     assert not options("--spawn", "--separate").colocate
     assert options("--spawn").doors == ("grpc",) and options("--spawn", "--doors", "grpc,http").doors == ("grpc", "http")
+    # --dtype: the spawned workers' (their environment), and the baselines' and the roofline's (opts.dtype)
+    typed = options("--spawn", "--dtype", "bfloat16", "--baseline", "engine")
+    assert typed.dtype == "bfloat16" and typed.env == {"PDQ_DTYPE": "bfloat16"}
+    assert options("--spawn").dtype is None and "PDQ_DTYPE" not in options("--spawn").env
     for bad, match in ((["--spawn", "--target", "h:1"], "not both"), ([], "nothing to measure"),
                        (["--spawn", "--strategies", "fast"], "unknown fast"),
                        (["--target", "h:1", "--strategies", "a,b"], "one label"),
                        (["--spawn", "--env", "X"], "KEY=VALUE"),
                        (["--spawn", "--env", "PDQ_STRATEGY=x"], "--strategies"),
+                       (["--spawn", "--env", "PDQ_DTYPE=bfloat16"], "--dtype"),
                        (["--spawn", "--rates", "0"], "rates"), (["--spawn", "--repeat", "0"], "--repeat"),
                        (["--spawn", "--doors", "grpc,smtp"], "--doors"), (["--spawn", "--doors", ""], "--doors"),
                        (["--target", "h:1", "--doors", "http"], "with --spawn")):

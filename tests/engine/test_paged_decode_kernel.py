@@ -51,3 +51,30 @@ def test_paged_decode_matches_torch(batch, kv_heads, group, dim, threads):
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, tables, lens), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("batch,kv_heads,group,dim", [(1, 4, 2, 64), (3, 1, 4, 16), (24, 2, 2, 32)])
+def test_paged_decode_of_bfloat16_tensors_matches_torch(batch, kv_heads, group, dim, threads):
+    """bfloat16 q, keys and values (a bfloat16 model's pool): the kernel reads them as they are,
+    computes in float32 and writes bfloat16, within bfloat16's precision of the exact result."""
+    gen = torch.Generator().manual_seed(batch * 100 + kv_heads * 10 + group)
+    bs = 16
+    lens = torch.randint(1, 150, (batch,), generator=gen, dtype=torch.int32)
+    lens[0] = 1
+    max_blocks = int(-(-int(lens.max()) // bs))
+    num_blocks = batch * max_blocks + 3
+    tables = torch.randperm(num_blocks, generator=gen)[: batch * max_blocks].view(batch, max_blocks).to(torch.int32)
+    k_cache = torch.randn(num_blocks, kv_heads, bs, dim, generator=gen).bfloat16()
+    v_cache = torch.randn(num_blocks, kv_heads, bs, dim, generator=gen).bfloat16()
+    q = torch.randn(batch, kv_heads * group, dim, generator=gen).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, 1 / math.sqrt(dim))
+    finally:
+        torch.set_num_threads(before)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, tables, lens), rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="must match"):
+        cpu_kernels.paged_decode(q.float(), k_cache, v_cache, tables, lens, 1.0)

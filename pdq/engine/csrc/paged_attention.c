@@ -1,4 +1,5 @@
-/* Decode attention over paged KV blocks, float32, for CPUs (built by pdq/engine/cpu_kernels.py).
+/* Decode attention over paged KV blocks, float32 and bfloat16 (paged_decode_f32, _bf16), for CPUs
+ * (built by pdq/engine/cpu_kernels.py).
  *
  * out[b, h*G + g, :] = softmax(scale * q[b, h*G + g] . K_b[t]) V_b[t] over t in [0, lens[b]),
  * where K_b[t] = k_cache[tables[b, t / bs], h, t % bs, :] (and V alike): each sequence's keys
@@ -18,67 +19,82 @@
 #include <stdlib.h>
 #include <string.h>
 
-void paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *tables,
-                      const int32_t *lens, float *out, int B, int H, int G, int D, int bs, int max_blocks,
-                      float scale, int num_threads) {
-  int parts = 1; /* head ranges per sequence */
-  if (B < 2 * num_threads) {
-    parts = (2 * num_threads + B - 1) / B;
-    if (parts > H) parts = H;
-  }
-  const size_t block = (size_t)H * bs * D; /* floats per block, all heads */
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-  for (int item = 0; item < B * parts; item++) {
-    const int b = item / parts, part = item % parts, len = lens[b];
-    const int h0 = part * H / parts, h1 = (part + 1) * H / parts, nh = h1 - h0;
-    const int32_t *table = tables + (size_t)b * max_blocks;
-    /* scores of query row (h, g): s[((h - h0) * G + g) * len + t] */
-    float *s = (float *)malloc(sizeof(float) * (size_t)nh * G * len);
-    for (int t0 = 0, j = 0; t0 < len; t0 += bs, j++) {
-      const int n = len - t0 < bs ? len - t0 : bs;
-      for (int h = h0; h < h1; h++) {
-        const float *kb = k_cache + (size_t)table[j] * block + (size_t)h * bs * D;
-        const float *qb = q + ((size_t)b * H + h) * G * D;
-        float *sh = s + (size_t)(h - h0) * G * len + t0;
-        for (int t = 0; t < n; t++) {
-          const float *kr = kb + (size_t)t * D;
-          for (int g = 0; g < G; g++) {
-            const float *qr = qb + (size_t)g * D;
-            float acc = 0.f;
-            for (int d = 0; d < D; d++) acc += qr[d] * kr[d];
-            sh[(size_t)g * len + t] = acc * scale;
-          }
+#include "elem.h"
+
+/* work item `item` of paged_decode: sequence b's heads [h0, h1) */
+INLINE void decode_item(const void *q, const void *k_cache, const void *v_cache, const int32_t *tables,
+                        const int32_t *lens, void *out, int H, int G, int D, int bs, int max_blocks, float scale,
+                        int parts, int item, const int bf) {
+  const int b = item / parts, part = item % parts, len = lens[b];
+  const int h0 = part * H / parts, h1 = (part + 1) * H / parts, nh = h1 - h0;
+  const int32_t *table = tables + (size_t)b * max_blocks;
+  const size_t block = (size_t)H * bs * D; /* elements per block, all heads */
+  const size_t rows = (size_t)nh * G;       /* query rows (h, g) of this item, row r = (h - h0) * G + g */
+  /* scores s[r * len + t], then the query rows and the output rows in float32 */
+  float *s = (float *)malloc(sizeof(float) * (rows * len + 2 * rows * D));
+  float *qf = s + rows * len, *of = qf + rows * D;
+  const int64_t q0 = ((int64_t)b * H + h0) * G * D;
+  for (size_t i = 0; i < rows * D; i++) qf[i] = ld(q, q0 + (int64_t)i, bf);
+  for (int t0 = 0, j = 0; t0 < len; t0 += bs, j++) {
+    const int n = len - t0 < bs ? len - t0 : bs;
+    for (int h = h0; h < h1; h++) {
+      const int64_t kb = (int64_t)table[j] * block + (int64_t)h * bs * D;
+      const float *qb = qf + (size_t)(h - h0) * G * D;
+      float *sh = s + (size_t)(h - h0) * G * len + t0;
+      for (int t = 0; t < n; t++) {
+        const int64_t kr = kb + (int64_t)t * D;
+        for (int g = 0; g < G; g++) {
+          const float *qr = qb + (size_t)g * D;
+          float acc = 0.f;
+          for (int d = 0; d < D; d++) acc += qr[d] * ld(k_cache, kr + d, bf);
+          sh[(size_t)g * len + t] = acc * scale;
         }
       }
     }
-    for (int r = 0; r < nh * G; r++) {
-      float *sg = s + (size_t)r * len, m = -INFINITY, sum = 0.f;
-      for (int t = 0; t < len; t++) m = sg[t] > m ? sg[t] : m;
-      for (int t = 0; t < len; t++) {
-        sg[t] = expf(sg[t] - m);
-        sum += sg[t];
-      }
-      const float inv = 1.f / sum;
-      for (int t = 0; t < len; t++) sg[t] *= inv;
+  }
+  for (size_t r = 0; r < rows; r++) {
+    float *sg = s + r * len, m = -INFINITY, sum = 0.f;
+    for (int t = 0; t < len; t++) m = sg[t] > m ? sg[t] : m;
+    for (int t = 0; t < len; t++) {
+      sg[t] = expf(sg[t] - m);
+      sum += sg[t];
     }
-    float *ob = out + ((size_t)b * H + h0) * G * D;
-    memset(ob, 0, sizeof(float) * (size_t)nh * G * D);
-    for (int t0 = 0, j = 0; t0 < len; t0 += bs, j++) {
-      const int n = len - t0 < bs ? len - t0 : bs;
-      for (int h = h0; h < h1; h++) {
-        const float *vb = v_cache + (size_t)table[j] * block + (size_t)h * bs * D;
-        const float *sh = s + (size_t)(h - h0) * G * len + t0;
-        float *oh = ob + (size_t)(h - h0) * G * D;
-        for (int t = 0; t < n; t++) {
-          const float *vr = vb + (size_t)t * D;
-          for (int g = 0; g < G; g++) {
-            const float p = sh[(size_t)g * len + t];
-            float *o = oh + (size_t)g * D;
-            for (int d = 0; d < D; d++) o[d] += p * vr[d];
-          }
+    const float inv = 1.f / sum;
+    for (int t = 0; t < len; t++) sg[t] *= inv;
+  }
+  memset(of, 0, sizeof(float) * rows * D);
+  for (int t0 = 0, j = 0; t0 < len; t0 += bs, j++) {
+    const int n = len - t0 < bs ? len - t0 : bs;
+    for (int h = h0; h < h1; h++) {
+      const int64_t vb = (int64_t)table[j] * block + (int64_t)h * bs * D;
+      const float *sh = s + (size_t)(h - h0) * G * len + t0;
+      float *oh = of + (size_t)(h - h0) * G * D;
+      for (int t = 0; t < n; t++) {
+        const int64_t vr = vb + (int64_t)t * D;
+        for (int g = 0; g < G; g++) {
+          const float p = sh[(size_t)g * len + t];
+          float *o = oh + (size_t)g * D;
+          for (int d = 0; d < D; d++) o[d] += p * ld(v_cache, vr + d, bf);
         }
       }
     }
-    free(s);
   }
+  for (size_t i = 0; i < rows * D; i++) st(out, q0 + (int64_t)i, of[i], bf);
+  free(s);
 }
+
+/* q, out: [B, H*G, D]; k_cache, v_cache: [num_blocks, H, bs, D]; all of one type */
+#define PAGED_DECODE(NAME, BF)                                                                                   \
+  void NAME(const void *q, const void *k_cache, const void *v_cache, const int32_t *tables, const int32_t *lens, \
+            void *out, int B, int H, int G, int D, int bs, int max_blocks, float scale, int num_threads) {        \
+    int parts = 1; /* head ranges per sequence */                                                               \
+    if (B < 2 * num_threads) {                                                                                  \
+      parts = (2 * num_threads + B - 1) / B;                                                                    \
+      if (parts > H) parts = H;                                                                                 \
+    }                                                                                                           \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                                  \
+    for (int item = 0; item < B * parts; item++)                                                                \
+      decode_item(q, k_cache, v_cache, tables, lens, out, H, G, D, bs, max_blocks, scale, parts, item, BF);     \
+  }
+PAGED_DECODE(paged_decode_f32, 0)
+PAGED_DECODE(paged_decode_bf16, 1)

@@ -231,7 +231,7 @@ def test_argmax_rows_is_torchs_argmax_ties_nans_and_views_included():
     x[1, 17] = x[1, 5] = float("nan")
     x[2] = float("-inf")
     x[3, :] = 0.5
-    for t in (x, x[:, 100:900], x[::2], x.double()):
+    for t in (x, x[:, 100:900], x[::2], x.double(), x.bfloat16(), x.half()):  # 16-bit: a bfloat16 model's logits
         got = argmax_rows(t)
         assert got.dtype == torch.int64 and torch.equal(got, t.argmax(dim=-1))
     assert argmax_rows(x)[:4].tolist() == [9, 5, 0, 0]

@@ -8,7 +8,8 @@ embedding and SwiGLU run in torch as several ops each, every one a pass over the
 functions with the system's C compiler the first time a process needs them (about a second;
 optimized for the CPU it runs on) and keeps the library in a cache directory keyed by the
 sources, the flags and the CPU. Each kernel is built for float32 and for bfloat16 tensors (the
-arithmetic float32 in both; bfloat16 rounded where torch's bfloat16 ops round: `csrc/elem.h`).
+arithmetic float32 in both; bfloat16 rounded where torch's bfloat16 ops round: `csrc/elem.h`),
+but SwiGLU, float32 alone (`layers.silu_and_mul`).
 Where no compiler is found, or off CPU, or for other dtypes, `pdq.engine.attention` gathers
 instead and the layers run torch's ops (the same numbers up to rounding, slower); `available()`
 and `fused_ops()` say which.
@@ -32,7 +33,7 @@ log = logging.getLogger("pdq.engine")
 
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.c", "fused_ops.c")]
 HEADERS = [Path(__file__).with_name("csrc") / "elem.h"]  # included by the sources: part of the cache key
-DTYPES = (torch.float32, torch.bfloat16)  # each kernel is built for both: NAME_f32, NAME_bf16
+DTYPES = (torch.float32, torch.bfloat16)  # kernels are built for both: NAME_f32, NAME_bf16 (silu_mul: _f32)
 # Compiled with -ffast-math (the dot products and exp vectorize), linked without it: a shared library
 # linked with -ffast-math turns on flush-to-zero for the whole process when it loads.
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
@@ -98,7 +99,7 @@ def _build() -> ctypes.CDLL | None:
                        ("rotary", [ptr, i64, i32, i32, i32, ptr, ptr, i32]),
                        ("rotary_kv", [ptr, i64, i32, i32, i32, i32, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32]),
                        ("silu_mul", [ptr, i64, ptr, i32, i32, i32])):
-        for suffix in ("f32", "bf16"):
+        for suffix in ("f32",) if name == "silu_mul" else ("f32", "bf16"):
             fn = getattr(lib, f"{name}_{suffix}")
             fn.restype, fn.argtypes = None, args
     return lib
@@ -197,7 +198,10 @@ def rotary_kv_(qk: torch.Tensor, q_heads: int, cos: torch.Tensor, sin_signed: to
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of gate_up [rows, 2 * inter] = [gate | up] -> a new [rows, inter]. Needs `fused_ops()`."""
+    """SwiGLU of float32 gate_up [rows, 2 * inter] = [gate | up] -> a new [rows, inter]. Needs
+    `fused_ops()`."""
+    if gate_up.dtype != torch.float32:
+        raise ValueError(f"silu_and_mul: float32 only, got {gate_up.dtype}")
     rows, stride = _rows_view(gate_up)
     inter = gate_up.shape[1] // 2
     out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)

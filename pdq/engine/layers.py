@@ -103,8 +103,11 @@ def residual_rms_norm(x: torch.Tensor, add: torch.Tensor, weight: torch.Tensor, 
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU: `silu(gate) * up` for `gate_up = [gate | up]` along the last dim."""
-    if gate_up.dim() == 2 and gate_up.stride(1) == 1 and _fused(gate_up):
+    """SwiGLU: `silu(gate) * up` for `gate_up = [gate | up]` along the last dim. On CPU in
+    float32 in one pass (`cpu_kernels.silu_and_mul`); in bfloat16 torch's two ops, which convert
+    with the CPU's own bfloat16 instructions where the kernel rounds in integer arithmetic: 1.5x
+    faster here (measured on a Xeon with AVX512_BF16: 138 against 210 us for 256 rows)."""
+    if gate_up.dim() == 2 and gate_up.stride(1) == 1 and gate_up.dtype == torch.float32 and _fused(gate_up):
         return cpu_kernels.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -163,13 +163,6 @@ def test_bfloat16_rotary_with_the_kv_write_equals_torchs_bfloat16_rotary_and_ind
     torch.testing.assert_close(caches[1], want_v, rtol=0, atol=0)
 
 
-def test_bfloat16_swiglu_matches_torchs_bfloat16_ops(monkeypatch):
-    gate_up = (torch.randn(33, 2 * 1408, generator=torch.Generator().manual_seed(3)) * 4).bfloat16()
-    got = silu_and_mul(gate_up)
-    assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got, _torch_path(monkeypatch, lambda: silu_and_mul(gate_up)))
-
-
 def test_a_bfloat16_models_logits_with_the_cpu_kernels_on_and_off(tiny_llama, make_runner, monkeypatch):
     """A bfloat16 model on CPU runs the paged decode kernel and the fused ops (not torch's gather
     and elementwise ops), and its logits agree with those ops' to bfloat16's precision."""

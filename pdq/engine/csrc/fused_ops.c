@@ -6,7 +6,7 @@
  * bfloat16 each result is rounded where torch's bfloat16 op rounds it (elem.h), so results differ
  * only by rounding. Weights and rotary tables are of the tensors' own type. Rows are shared among
  * `num_threads` OpenMP threads when there are enough of them to pay. Exported as NAME_f32 and
- * NAME_bf16. */
+ * NAME_bf16 (SwiGLU: silu_mul_f32 alone). */
 #include <math.h>
 #include <stdint.h>
 
@@ -116,5 +116,4 @@ ROTARY_KV(rotary_kv_bf16, 1)
     _Pragma("omp parallel for num_threads(num_threads) if ((int64_t)rows * inter >= PAR_MIN_ELEMENTS)")         \
     for (int r = 0; r < rows; r++) swiglu_row(at(gate_up, r * stride, BF), at(out, (int64_t)r * inter, BF), inter, BF); \
   }
-SILU_MUL(silu_mul_f32, 0)
-SILU_MUL(silu_mul_bf16, 1)
+SILU_MUL(silu_mul_f32, 0) /* bfloat16: torch's ops are faster (pdq/engine/layers.py: silu_and_mul) */

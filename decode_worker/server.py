@@ -379,7 +379,8 @@ def build_server(config: DecodeConfig) -> Server:
         path = await asyncio.to_thread(resolve_model, config.model)
         extra = COLOCATED_EXTRA_SLOTS * config.max_seq_len if config.colocate else 0
         model = ModelThread("model")  # loads the model, then runs the loop (see ModelThread)
-        warm_up = (config.step_tokens, config.prefill_chunk) if config.colocate else (config.max_batch_size, 1)
+        warm_up = ((config.step_tokens, config.prefill_chunk) if config.colocate else (config.max_batch_size, 1)) \
+            + (config.max_batch_size,)  # and the GEMMs of every decode batch size
         runner = state["runner"] = await model.run(load_runner, config, config.kv_budget_tokens + extra, warm_up)
         aio_loop = asyncio.get_running_loop()
         strategy = Strategy(config.strategy, config.strategy_batch_size, config.dynamic_window_ms,

@@ -41,6 +41,7 @@ from pdq.ops.memory import DEFAULT_HEAP_RESERVE_MB, reserve_heap
 ENGINE_KV_BUDGET_TOKENS = 65536  # = the decode worker's default pool
 ENGINE_MAX_SEQ_LEN = 2048  # = the workers' default max_seq_len
 HF_BATCH_SIZE = 8
+WARM_DECODE_ROWS = 64  # = the decode worker's default max_batch_size
 
 Progress = Callable[[RequestRecord], None]
 
@@ -104,7 +105,8 @@ class EngineBaseline:
         self.engine = LLMEngine.from_pretrained(str(model_dir), kv_budget_tokens=kv_budget_tokens,
                                                 max_seq_len=max_seq_len, dtype=getattr(torch, dtype) if dtype else None)
         p = self.engine.policy
-        self.engine.runner.warm_up(p.max_batched_tokens, p.prefill_chunk)  # as a worker does at start-up
+        # as a worker does at start-up (a decode worker: its max_batch_size, 64 by default, of GEMM row counts)
+        self.engine.runner.warm_up(p.max_batched_tokens, p.prefill_chunk, min(p.max_num_seqs, WARM_DECODE_ROWS))
         reserve_heap(DEFAULT_HEAP_RESERVE_MB << 20)  # as a worker does: its first run takes no page faults
 
     def notes(self) -> dict:

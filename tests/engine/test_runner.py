@@ -166,6 +166,32 @@ def test_warm_up_runs_full_size_passes_and_leaves_the_pool_as_it_was(tiny_llama,
     assert runner.free_tokens < 128
 
 
+def test_warm_up_runs_every_projection_shape_at_every_decode_batch_size(tiny_llama, make_runner, monkeypatch):
+    """oneDNN builds a GEMM per row count the first time it sees one: the warm-up runs each
+    distinct projection shape (q/k/v, o, gate/up, down, the head) at 1..decode_rows rows, so no
+    decode step pays it later, and leaves the pool as it was."""
+    from pdq.engine.layers import Linear
+
+    runner = make_runner(tiny_llama, slots=4)
+    seen: dict[tuple, list[int]] = {}
+    forward = Linear.forward
+
+    def spy(self, x):
+        seen.setdefault(tuple(self.weight.shape), []).append(x.shape[0])
+        return forward(self, x)
+
+    monkeypatch.setattr(Linear, "forward", spy)
+    free = runner.free_tokens
+    runner.warm_gemms(6)
+    shapes = {tuple(m.weight.shape) for m in runner.model.modules() if isinstance(m, Linear)}
+    assert set(seen) == shapes and len(shapes) >= 5  # qkv, o, gate_up, down, lm_head
+    assert all(rows == [1, 2, 3, 4, 5, 6] for rows in seen.values())  # one layer of each shape, every count
+    assert runner.free_tokens == free
+    seen.clear()
+    runner.warm_up(0, 1, decode_rows=3)
+    assert all(rows[-3:] == [1, 2, 3] for rows in seen.values())
+
+
 def test_the_cpu_kernel_leaves_the_process_floating_point_mode_alone():
     """A library built with -ffast-math turns on flush-to-zero for the whole process when loaded:
     subnormal floats would then read as zero everywhere (numpy, torch, property tests)."""
@@ -191,3 +217,21 @@ def test_prompt_attention_runs_torchs_fused_cpu_kernel(tiny_llama, make_runner):
     ops = [e.name for e in prof.events()]
     assert ops.count("aten::_scaled_dot_product_flash_attention_for_cpu") == 2 * tiny_llama.config.num_hidden_layers
     assert "aten::_scaled_dot_product_attention_math" not in ops
+
+
+def test_bfloat16_gemms_past_the_bucket_run_padded_and_return_their_own_rows():
+    """A bfloat16 projection of more than BUCKET_ROWS rows runs at the next multiple of it (zero
+    rows added, their output dropped): the same numbers as the product at its own row count."""
+    from pdq.engine.layers import BUCKET_ROWS, Linear, gemm_rows
+
+    g = torch.Generator().manual_seed(0)
+    linear = Linear((torch.randn(96, 40, generator=g) * 0.1).bfloat16())
+    linear.prepack()
+    assert gemm_rows(BUCKET_ROWS, torch.bfloat16) == BUCKET_ROWS
+    assert gemm_rows(BUCKET_ROWS + 1, torch.bfloat16) == 2 * BUCKET_ROWS
+    assert gemm_rows(BUCKET_ROWS + 1, torch.float32) == BUCKET_ROWS + 1
+    for rows in (3, BUCKET_ROWS, BUCKET_ROWS + 5, 3 * BUCKET_ROWS - 1):
+        x = torch.randn(rows, 40, generator=g).bfloat16()
+        out = linear(x)
+        assert out.shape == (rows, 96) and out.is_contiguous()
+        torch.testing.assert_close(out.float(), x.float() @ linear.weight.float().T, rtol=2e-2, atol=2e-2)

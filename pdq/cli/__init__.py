@@ -40,6 +40,10 @@ def _up(args: argparse.Namespace) -> int:
     env = {"PDQ_KV_TRANSPORT": args.kv_transport} if args.kv_transport else {}
     if args.dtype:
         env["PDQ_DTYPE"] = args.dtype
+    hint = cpu.bfloat16_hint(args.dtype or os.environ.get("PDQ_DTYPE"), cpu.cpu_flags(),
+                             gpu=os.path.exists("/dev/nvidia0") or args.model.startswith("null"))
+    if hint:
+        print(hint, file=sys.stderr)
     prefill = 1 if args.prefill is None else args.prefill
     return run(Cluster(prefill=prefill, decode=args.decode, schedulers=args.schedulers, model=args.model,
                        redis_url=args.redis_url,

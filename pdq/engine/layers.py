@@ -85,8 +85,9 @@ class Linear(nn.Module):
         if self.packed is not None and (x.shape[0] in PACKED_ROWS or x.dtype == torch.bfloat16):
             rows = x.shape[0]
             padded = gemm_rows(rows, x.dtype)
-            if padded != rows:
-                x = F.pad(x, (0, 0, 0, padded - rows))
+            if padded == rows:
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            x = F.pad(x, (0, 0, 0, padded - rows))
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:rows]
         return F.linear(x, self.weight, self.bias)
 

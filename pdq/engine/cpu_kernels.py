@@ -37,6 +37,11 @@ DTYPES = (torch.float32, torch.bfloat16)  # kernels are built for both: NAME_f32
 # Compiled with -ffast-math (the dot products and exp vectorize), linked without it: a shared library
 # linked with -ffast-math turns on flush-to-zero for the whole process when it loads.
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+# On x86-64 CPUs with AVX-512, loops vectorize 512 bits wide rather than GCC's default 256 (no effect
+# on a CPU without AVX-512): on a Xeon with AMX, the bfloat16 engine's mixed run 1.6-7% faster (three
+# alternating pairs of 8 runs), float32's unchanged.
+if platform.machine() in ("x86_64", "AMD64"):
+    COMPILE_FLAGS.append("-mprefer-vector-width=512")
 LINK_FLAGS = ["-shared", "-fopenmp"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

@@ -20,6 +20,7 @@ import sys
 import time
 
 from pdq.bench.arrivals import Arrivals
+from pdq.bench.options import dtype_env
 from pdq.bench.capacity_policy import Step, SweepPlan, best, bottleneck, next_rate, why_broken
 
 
@@ -250,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     vocab = vocabulary(model_dir)
     env = dict(pair.split("=", 1) for pair in args.env)
+    env.update(dtype_env(args))
     cluster = start_cluster(f"the capacity sweep (model {args.model!r})", say, prefill=args.prefill,
                             decode=args.decode, model=args.model, colocate=args.colocate,
                             control_policy=args.control_policy, redis_url=args.redis_url, port=0, auth=False,

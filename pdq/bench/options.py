@@ -16,6 +16,11 @@ BASELINES = ("hf", "engine")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def dtype_env(args: argparse.Namespace) -> dict[str, str]:
+    """The spawned workers' environment for --dtype (none without it)."""
+    return {"PDQ_DTYPE": args.dtype} if getattr(args, "dtype", None) else {}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     where = p.add_argument_group("what to measure")
     where.add_argument("--target", help="gateway HOST:PORT of a running cluster, or the base URL of any "
@@ -34,16 +39,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument("--handoff", action="store_true",
                        help="measure P/D disaggregation instead: KV hand-off GB/s (median and long prompt), its "
                             "TTFT overhead, and the split of the mixed workload over 2 decode workers "
-                            "(spawns its own cluster; --model, --requests, --seed, --env, --json apply)")
+                            "(spawns its own cluster; --model, --dtype, --requests, --seed, --env, --json apply)")
     where.add_argument("--scheduler", action="store_true",
                        help="measure the scheduler's goals instead: tenant shares, a light tenant's TTFT under a "
-                            "flood, cancel and deadline latencies (spawns its own cluster; --model, --requests, "
+                            "flood, cancel and deadline latencies (spawns its own cluster; --model, --dtype, --requests, "
                             "--env, --json apply)")
     where.add_argument("--capacity", action="store_true",
                        help="measure control-plane capacity instead: step open-loop arrivals of short requests up "
                             "until latency breaks, per --capacity-max-tokens; report the best sustained requests/s "
                             "and streamed tokens/s, each process's CPU (the bottleneck) and Redis's own rate "
-                            "(spawns its own cluster; best with --model null; --model, --env, --stream-interval, "
+                            "(spawns its own cluster; best with --model null; --model, --dtype, --env, --stream-interval, "
                             "--seed, --json and the cluster flags apply)")
     cap = p.add_argument_group("--capacity sweeps (pdq.bench.capacity_policy)")
     cap.add_argument("--capacity-max-tokens", default="8,128",

@@ -31,6 +31,7 @@ import grpc
 import redis
 
 from pdq.bench.report import machine
+from pdq.bench.options import dtype_env
 from pdq.ops import cpu
 from pdq.client import Client
 from pdq.ops.up import Cluster
@@ -236,6 +237,7 @@ def measure(model: str, slots: int, n: int, extra_env: dict, colocate: bool = Fa
 def run(args: argparse.Namespace) -> int:
     """`pdq bench --scheduler`: prints the report and each goal, met or not; --json writes it."""
     env = dict(kv.split("=", 1) for kv in args.env)
+    env.update(dtype_env(args))
     n = args.requests or DEFAULT_SAMPLES
     report = measure(args.model, 8, n, env, args.colocate, args.control_policy, args.client_policy)
     print(json.dumps(report, indent=2))

@@ -15,6 +15,12 @@ from pdq.ops.redis_server import RedisServer
 # One model cache for the whole run (built once, reused by every process the tests start).
 os.environ.setdefault("PDQ_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".venv" / "pdq-cache"))
 
+# Workers load the model in float32 on every CI machine: without a dtype, one on a CPU with AMX
+# would run bfloat16 (pdq.engine.runner.serving_dtype), and the tests that compare a cluster's
+# tokens with transformers' float32 generate() would depend on which machine CI landed on.
+# tests/engine/test_serving_dtype.py covers the default itself.
+os.environ.setdefault("PDQ_DTYPE", "float32")
+
 # A run started in the background by a non-interactive shell (`nohup make test &`, some CI
 # runners) ignores SIGINT, and every process it starts inherits that: the tests that press
 # Ctrl-C on a `pdq` command need it delivered, as at a terminal.

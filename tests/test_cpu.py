@@ -107,16 +107,16 @@ def test_threads_that_are_not_as_many_as_the_cpus_are_left_alone():
     assert os.sched_getaffinity(0) == before
 
 
-def test_pdq_up_suggests_bfloat16_on_a_cpu_with_amx_serving_float32(tmp_path):
-    from pdq.ops.cpu import bfloat16_hint, cpu_flags
+def test_pdq_up_says_when_the_workers_run_bfloat16_on_a_cpu_with_amx(tmp_path):
+    from pdq.ops.cpu import cpu_flags, dtype_note
 
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu avx512f amx_tile amx_bf16\n\n"
                     "processor\t: 1\nflags\t\t: fpu\n")
     flags = cpu_flags(str(info))
     assert {"avx512f", "amx_bf16"} <= flags  # the first CPU's line
-    assert "--dtype bfloat16" in bfloat16_hint(None, flags, gpu=False)
-    assert bfloat16_hint("float32", flags, gpu=False) == ""  # chosen explicitly: no advice
-    assert bfloat16_hint(None, flags, gpu=True) == ""  # a GPU serves bfloat16 already
-    assert bfloat16_hint(None, frozenset({"avx512f"}), gpu=False) == ""  # no AMX: float32 is the fast one
+    assert "bfloat16" in dtype_note(None, flags, gpu=False) and "--dtype float32" in dtype_note(None, flags, gpu=False)
+    assert dtype_note("float32", flags, gpu=False) == ""  # chosen explicitly: nothing to say
+    assert dtype_note(None, flags, gpu=True) == ""
+    assert dtype_note(None, frozenset({"avx512f"}), gpu=False) == ""  # no AMX: float32, as ever
     assert cpu_flags(str(tmp_path / "missing")) == frozenset()

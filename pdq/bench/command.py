@@ -64,6 +64,7 @@ class Bench:
         self.runs: list[dict] = []  # every run of every repeat
         self.repeat = 0
         self._baselines: dict = {}
+        self.dtype = run_dtype(opts.dtype)
 
     def offered(self) -> Workload:
         """The workload as the next run offers it: the same lengths and sharing as every other
@@ -124,7 +125,8 @@ class Bench:
         with tempfile.TemporaryDirectory(prefix="pdq-bench-") as tmp:
             auth_file = Path(tmp) / "auth.json"
             keys = write_auth_file(auth_file, self.workload.tenants, opts.api_keys)
-            env = {**opts.env, "PDQ_STRATEGY": strategy, "PDQ_AUTH_FILE": str(auth_file)}
+            env = {**opts.env, **({"PDQ_DTYPE": self.dtype} if self.dtype else {}), "PDQ_STRATEGY": strategy,
+                   "PDQ_AUTH_FILE": str(auth_file)}
             cluster = start_cluster(f"strategy {strategy!r}", say, prefill=opts.prefill, decode=opts.decode,
                                     model=opts.model, colocate=opts.colocate, control_policy=opts.control_policy,
                                     redis_url=opts.redis_url, port=0, auth=False, extra_env=env,
@@ -144,8 +146,7 @@ class Bench:
 
         if name not in self._baselines:
             say(f"pdq bench: loading the model for the {name} baseline ...")
-            self._baselines[name] = (EngineBaseline if name == "engine" else HFBaseline)(model_dir,
-                                                                                       dtype=self.opts.dtype)
+            self._baselines[name] = (EngineBaseline if name == "engine" else HFBaseline)(model_dir, dtype=self.dtype)
         system = self._baselines[name]
         if name == "engine":
             for load in self.opts.loads:
@@ -166,7 +167,17 @@ class Bench:
         return out
 
 
-def config_json(opts: BenchOptions, model_dir: str, workload: Workload) -> dict:
+def run_dtype(given: str | None) -> str | None:
+    """The dtype every system of the run uses: --dtype, else PDQ_DTYPE, else what a worker on this
+    machine runs by default (`pdq.engine.runner.resolve_dtype`: bfloat16 on a CPU with AMX); None:
+    the runtime's default (a GPU's)."""
+    from pdq.engine.runner import default_device, resolve_dtype
+
+    dtype = resolve_dtype(given or os.environ.get("PDQ_DTYPE"), default_device())
+    return str(dtype).removeprefix("torch.") if dtype is not None else None
+
+
+def config_json(opts: BenchOptions, model_dir: str, workload: Workload, dtype: str | None = None) -> dict:
     return {"model": opts.model, "model_dir": model_dir, "workload": workload.describe(), "seed": opts.seed,
             "requests": len(workload.requests), "prompt_tokens": workload.prompt_tokens,
             "output_tokens": workload.output_tokens, "target": opts.target, "spawn": opts.spawn,
@@ -174,7 +185,7 @@ def config_json(opts: BenchOptions, model_dir: str, workload: Workload) -> dict:
             "loads": [a.offered() for a in opts.loads], "prefill": opts.prefill, "decode": opts.decode,
             "env": opts.env, "slo": Slo(opts.slo_ttft, opts.slo_itl).to_json(), "max_model_len": opts.max_model_len,
             "repeat": opts.repeat, "colocate": opts.colocate, "control_policy": opts.control_policy,
-            "client_policy": opts.client_policy, "stream_interval": opts.stream_interval, "dtype": opts.dtype}
+            "client_policy": opts.client_policy, "stream_interval": opts.stream_interval, "dtype": dtype}
 
 
 def _command_line() -> list[str] | None:
@@ -243,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
 
         say("pdq bench: timing the workload's matrix multiplies alone (the roofline) ...")
         try:
-            roof = roofline.measure(model_dir, workload, dtype=opts.dtype)
+            roof = roofline.measure(model_dir, workload, dtype=bench.dtype)
         except ValueError as exc:  # a model this runtime cannot run (UnsupportedModelError): no roofline
             say(f"pdq bench: no roofline: {exc}")
         else:
@@ -251,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
             print(report.roofline_lines(runs, roof))
     sys.stdout.flush()
     if opts.json:
-        doc = report.document(runs, config_json(opts, model_dir, workload), _command_line())
+        doc = report.document(runs, config_json(opts, model_dir, workload, bench.dtype), _command_line())
         if roof is not None:
             doc["roofline"] = {**roof.to_json(), "efficiency": report.efficiencies(runs, roof)}
         if opts.repeat > 1:

@@ -86,8 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="use this Redis instead of starting a private one")
     up.add_argument("--dtype", choices=DTYPES, default=None,
                     help="the model's dtype in the spawned workers, the baselines and the roofline alike (default: "
-                         "float32 on CPU, the checkpoint's 16-bit dtype or bfloat16 on a GPU); bfloat16 on a CPU "
-                         "with AMX (Intel Xeon 4th generation and later) runs its matrix multiplies on AMX")
+                         "$PDQ_DTYPE, else what a worker runs on this machine: bfloat16 on a CPU with AMX, Intel Xeon "
+                         "4th generation and later, float32 on other CPUs, bfloat16 on a GPU)")
     load = p.add_argument_group("workload and load")
     load.add_argument("--workload", default="mixed", choices=WORKLOADS, help="default mixed")
     load.add_argument("--requests", "-n", type=int, default=None,
@@ -158,7 +158,7 @@ class BenchOptions:
     stream_interval: int = 1
     doors: tuple[str, ...] = ("grpc",)
     redis_url: str | None = None
-    dtype: str | None = None  # None: the runtime's default (pdq.engine.runner.default_dtype)
+    dtype: str | None = None  # as given; None: the run resolves it (pdq.bench.command.run_dtype)
     env: dict = field(default_factory=dict)
     api_keys: dict = field(default_factory=dict)
     warmup: int = 2

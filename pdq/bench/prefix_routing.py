@@ -20,7 +20,7 @@ import sys
 from dataclasses import replace
 
 from pdq.bench import report
-from pdq.bench.command import Bench, config_json, say
+from pdq.bench.command import Bench, config_json, run_dtype, say
 from pdq.bench.options import BenchOptions, add_arguments
 from pdq.bench.workload import SHARED_PREFIX_TOKENS, BenchRequest, Workload, vocabulary
 
@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prefix routing: TTFT p50 {off['ttft_p50_ms'] / on['ttft_p50_ms']:.2f}x better, "
               f"hit rate {off['hit_rate']:.2f} -> {on['hit_rate']:.2f}")
     if opts.json:
-        doc = report.document(med, {**config_json(opts, model_dir, workload), "groups": args.groups},
+        doc = report.document(med, {**config_json(opts, model_dir, workload, run_dtype(opts.dtype)),
+                                    "groups": args.groups},
                               sys.argv if argv is None else argv)
         doc["command"] = " ".join(["python -m pdq.bench.prefix_routing", *(sys.argv[1:] if argv is None else argv)])
         doc["prefix_routing"] = summary

@@ -66,8 +66,31 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def serving_dtype(device: torch.device, checkpoint_dtype: torch.dtype | str | None,
+                  cpu_flags: frozenset[str] | None = None) -> torch.dtype:
+    """What a worker runs when no dtype is given (`--dtype`): on a CPU with AMX (`amx_bf16`, Intel
+    Xeon 4th generation and later) bfloat16, whose GEMMs run on AMX (about 2x float32's tokens/s
+    there, BENCHMARKS.md); otherwise `default_dtype`. `cpu_flags`: /proc/cpuinfo's (read when None)."""
+    if device.type == "cpu":
+        from pdq.ops.cpu import cpu_flags as read_flags
+
+        if "amx_bf16" in (read_flags() if cpu_flags is None else cpu_flags):
+            return torch.bfloat16
+    return default_dtype(device, checkpoint_dtype)
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype | None:
+    """A worker's model dtype: `name` (--dtype, PDQ_DTYPE) as a torch dtype; without one,
+    `serving_dtype` on CPU and None elsewhere (the runtime's default there: the checkpoint's 16-bit
+    dtype or bfloat16 on a GPU)."""
+    if name:
+        return getattr(torch, name)
+    return serving_dtype(device, None) if device.type == "cpu" else None
+
+
 def default_dtype(device: torch.device, checkpoint_dtype: torch.dtype | str | None) -> torch.dtype:
-    """float32 on CPU; on GPU the checkpoint's 16-bit dtype, else bfloat16 (or float16)."""
+    """float32 on CPU; on GPU the checkpoint's 16-bit dtype, else bfloat16 (or float16). The
+    runtime's own default (a ModelRunner built without a dtype); workers use `serving_dtype`."""
     if device.type == "cpu":
         return torch.float32
     if isinstance(checkpoint_dtype, str):

@@ -158,14 +158,14 @@ def load_runner(config: WorkerConfig, kv_budget_tokens: int, warm_up: tuple[int,
     many as the CPUs (pdq.ops.cpu)."""
     import torch
 
-    from pdq.engine.runner import ModelRunner
+    from pdq.engine.runner import ModelRunner, default_device, resolve_dtype
     from pdq.ops.memory import keep_freed_memory, reserve_heap
     from pdq.model.loader import resolve_model
 
     keep_freed_memory()
     if config.threads > 0 and config.threads != torch.get_num_threads():
         set_torch_threads(config.threads)
-    dtype = getattr(torch, config.dtype) if config.dtype else None
+    dtype = resolve_dtype(config.dtype, torch.device(config.device) if config.device else default_device())
     runner = ModelRunner.from_pretrained(resolve_model(config.model), device=config.device or None, dtype=dtype,
                                          kv_budget_tokens=kv_budget_tokens, max_seq_len=config.max_seq_len,
                                          block_size=config.kv_block_size, prefix_cache=config.prefix_cache)

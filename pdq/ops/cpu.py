@@ -167,11 +167,11 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset()
 
 
-def bfloat16_hint(dtype: str | None, flags: frozenset[str], gpu: bool) -> str:
+def dtype_note(dtype: str | None, flags: frozenset[str], gpu: bool) -> str:
     """What `pdq up` says about the model's dtype on this machine: on a CPU with AMX (amx_bf16)
-    serving float32 (no --dtype, no GPU: `gpu` also for a model with no compute), that --dtype
-    bfloat16 serves about 1.8x the tokens/s there; otherwise nothing."""
+    and no dtype given (no GPU: `gpu` also for a model with no compute), that the workers run
+    bfloat16 there (`pdq.engine.runner.serving_dtype`) and how to keep float32; otherwise nothing."""
     if dtype or gpu or "amx_bf16" not in flags:
         return ""
-    return ("pdq up: this CPU has AMX (amx_bf16): --dtype bfloat16 serves about 1.8x the tokens/s of the float32 "
-            "default here, with bfloat16's outputs (docs/engine.md, 'bfloat16 on CPU')")
+    return ("pdq up: this CPU has AMX (amx_bf16): the workers run the model in bfloat16, about 1.8x the tokens/s "
+            "of float32 here; --dtype float32 for float32's outputs (docs/engine.md, 'bfloat16 on CPU')")

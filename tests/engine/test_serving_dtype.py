@@ -1,0 +1,36 @@
+"""The dtype a worker loads its model in when none is given (`--dtype`, PDQ_DTYPE): bfloat16 on
+a CPU with AMX, float32 on other CPUs, the runtime's default on a GPU; and a real worker started
+without one on this machine runs what `serving_dtype` says for it."""
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from pdq.engine.runner import resolve_dtype, serving_dtype
+from pdq.ops.cpu import cpu_flags
+
+CPU = torch.device("cpu")
+AMX = frozenset({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
+
+
+def test_bfloat16_on_a_cpu_with_amx_float32_on_others():
+    assert serving_dtype(CPU, None, AMX) == torch.bfloat16
+    assert serving_dtype(CPU, "float32", AMX) == torch.bfloat16  # a float32 checkpoint too
+    assert serving_dtype(CPU, None, frozenset({"avx512f", "avx512_bf16"})) == torch.float32  # no AMX
+    assert serving_dtype(CPU, None, frozenset()) == torch.float32
+    assert resolve_dtype("float32", CPU) == torch.float32 and resolve_dtype("bfloat16", CPU) == torch.bfloat16
+    assert resolve_dtype("", CPU) == serving_dtype(CPU, None, cpu_flags())  # this machine's default
+    assert resolve_dtype(None, torch.device("cuda")) is None  # a GPU: the runtime's (checkpoint-aware) default
+
+
+def test_a_worker_without_a_dtype_runs_this_machines_default(tmp_path):
+    """tests/conftest.py pins PDQ_DTYPE=float32 for every other test; here it is left out."""
+    env = {k: v for k, v in os.environ.items() if k != "PDQ_DTYPE"}
+    code = ("from pdq.config import DecodeConfig; from pdq.engine.worker import load_runner; "
+            "r = load_runner(DecodeConfig(model='builtin:tiny', max_seq_len=64), 256); print(r.dtype)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    want = serving_dtype(CPU, None, cpu_flags())
+    assert out.stdout.strip().splitlines()[-1] == str(want)

@@ -69,7 +69,7 @@ def default_device() -> torch.device:
 def serving_dtype(device: torch.device, checkpoint_dtype: torch.dtype | str | None,
                   cpu_flags: frozenset[str] | None = None) -> torch.dtype:
     """What a worker runs when no dtype is given (`--dtype`): on a CPU with AMX (`amx_bf16`, Intel
-    Xeon 4th generation and later) bfloat16, whose GEMMs run on AMX (about 2x float32's tokens/s
+    Xeon 4th generation and later) bfloat16, whose GEMMs run on AMX (1.8-2.1x float32's tokens/s
     there, BENCHMARKS.md); otherwise `default_dtype`. `cpu_flags`: /proc/cpuinfo's (read when None)."""
     if device.type == "cpu":
         from pdq.ops.cpu import cpu_flags as read_flags
@@ -261,8 +261,8 @@ class ModelRunner:
         sequences, as vLLM's and TGI's start-up runs do. The first passes of that size in a
         process are otherwise slower (the allocator maps their buffers fresh), and would land
         on the first users' requests. Scratch tokens never enter the prefix cache. Then, on CPU,
-        every projection at each row count 1..`decode_rows` (the decode batches to come,
-        `warm_gemms`)."""
+        every projection at each row count 1..`decode_rows` (the decode batches to come) and, in
+        bfloat16, at each count a pass of up to `step_tokens` rows runs at (`warm_gemms`)."""
         chunk = max(1, min(chunk, self.max_seq_len - 1))
         sizes, left, blocks = [], max(1, step_tokens), 0
         while left > 0 and blocks + self.blocks_for(min(chunk, left) + 1) <= self.free_blocks:

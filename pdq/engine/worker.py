@@ -152,8 +152,8 @@ def load_runner(config: WorkerConfig, kv_budget_tokens: int, warm_up: tuple[int,
     """Loads the model into a ModelRunner on the configured device, dtype and threads, then
     runs a full-size pass to warm it up (`warm_up`: tokens of the pass, the longest chunk and
     optionally the largest decode batch, `ModelRunner.warm_up`; 0 tokens: none) and faults in
-    `heap_reserve_mb` of heap on CPU. Call
-    it in the `ModelThread` that will run the model. Freed memory stays with the process
+    `heap_reserve_mb` of heap on CPU. The dtype is `config.dtype`, else this machine's serving
+    default (`runner.resolve_dtype`). Call it in the `ModelThread` that will run the model. Freed memory stays with the process
     (pdq.ops.memory); with `pin_threads`, the model's threads are pinned one per CPU if they are as
     many as the CPUs (pdq.ops.cpu)."""
     import torch

@@ -223,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
         say("pdq bench: note: not every tenant has a --tenant-key, so the server may see fewer tenants than the "
             "workload has; shares are measured from the client side")
     bench = Bench(opts, workload, vocab)
+    say(f"pdq bench: the model in {bench.dtype or 'the runtime default dtype'} everywhere"
+        f"{'' if opts.dtype else ' (--dtype to choose)'}")
     systems = bench.systems(model_dir)
     failed = False
     try:

@@ -56,6 +56,7 @@ def test_pdq_bench_dtype_runs_the_workers_the_engine_and_the_roofline_in_bfloat1
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "colocated prefill+decode worker" in proc.stderr and "(bfloat16 on cpu," in proc.stderr  # its start line
+    assert "pdq bench: the model in bfloat16 everywhere" in proc.stderr
     doc = json.loads(out_json.read_text())
     assert doc["config"]["dtype"] == "bfloat16"
     engine = next(r for r in doc["runs"] if r["name"] == "engine")

@@ -33,8 +33,9 @@ from pdq.state.store import Deposed, AsyncStore, TenantBacklog, now_ms, spec_fro
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 from scheduler.policies import (Candidate, DecodeSlots, DrainRate, Headroom, TenantQueue, TierQueue,
-                                decode_chooser, fair_policy, form_batch, handoff_skip, place_prefill, place_round,
-                                preemptible_tiers, prefer_healthy, prefill_priority, schedule, tier_policy)
+                                decode_chooser, fair_policy, form_batch, handoff_skip, kv_matched, place_prefill,
+                                place_round, preemptible_tiers, prefer_healthy, prefill_priority, same_kv_dtype,
+                                schedule, tier_policy)
 from scheduler.leader import Leadership, Sole
 from scheduler.prefix_routing import PrefixRouter
 from scheduler.retries import BatchOutcome, Retries
@@ -111,6 +112,7 @@ class Dispatcher:
         self._pokes = 0  # work queued since start (submits, requeues): did any come while a batch was placed?
         self._stopped = asyncio.Event()
         self._preempted_at = 0.0  # monotonic time of the latest preemption (0: none since a round placed one)
+        self._dtype_warned = -60.0  # monotonic time of the latest warning of workers left out for their dtype
         self._live: dict[str, list[WorkerInfo]] = {role: [] for role in ROLES}  # the registry as last read
         self.retries = Retries(config, store, self._release)
         self.prefix_router = PrefixRouter(store, config.prefix_weight) if config.prefix_routing else None
@@ -259,6 +261,10 @@ class Dispatcher:
         if not batch:
             return False
         prefill, decode = await self._workers()
+        matched = kv_matched(prefill, decode)
+        if len(matched) < len(prefill):
+            self._dtype_mismatch(prefill, decode, matched)
+        prefill = matched
         if not prefill or not decode:
             return False
         loads = [(w.worker_id, self._peers[w.worker_id].inflight) for w in prefill]
@@ -272,6 +278,7 @@ class Dispatcher:
         cut = cut or len(placeable) < len(batch)  # some wait for another prefill worker
         batch = placeable
         target_info = next(w for w in prefill if w.worker_id == target_id)
+        decode = [w for w in decode if same_kv_dtype(target_info.kv_dtype, w.kv_dtype)]  # its hand-offs land there
         target = self._peers[target_id]
         slots = [DecodeSlots(w.worker_id, w.address, w.free_slots) for w in decode]
         capacity = sum(w.capacity for w in decode)
@@ -353,6 +360,18 @@ class Dispatcher:
         target.tasks.add(task)
         task.add_done_callback(target.tasks.discard)
         return True
+
+    def _dtype_mismatch(self, prefill: list[WorkerInfo], decode: list[WorkerInfo], matched: list[WorkerInfo]) -> None:
+        """Says (at most once a minute) which prefill workers get no work: no decode worker runs
+        their model's dtype, so every hand-off of theirs would be refused (operations.md)."""
+        now = time.monotonic()
+        if now - self._dtype_warned < 60:
+            return
+        self._dtype_warned = now
+        left = [f"{w.worker_id} ({w.kv_dtype})" for w in prefill if w not in matched]
+        dtypes = sorted({w.kv_dtype for w in decode})
+        log.warning("prefill workers %s get no work: no decode worker runs their dtype (decode workers run %s); "
+                    "start every worker with the same --dtype (PDQ_DTYPE)", ", ".join(left), ", ".join(dtypes))
 
     async def next_batch(self) -> tuple[list[Candidate], bool]:
         """The next batch in the order of choice, from a bounded snapshot of the queue, and

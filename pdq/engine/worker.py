@@ -310,7 +310,8 @@ def kv_info(runner: Any, prefixes: bool = True, kept_tokens: int = 0) -> dict[st
     held = blocks.cached_hashes(MAX_PREFIXES) if prefixes and blocks is not None and blocks.prefix_cache else []
     return {"kv_free_tokens": max(0, runner.free_tokens - kept_tokens),
             "kv_total_tokens": runner.capacity_tokens - kept_tokens,
-            "kv_block_size": runner.block_size, "prefixes": tuple(h.hex()[:PREFIX_HEX] for h in held)}
+            "kv_block_size": runner.block_size, "prefixes": tuple(h.hex()[:PREFIX_HEX] for h in held),
+            "kv_dtype": str(runner.dtype).removeprefix("torch.")}
 
 
 def sync_store(config: WorkerConfig) -> SyncStore:

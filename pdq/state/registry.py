@@ -45,6 +45,7 @@ class WorkerInfo:
     kv_block_size: int = 0
     reserved: int = 0  # decode: seats held (reserved or running)
     prefixes: tuple[str, ...] = ()  # short chain hashes of its cached KV blocks (`scheduler.policies.prefix`)
+    kv_dtype: str = ""  # its model's dtype ("bfloat16", ...; "" unknown): a KV hand-off needs the same at both ends
 
     def quarantined(self, now_ms_: int) -> bool:
         return self.quarantined_until_ms > now_ms_
@@ -65,7 +66,7 @@ def heartbeat(store: AsyncStore | SyncStore, info: WorkerInfo, ttl_s: float) -> 
                             "capacity": info.capacity, "running": info.running, "draining": int(info.draining),
                             "kv_free_tokens": info.kv_free_tokens, "kv_total_tokens": info.kv_total_tokens,
                             "kv_block_size": info.kv_block_size, "reserved": info.reserved,
-                            "prefixes": " ".join(info.prefixes[:MAX_PREFIXES])})
+                            "prefixes": " ".join(info.prefixes[:MAX_PREFIXES]), "kv_dtype": info.kv_dtype})
 
 
 async def deregister(client: aioredis.Redis, keys: Keys, worker_id: str, role: str) -> None:
@@ -113,7 +114,7 @@ async def live_workers(store: AsyncStore, roles: tuple[str, ...], timeout_s: flo
                               kv_free_tokens=int(h.get("kv_free_tokens", 0)),
                               kv_total_tokens=int(h.get("kv_total_tokens", 0)),
                               kv_block_size=int(h.get("kv_block_size", 0)), reserved=int(h.get("reserved", 0)),
-                              prefixes=tuple(h.get("prefixes", "").split()),
+                              prefixes=tuple(h.get("prefixes", "").split()), kv_dtype=h.get("kv_dtype", ""),
                               draining=h.get("draining") == "1" or wid in drained,
                               heartbeat_ms=int(h.get("heartbeat_ms", 0)), quarantined_until_ms=until,
                               quarantine_reason=reason, handoff_streak=streak)

@@ -31,6 +31,17 @@ class Candidate:
         return self.prompt_tokens + self.max_tokens
 
 
+def same_kv_dtype(a: str, b: str) -> bool:
+    """Whether a worker whose model runs dtype `a` may hand a KV cache to one running `b` (a
+    hand-off in another dtype is refused): the same, or either unknown ("")."""
+    return not a or not b or a == b
+
+
+def kv_matched(prefill: list, decode: list) -> list:
+    """The prefill workers (anything with `kv_dtype`) that have a decode worker of their dtype."""
+    return [p for p in prefill if any(same_kv_dtype(p.kv_dtype, d.kv_dtype) for d in decode)]
+
+
 def form_batch(order: Iterable[Candidate], max_batch_size: int, max_batched_tokens: int) -> list[Candidate]:
     """Takes requests in the order of choice while the batch has room in count and prompt
     tokens; stops at the first that does not fit, so the order is never overtaken.

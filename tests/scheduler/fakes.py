@@ -39,9 +39,10 @@ class _Worker:
         self.tasks: list[asyncio.Task] = []
         self.alive = True
         self.beating = True  # False: it skips its heartbeats (a worker slow to reach Redis again)
+        self.kv_dtype = ""  # the model dtype it reports ("": unknown)
 
     def info(self) -> WorkerInfo:
-        return WorkerInfo(self.worker_id, self.role, self.address)
+        return WorkerInfo(self.worker_id, self.role, self.address, kv_dtype=self.kv_dtype)
 
     async def _beat(self) -> None:
         while self.alive:
@@ -95,7 +96,7 @@ class FakeDecode(_Worker, pb_grpc.DecodeWorkerServicer):
         self.expire()
         return WorkerInfo(self.worker_id, "decode", self.address, free_slots=self.slots - len(self.holds),
                           capacity=self.slots, running=len(self.running), kv_total_tokens=self.kv_tokens,
-                          kv_free_tokens=self.kv_tokens)
+                          kv_free_tokens=self.kv_tokens, kv_dtype=self.kv_dtype)
 
     async def start(self) -> None:
         await super().start()
@@ -213,6 +214,8 @@ class FakeWorkers:
     step_s: float = 0.005
     reserve_s: float = 0.0
     kv_tokens: int = 0  # each fake decode worker's reported KV pool
+    kv_dtypes: tuple[str, ...] = ()  # the dtype decode worker i reports (none given: "")
+    prefill_kv_dtype: str = ""  # the dtype every prefill worker reports
     decoders: dict[str, FakeDecode] = field(default_factory=dict)
     prefillers: list[FakePrefill] = field(default_factory=list)
 
@@ -222,10 +225,12 @@ class FakeWorkers:
         for i in range(self.decode):
             d = FakeDecode(self.store, f"decode-{i}", self.slots, self.step_s, reserve_s=self.reserve_s,
                            kv_tokens=self.kv_tokens)
+            d.kv_dtype = self.kv_dtypes[i] if i < len(self.kv_dtypes) else ""
             self.decoders[d.address] = d
             await d.start()
         for i in range(self.prefill):
             p = FakePrefill(self.store, f"prefill-{i}", self.decoders)
+            p.kv_dtype = self.prefill_kv_dtype
             self.prefillers.append(p)
             await p.start()
         return self

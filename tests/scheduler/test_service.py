@@ -123,6 +123,36 @@ async def test_every_request_is_served_once_by_the_fake_workers(url, prefix):
         assert (await h.store.load()).get("n", 0) == 0
 
 
+async def test_prompts_go_only_to_decode_workers_of_their_prefill_workers_dtype(url, prefix, caplog):
+    """A KV hand-off in another dtype is refused, so a bfloat16 prefill worker's prompts go to the
+    bfloat16 decode worker alone; and a prefill worker no decode worker matches gets no work, with
+    a warning that names it."""
+    async with harness(url, prefix, workers=dict(decode=2, slots=4, kv_dtypes=("float32", "bfloat16"),
+                                                 prefill_kv_dtype="bfloat16")) as h:
+        rids = [f"r{k}" for k in range(8)]
+        for rid in rids:
+            await h.submit(spec(rid, max_tokens=3))
+        await ended(h, rids)
+        f32, bf16 = h.workers.decoders.values()
+        assert f32.kv_dtype == "float32" and bf16.kv_dtype == "bfloat16"
+        assert f32.reserve_calls == [] and bf16.reserve_calls  # never even asked for a slot
+        for rid in rids:
+            assert await token_indices(h, rid) == [0, 1, 2]
+            assert (await h.store.record(rid))["decode_worker"] == bf16.address
+    async with harness(url, prefix + "b", workers=dict(decode=1, kv_dtypes=("float32",),
+                                                       prefill_kv_dtype="bfloat16")) as h:
+        with caplog.at_level("WARNING", logger="pdq.scheduler"):
+            await h.submit(spec("x", max_tokens=2))
+
+            async def warned() -> bool:
+                return "get no work: no decode worker runs their dtype" in caplog.text
+
+            await wait_for(warned)
+        assert "prefill-0 (bfloat16)" in caplog.text and "float32" in caplog.text
+        assert h.workers.prefillers[0].batches == []  # nothing sent to be refused
+        assert (await h.store.record("x"))["state"] == "QUEUED"  # it waits for a worker that can take it
+
+
 async def test_a_dispatch_round_reserves_its_slots_all_at_once(url, prefix):
     """One call to a decode worker per round (ReserveMany), not one per request: a request
     submitted while a round places others waits for one reply, not for a reply per request."""

@@ -23,6 +23,7 @@ from pdq.state.registry import WorkerInfo
 from pdq.transport.serving import Server
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
+from pdq.engine.runner import dtype_name
 from pdq.engine.worker import Heartbeat, ModelThread, kv_grant_tokens, kv_info, load_runner, reclaim_previous_life, sync_store
 from decode_worker.colocated import ColocatedLoop
 from decode_worker.kv_receive import Arrived, Discard, BlockSink
@@ -393,7 +394,7 @@ def build_server(config: DecodeConfig) -> Server:
         service.spare_blocks = runner.blocks_for(extra)
         service.runner = runner
         service.expect = {"num_layers": runner.num_layers, "num_kv_heads": runner.num_kv_heads,
-                          "head_dim": runner.head_dim, "dtype": str(runner.dtype).removeprefix("torch.")}
+                          "head_dim": runner.head_dim, "dtype": dtype_name(runner.dtype)}
         if config.kv_transport == "tcp":
             state["kv"] = kv = await kv_tcp.serve(config.host, config.kv_port, service.receive_tcp,
                                                   InternalTLS.from_config(config))

@@ -19,6 +19,7 @@ from pdq.transport.serving import GRPC_OPTIONS, Server
 from pdq.transport.status import StatusError
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
+from pdq.engine.runner import dtype_name
 from pdq.engine.worker import Heartbeat, ModelThread, kv_info, load_runner, reclaim_previous_life, sync_store
 from prefill_worker.loop import Job, Outcome, PrefillLoop
 
@@ -217,7 +218,7 @@ def build_server(config: PrefillConfig) -> Server:
         state["heartbeat"] = Heartbeat(config, keys, info, lambda: server.ready and service.loop.alive)
         await state["heartbeat"].start()
         log.info("prefill worker %s at %s (%s on %s, KV %d tokens in blocks of %d)", worker_id, address,
-                 str(runner.dtype).removeprefix("torch."), runner.device.type, runner.capacity_tokens, runner.block_size)
+                 dtype_name(runner.dtype), runner.device.type, runner.capacity_tokens, runner.block_size)
 
     async def stop() -> None:
         if "heartbeat" in state:

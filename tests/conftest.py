@@ -19,7 +19,7 @@ os.environ.setdefault("PDQ_CACHE_DIR", str(Path(__file__).resolve().parent.paren
 # would run bfloat16 (pdq.engine.runner.serving_dtype), and the tests that compare a cluster's
 # tokens with transformers' float32 generate() would depend on which machine CI landed on.
 # tests/engine/test_serving_dtype.py covers the default itself.
-os.environ.setdefault("PDQ_DTYPE", "float32")
+os.environ["PDQ_DTYPE"] = "float32"
 
 # A run started in the background by a non-interactive shell (`nohup make test &`, some CI
 # runners) ignores SIGINT, and every process it starts inherits that: the tests that press

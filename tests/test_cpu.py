@@ -120,3 +120,9 @@ def test_pdq_up_says_when_the_workers_run_bfloat16_on_a_cpu_with_amx(tmp_path):
     assert dtype_note(None, flags, gpu=True) == ""
     assert dtype_note(None, frozenset({"avx512f"}), gpu=False) == ""  # no AMX: float32, as ever
     assert cpu_flags(str(tmp_path / "missing")) == frozenset()
+    from pdq.cli import build_parser
+
+    assert build_parser().parse_args(["up", "--dtype", "float32"]).dtype == "float32"
+    assert build_parser().parse_args(["up"]).dtype is None  # the machine's default (the note above)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--dtype", "int8"])

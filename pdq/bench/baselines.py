@@ -111,7 +111,9 @@ class EngineBaseline:
 
     def notes(self) -> dict:
         p = self.engine.policy
-        return {"engine": {"dtype": str(self.engine.runner.dtype).removeprefix("torch."),
+        from pdq.engine.runner import dtype_name
+
+        return {"engine": {"dtype": dtype_name(self.engine.runner.dtype),
                            "max_batched_tokens": p.max_batched_tokens, "prefill_chunk": p.prefill_chunk,
                            "max_num_seqs": p.max_num_seqs, "omp_wait_policy": self.omp_wait_policy,
                            "heap_reserve_mb": DEFAULT_HEAP_RESERVE_MB}}

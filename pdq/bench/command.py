@@ -171,10 +171,10 @@ def run_dtype(given: str | None) -> str | None:
     """The dtype every system of the run uses: --dtype, else PDQ_DTYPE, else what a worker on this
     machine runs by default (`pdq.engine.runner.resolve_dtype`: bfloat16 on a CPU with AMX); None:
     the runtime's default (a GPU's)."""
-    from pdq.engine.runner import default_device, resolve_dtype
+    from pdq.engine.runner import default_device, dtype_name, resolve_dtype
 
     dtype = resolve_dtype(given or os.environ.get("PDQ_DTYPE"), default_device())
-    return str(dtype).removeprefix("torch.") if dtype is not None else None
+    return dtype_name(dtype) if dtype is not None else None
 
 
 def config_json(opts: BenchOptions, model_dir: str, workload: Workload, dtype: str | None = None) -> dict:
@@ -222,7 +222,11 @@ def run(args: argparse.Namespace) -> int:
     if opts.target and len(workload.tenants) > 1 and not all(opts.api_key(t.name) for t in workload.tenants):
         say("pdq bench: note: not every tenant has a --tenant-key, so the server may see fewer tenants than the "
             "workload has; shares are measured from the client side")
-    bench = Bench(opts, workload, vocab)
+    try:
+        bench = Bench(opts, workload, vocab)
+    except ValueError as exc:  # a PDQ_DTYPE no runtime takes
+        say(f"pdq bench: {exc}")
+        return 2
     say(f"pdq bench: the model in {bench.dtype or 'the runtime default dtype'} everywhere"
         f"{'' if opts.dtype else ' (--dtype to choose)'}")
     systems = bench.systems(model_dir)

@@ -24,7 +24,6 @@
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import time
@@ -191,9 +190,12 @@ def run(args: argparse.Namespace) -> int:
     from pdq.bench.baselines import import_torch
 
     import_torch()  # the same OpenMP policy as the workers `pdq up` starts
+    import torch
+
+    from pdq.bench.command import run_dtype
     from pdq.bench.options import _pairs, dtype_env
     from pdq.bench.workload import build, vocabulary
-    from pdq.engine.runner import ModelRunner, default_device, resolve_dtype
+    from pdq.engine.runner import ModelRunner
     from pdq.model.loader import resolve_model
     from pdq.ops.child import spawn, stop
     from pdq.ops.redis_server import free_port
@@ -202,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         env = _pairs(args.env, "--env")
         env.update(dtype_env(args))
+        dtype = run_dtype(getattr(args, "dtype", None))  # the workers' own: the runner's K/V is theirs
         model_dir = str(resolve_model(args.model))
         workload = build("mixed", vocabulary(model_dir), n=args.requests or 32, seed=args.seed)
     except ValueError as exc:
@@ -214,9 +217,8 @@ def run(args: argparse.Namespace) -> int:
     chunk_bytes = int(env.get("PDQ_KV_CHUNK_BYTES", 1 << 20))
     say(f"pdq bench --handoff: model {args.model}, median prompt {median_len} tokens, long prompt {LONG_PROMPT}; "
         f"{workload.describe()}")
-    dtype = resolve_dtype(getattr(args, "dtype", None) or os.environ.get("PDQ_DTYPE"), default_device())
     runner = ModelRunner.from_pretrained(model_dir, kv_budget_tokens=4096, max_seq_len=2048,
-                                         dtype=dtype)  # the workers' own: its K/V is theirs
+                                         dtype=getattr(torch, dtype) if dtype else None)
     with Cluster(model=args.model, prefill=1, decode=2, port=0, auth=False, metrics_port=-1,
                  redis_url=args.redis_url, extra_env={"PDQ_KV_TRANSPORT": "tcp", **env}) as cluster:
         decode0 = next(ch for ch in cluster.children if ch.name == "decode-0")

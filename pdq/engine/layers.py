@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdq.engine import cpu_kernels
+from pdq.ops.cpu import cpuinfo_field
 
 
 def packed_rows(vendor: str) -> range:
@@ -24,14 +25,7 @@ def packed_rows(vendor: str) -> range:
 
 def cpu_vendor() -> str:
     """The x86 vendor id (GenuineIntel, AuthenticAMD), or "" where /proc/cpuinfo does not say."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return cpuinfo_field("vendor_id")
 
 
 PACKED_ROWS = packed_rows(cpu_vendor())

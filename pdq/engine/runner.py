@@ -72,18 +72,28 @@ def serving_dtype(device: torch.device, checkpoint_dtype: torch.dtype | str | No
     Xeon 4th generation and later) bfloat16, whose GEMMs run on AMX (1.8-2.1x float32's tokens/s
     there, BENCHMARKS.md); otherwise `default_dtype`. `cpu_flags`: /proc/cpuinfo's (read when None)."""
     if device.type == "cpu":
-        from pdq.ops.cpu import cpu_flags as read_flags
+        from pdq.ops.cpu import cpu_flags as read_flags, serves_bfloat16
 
-        if "amx_bf16" in (read_flags() if cpu_flags is None else cpu_flags):
+        if serves_bfloat16(read_flags() if cpu_flags is None else cpu_flags):
             return torch.bfloat16
     return default_dtype(device, checkpoint_dtype)
 
 
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16" (as --dtype, PDQ_DTYPE and the registry spell it)."""
+    return str(dtype).removeprefix("torch.")
+
+
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype | None:
-    """A worker's model dtype: `name` (--dtype, PDQ_DTYPE) as a torch dtype; without one,
-    `serving_dtype` on CPU and None elsewhere (the runtime's default there: the checkpoint's 16-bit
-    dtype or bfloat16 on a GPU)."""
+    """A worker's model dtype: `name` (--dtype, PDQ_DTYPE; one of DTYPE_NAMES, else ValueError) as
+    a torch dtype; without one, `serving_dtype` on CPU and None elsewhere (the runtime's default
+    there: the checkpoint's 16-bit dtype or bfloat16 on a GPU)."""
     if name:
+        if name not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be {', '.join(DTYPE_NAMES)}, got {name!r} (--dtype or PDQ_DTYPE)")
         return getattr(torch, name)
     return serving_dtype(device, None) if device.type == "cpu" else None
 

@@ -306,12 +306,14 @@ def kv_info(runner: Any, prefixes: bool = True, kept_tokens: int = 0) -> dict[st
     of its total and free figures, which the scheduler's KV-fit check reads."""
     if runner is None:
         return {}
+    from pdq.engine.runner import dtype_name
+
     blocks = getattr(getattr(runner, "pool", None), "blocks", None)
     held = blocks.cached_hashes(MAX_PREFIXES) if prefixes and blocks is not None and blocks.prefix_cache else []
     return {"kv_free_tokens": max(0, runner.free_tokens - kept_tokens),
             "kv_total_tokens": runner.capacity_tokens - kept_tokens,
             "kv_block_size": runner.block_size, "prefixes": tuple(h.hex()[:PREFIX_HEX] for h in held),
-            "kv_dtype": str(runner.dtype).removeprefix("torch.")}
+            "kv_dtype": dtype_name(runner.dtype)}
 
 
 def sync_store(config: WorkerConfig) -> SyncStore:

@@ -34,3 +34,15 @@ def test_a_worker_without_a_dtype_runs_this_machines_default(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     want = serving_dtype(CPU, None, cpu_flags())
     assert out.stdout.strip().splitlines()[-1] == str(want)
+
+
+def test_a_dtype_no_runtime_takes_is_a_clear_error():
+    import pytest
+
+    with pytest.raises(ValueError, match="dtype must be float32, float16, bfloat16, got 'bogus'"):
+        resolve_dtype("bogus", CPU)
+    out = subprocess.run([sys.executable, "-m", "pdq.cli", "bench", "--baseline", "engine", "--model", "builtin:tiny",
+                          "--requests", "2", "--no-roofline", "--no-progress"],
+                         env={**os.environ, "PDQ_DTYPE": "bogus"}, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "dtype must be float32, float16, bfloat16, got 'bogus' (--dtype or PDQ_DTYPE)" in out.stderr

@@ -177,6 +177,7 @@ class DecodeLoop(ModelLoop):
         self._first_pending: list[Sequence] = []  # traced sequences whose next token is their first here
         self.stats = LoopStats()
         self.step_metrics = metrics.DecodeStepStats(strategy.name)
+        metrics.KV_POOLS.watch("decode", runner)
         # the last step sent, its reply unread (settle): (SentStep, or None if it could not be
         # sent; the sequence of each item, None where it ended; the items)
         self._sent: tuple[SentStep | None, list[Sequence | None], list[StepItem]] | None = None
@@ -484,7 +485,6 @@ class DecodeLoop(ModelLoop):
                 self._sent = (sent, step.owners, items)
             self.step_metrics.step(self.stats.seq_steps, self.core.padded, len(seqs),
                                    time.perf_counter() - started, itl)
-            metrics.kv_pool("decode", self.runner, prefix=False)
             self._release_seats()
         finally:
             left, self._left = self._left, None

@@ -116,6 +116,7 @@ class PrefillLoop(ModelLoop):
         self.core = EngineCore(runner, BatchPolicy(max_batched_tokens, prefill_chunk, max_num_seqs=1 << 30),
                                urgent_first=True, alone=False)
         self._jobs: dict[Any, Job] = {}  # by key: the jobs whose prompt is in the core
+        metrics.KV_POOLS.watch("prefill", runner)
         self.inbox: queue.Queue[Job | None] = queue.Queue()
         self._gaps_seen = cancels.gaps if cancels is not None else 0  # the listener's gaps caught up on
 
@@ -257,7 +258,7 @@ class PrefillLoop(ModelLoop):
         metrics.prefill_pass(len(plan.prefill) + len(plan.decode),
                              sum(c.length for c in plan.prefill) + len(plan.decode), self.max_batched_tokens,
                              time.perf_counter() - started)
-        metrics.kv_pool("prefill", self.runner)
+        metrics.prefix_cache("prefill", self.runner)
         complete = []
         for row, seq in zip(plan.sample_rows, plan.sample):
             job = self._jobs.pop(seq.seq_id, None)

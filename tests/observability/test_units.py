@@ -59,6 +59,36 @@ def test_bulk_histogram_exposes_what_a_histogram_would():
     assert lines(bulk_registry) == lines(ref_registry)
 
 
+def test_kv_pool_gauges_are_read_from_the_runner_when_scraped():
+    from pdq.engine.kv_pool import KVUsage
+
+    class Runner:
+        def __init__(self):
+            self.used = 0
+
+        def usage(self) -> KVUsage:
+            return KVUsage(seqs=1, blocks_used=self.used, blocks_total=64, blocks_cached=3, block_size=16,
+                           tokens_cached=0)
+
+    registry = CollectorRegistry()
+    pools = metrics.KVPools(registry)
+    runner = Runner()
+    pools.watch("decode", runner)
+
+    def gauge(name: str) -> float | None:
+        return registry.get_sample_value(name, {"stage": "decode"})
+
+    assert gauge("pdq_kv_pool_capacity_tokens") == 1024
+    assert gauge("pdq_kv_pool_used_blocks") == 0
+    runner.used = 16  # no call in between: the next scrape reads the pool as it is then
+    assert gauge("pdq_kv_pool_used_blocks") == 16
+    assert gauge("pdq_kv_pool_used_tokens") == 256
+    assert gauge("pdq_kv_pool_usage_ratio") == 0.25
+    assert gauge("pdq_kv_pool_cached_blocks") == 3
+    del runner  # a runner that is gone is no longer reported
+    assert gauge("pdq_kv_pool_used_blocks") is None
+
+
 def test_cancel_sources_are_bounded():
     assert metrics.cancel_source("client") == "client"
     assert metrics.cancel_source("client disconnected") == "disconnect"

@@ -289,7 +289,7 @@ class WorkerConfig(StoreConfig):
     worker_id: str = field(default="", metadata={"help": "unique worker name (default role-hostname-pid)"})
     model: str = field(default="builtin", metadata={"help": "builtin, builtin:SIZE, a checkpoint dir, or null[:STEP_MS]: no compute, tokens chosen from each row's token and position, STEP_MS ms per forward pass (pdq.model.null; default 0), to measure the serving path alone"})
     device: str = field(default="", metadata={"help": "cpu, cuda, cuda:N (default: cuda when present)"})
-    dtype: str = field(default="", metadata={"help": "float32, float16, bfloat16 (default: bfloat16 on a CPU with AMX (amx_bf16), float32 on other CPUs, the checkpoint's 16-bit dtype or bfloat16 on cuda)"})
+    dtype: str = field(default="", metadata={"help": "float32, float16, bfloat16 (default: bfloat16 on a CPU with bfloat16 matrix instructions (amx_bf16 or avx512_bf16), float32 on other CPUs, the checkpoint's 16-bit dtype or bfloat16 on cuda)"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = torch default)"})
     pin_threads: bool = field(default=False, metadata={"help": "on CPU, when torch's threads are as many as this worker's CPUs: pin the model thread and torch's threads one per CPU (pdq.ops.cpu.pin_model_threads); only for a worker alone on its cores (pdq up sets it for a lone colocated worker)"})
     max_seq_len: int = field(default=2048, metadata={"help": "longest sequence (prompt + output) in tokens"})

@@ -15,7 +15,7 @@ from pdq.ops.redis_server import RedisServer
 # One model cache for the whole run (built once, reused by every process the tests start).
 os.environ.setdefault("PDQ_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".venv" / "pdq-cache"))
 
-# Workers load the model in float32 on every CI machine: without a dtype, one on a CPU with AMX
+# Workers load the model in float32 on every CI machine: without a dtype, one on a CPU with AMX or AVX512_BF16
 # would run bfloat16 (pdq.engine.runner.serving_dtype), and the tests that compare a cluster's
 # tokens with transformers' float32 generate() would depend on which machine CI landed on.
 # tests/engine/test_serving_dtype.py covers the default itself.

@@ -107,7 +107,7 @@ def test_threads_that_are_not_as_many_as_the_cpus_are_left_alone():
     assert os.sched_getaffinity(0) == before
 
 
-def test_pdq_up_says_when_the_workers_run_bfloat16_on_a_cpu_with_amx(tmp_path):
+def test_pdq_up_says_when_the_workers_run_bfloat16_on_a_cpu_with_bfloat16_units(tmp_path):
     from pdq.ops.cpu import cpu_flags, dtype_note
 
     info = tmp_path / "cpuinfo"
@@ -118,7 +118,8 @@ def test_pdq_up_says_when_the_workers_run_bfloat16_on_a_cpu_with_amx(tmp_path):
     assert "bfloat16" in dtype_note(None, flags, gpu=False) and "--dtype float32" in dtype_note(None, flags, gpu=False)
     assert dtype_note("float32", flags, gpu=False) == ""  # chosen explicitly: nothing to say
     assert dtype_note(None, flags, gpu=True) == ""
-    assert dtype_note(None, frozenset({"avx512f"}), gpu=False) == ""  # no AMX: float32, as ever
+    assert "AVX512_BF16" in dtype_note(None, frozenset({"avx512f", "avx512_bf16"}), gpu=False)  # AMD Zen 4
+    assert dtype_note(None, frozenset({"avx512f"}), gpu=False) == ""  # no bfloat16 unit: float32, as ever
     assert cpu_flags(str(tmp_path / "missing")) == frozenset()
     from pdq.cli import build_parser
 

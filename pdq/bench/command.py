@@ -169,7 +169,7 @@ class Bench:
 
 def run_dtype(given: str | None) -> str | None:
     """The dtype every system of the run uses: --dtype, else PDQ_DTYPE, else what a worker on this
-    machine runs by default (`pdq.engine.runner.resolve_dtype`: bfloat16 on a CPU with AMX); None:
+    machine runs by default (`pdq.engine.runner.resolve_dtype`: bfloat16 on a CPU with AMX or AVX512_BF16); None:
     the runtime's default (a GPU's)."""
     from pdq.engine.runner import default_device, dtype_name, resolve_dtype
 

@@ -86,8 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="use this Redis instead of starting a private one")
     up.add_argument("--dtype", choices=DTYPES, default=None,
                     help="the model's dtype in the spawned workers, the baselines and the roofline alike (default: "
-                         "$PDQ_DTYPE, else what a worker runs on this machine: bfloat16 on a CPU with AMX, Intel Xeon "
-                         "4th generation and later, float32 on other CPUs, bfloat16 on a GPU)")
+                         "$PDQ_DTYPE, else what a worker runs on this machine: bfloat16 on a CPU with AMX or "
+                         "AVX512_BF16, float32 on other CPUs, bfloat16 on a GPU)")
     load = p.add_argument_group("workload and load")
     load.add_argument("--workload", default="mixed", choices=WORKLOADS, help="default mixed")
     load.add_argument("--requests", "-n", type=int, default=None,

@@ -141,9 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--redis-url", default=os.environ.get("PDQ_UP_REDIS_URL"),
                     help="use this Redis instead of starting a private one")
     up.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                    help="the workers' model dtype (default: bfloat16 on a CPU with AMX, Intel Xeon 4th generation "
-                         "and later, where it serves about 1.8x float32's tokens/s; float32 on other CPUs; bfloat16 "
-                         "on a GPU)")
+                    help="the workers' model dtype (default: bfloat16 on a CPU with bfloat16 matrix instructions, "
+                         "AMX or AVX512_BF16 (Intel Xeon 4th generation, AMD Zen 4 and later), where it serves 1.5-2x "
+                         "float32's tokens/s; float32 on other CPUs; bfloat16 on a GPU)")
     up.add_argument("--port", type=int, default=50051, help="gateway port (default 50051; 0 = any free)")
     up.add_argument("--http-port", type=int, default=8000,
                     help="port of the gateway's OpenAI-compatible HTTP API (default 8000; 0 = off)")

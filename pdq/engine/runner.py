@@ -68,9 +68,11 @@ def default_device() -> torch.device:
 
 def serving_dtype(device: torch.device, checkpoint_dtype: torch.dtype | str | None,
                   cpu_flags: frozenset[str] | None = None) -> torch.dtype:
-    """What a worker runs when no dtype is given (`--dtype`): on a CPU with AMX (`amx_bf16`, Intel
-    Xeon 4th generation and later) bfloat16, whose GEMMs run on AMX (1.8-2.1x float32's tokens/s
-    there, BENCHMARKS.md); otherwise `default_dtype`. `cpu_flags`: /proc/cpuinfo's (read when None)."""
+    """What a worker runs when no dtype is given (`--dtype`): on a CPU with bfloat16 matrix
+    instructions (`pdq.ops.cpu.BFLOAT16_UNITS`: AMX, Intel Xeon 4th generation and later;
+    AVX512_BF16, AMD Zen 4 and later) bfloat16, whose GEMMs run on them (1.8-2.1x float32's tokens/s
+    with AMX, ~1.5x with AVX512_BF16, BENCHMARKS.md); otherwise `default_dtype`. `cpu_flags`:
+    /proc/cpuinfo's (read when None)."""
     if device.type == "cpu":
         from pdq.ops.cpu import cpu_flags as read_flags, serves_bfloat16
 

@@ -173,17 +173,30 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset(cpuinfo_field("flags", cpuinfo).split())
 
 
+# CPU flags of bfloat16 matrix instructions, and what they are called: oneDNN's bfloat16 GEMM runs
+# on them (AMX tiles: Intel Xeon 4th generation and later; AVX512_BF16's dot products: AMD Zen 4
+# and later, Intel Cooper Lake), and without them bfloat16 is emulated and no faster than float32.
+BFLOAT16_UNITS = (("amx_bf16", "AMX (amx_bf16)"), ("avx512_bf16", "AVX512_BF16 (avx512_bf16)"))
+
+
+def bfloat16_unit(flags: frozenset[str]) -> str:
+    """The bfloat16 matrix unit a CPU with these flags has, by name ("" when none)."""
+    return next((name for flag, name in BFLOAT16_UNITS if flag in flags), "")
+
+
 def serves_bfloat16(flags: frozenset[str]) -> bool:
-    """Whether a CPU with these flags serves bfloat16 by default: it has AMX (amx_bf16), whose
-    bfloat16 GEMMs make a worker 1.8-2.1x faster than in float32 (`pdq.engine.runner.serving_dtype`)."""
-    return "amx_bf16" in flags
+    """Whether a CPU with these flags serves bfloat16 by default: it has bfloat16 matrix
+    instructions (`BFLOAT16_UNITS`), on which a worker runs the built-in model 1.8-2.1x (AMX) and
+    ~1.5x (AVX512_BF16) as fast as in float32 (`pdq.engine.runner.serving_dtype`, BENCHMARKS.md)."""
+    return bool(bfloat16_unit(flags))
 
 
 def dtype_note(dtype: str | None, flags: frozenset[str], gpu: bool) -> str:
-    """What `pdq up` says about the model's dtype on this machine: on a CPU with AMX (amx_bf16)
-    and no dtype given (no GPU: `gpu` also for a model with no compute), that the workers run
-    bfloat16 there (`pdq.engine.runner.serving_dtype`) and how to keep float32; otherwise nothing."""
+    """What `pdq up` says about the model's dtype on this machine: on a CPU with bfloat16 matrix
+    instructions and no dtype given (no GPU: `gpu` also for a model with no compute), that the
+    workers run bfloat16 there (`pdq.engine.runner.serving_dtype`) and how to keep float32;
+    otherwise nothing."""
     if dtype or gpu or not serves_bfloat16(flags):
         return ""
-    return ("pdq up: this CPU has AMX (amx_bf16): the workers run the model in bfloat16, about 1.8x the tokens/s "
-            "of float32 here; --dtype float32 for float32's outputs (docs/engine.md, 'bfloat16 on CPU')")
+    return (f"pdq up: this CPU has {bfloat16_unit(flags)}: the workers run the model in bfloat16, 1.5-2x the "
+            "tokens/s of float32 here; --dtype float32 for float32's outputs (docs/engine.md, 'bfloat16 on CPU')")

@@ -22,7 +22,7 @@ from prefill_worker.server import PUSH_KV
 
 @contextlib.asynccontextmanager
 async def decode_worker(redis_url: str, prefix: str, **config_kw):
-    # float32 on every machine (a CPU with AMX would default to bfloat16): the hand-offs here are float32's
+    # float32 on every machine (a CPU with AMX or AVX512_BF16 would default to bfloat16): the hand-offs here are float32's
     config = DecodeConfig(redis_url=redis_url, key_prefix=prefix, port=0, model="builtin", threads=1,
                           max_seq_len=256, kv_budget_tokens=512, heartbeat_s=0.5,
                           **{"max_batch_size": 2, "dtype": "float32", **config_kw})  # 2 seats, 32 KV blocks of 16

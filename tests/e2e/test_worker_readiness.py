@@ -37,7 +37,7 @@ class Poison:
 def config(redis_url: str, prefix: str, worker_id: str) -> DecodeConfig:
     return DecodeConfig(redis_url=redis_url, key_prefix=prefix, port=0, model="builtin:tiny", threads=1,
                         max_seq_len=256, kv_budget_tokens=512, heartbeat_s=0.2, worker_id=worker_id,
-                        dtype="float32")  # as the hand-offs the tests send (AMX CPUs default to bfloat16)
+                        dtype="float32")  # as the hand-offs the tests send (CPUs with AMX or AVX512_BF16 default to bfloat16)
 
 
 def handoff(rid: str, runner) -> list[bytes]:

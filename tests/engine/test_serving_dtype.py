@@ -1,5 +1,5 @@
 """The dtype a worker loads its model in when none is given (`--dtype`, PDQ_DTYPE): bfloat16 on
-a CPU with AMX, float32 on other CPUs, the runtime's default on a GPU; and a real worker started
+a CPU with AMX or AVX512_BF16, float32 on other CPUs, the runtime's default on a GPU; and a real worker started
 without one on this machine runs what `serving_dtype` says for it."""
 
 import os
@@ -13,12 +13,14 @@ from pdq.ops.cpu import cpu_flags
 
 CPU = torch.device("cpu")
 AMX = frozenset({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
+ZEN4 = frozenset({"avx512f", "avx512_bf16"})  # AVX512_BF16 without AMX (AMD Zen 4)
 
 
-def test_bfloat16_on_a_cpu_with_amx_float32_on_others():
+def test_bfloat16_on_a_cpu_with_bfloat16_matrix_instructions_float32_on_others():
     assert serving_dtype(CPU, None, AMX) == torch.bfloat16
     assert serving_dtype(CPU, "float32", AMX) == torch.bfloat16  # a float32 checkpoint too
-    assert serving_dtype(CPU, None, frozenset({"avx512f", "avx512_bf16"})) == torch.float32  # no AMX
+    assert serving_dtype(CPU, None, ZEN4) == torch.bfloat16
+    assert serving_dtype(CPU, None, frozenset({"avx2", "avx512f", "avx512_vnni"})) == torch.float32  # no bfloat16 unit
     assert serving_dtype(CPU, None, frozenset()) == torch.float32
     assert resolve_dtype("float32", CPU) == torch.float32 and resolve_dtype("bfloat16", CPU) == torch.bfloat16
     assert resolve_dtype("", CPU) == serving_dtype(CPU, None, cpu_flags())  # this machine's default

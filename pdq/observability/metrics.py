@@ -133,8 +133,10 @@ class KVPools:
             registry.register(self)
 
     def watch(self, stage: str, runner: Any) -> None:
-        """Reports `runner`'s pool as `stage` from now on (in place of any runner before)."""
-        self._runners[stage] = weakref.ref(runner)
+        """Reports `runner`'s pool as `stage` from now on (in place of any runner before; None:
+        a loop built without a runner, as some tests build one, reports nothing)."""
+        if runner is not None:
+            self._runners[stage] = weakref.ref(runner)
 
     def _families(self) -> list[GaugeMetricFamily]:
         return [GaugeMetricFamily(name, doc, labels=["stage"]) for name, doc, _ in self.GAUGES]

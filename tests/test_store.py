@@ -155,6 +155,11 @@ def test_consecutive_tokens_of_a_request_go_into_one_entry(store):
     assert (event.index, event.token_ids, event.texts) == (1, [8, 9], ["é", "yz"])
     assert store.streamed_tokens("a") == [7, 8, 9, 4] and store.record("a")["n_out"] == "4"
     assert tokens(store, "b") == [(0, 5, "q")]
+    # a lone token's entry (stream interval 1) gives its text's length in bytes too, sent or run
+    assert store.send_step([StepItem("b", 1, 1, 6, "日")]).result() == [True]
+    assert store.step([StepItem("b", 1, 2, 8, "é"), StepItem("a", 1, 4, 9, "late")]) == [True, False]
+    entries = [{k.decode(): v.decode() for k, v in f.items()} for _, f in store.client.xrange(store.keys.output("b"))]
+    assert entries[1:] == [{"i": "1", "t": "6", "x": "日", "l": "3"}, {"i": "2", "t": "8", "x": "é", "l": "2"}]
 
 
 def test_log_probabilities_ride_their_tokens_and_a_replay_keeps_them_aligned(store):

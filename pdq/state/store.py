@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields, replace
 from collections.abc import Sequence
 from typing import Any, Callable, TypeVar
 
+import hiredis
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
@@ -250,12 +251,16 @@ def _step_args(items: list[StepItem], result_ttl_s: int) -> StepArgs:
         last = run[-1]
         if first.index is None:
             args += [first.request_id, first.epoch, "", 0, "", "", ""]
+        elif j == i + 1:  # one token (stream interval 1): no joins
+            args += [first.request_id, first.epoch, first.index, 1, str(first.token_id), first.text,
+                     len(first.text) if first.text.isascii() else len(first.text.encode())]
         else:
             args += [first.request_id, first.epoch, first.index, len(run),
                      ",".join(str(it.token_id) for it in run), "".join(it.text for it in run),
                      ",".join(str(len(it.text.encode())) for it in run)]
         args += [last.final_state.value if last.final_state else "", last.finish_reason,
-                 ",".join(it.logprobs for it in run) if first.index is not None and first.logprobs else ""]
+                 (first.logprobs if j == i + 1 else ",".join(it.logprobs for it in run))
+                 if first.index is not None and first.logprobs else ""]
         runs.append(len(run))
         i = j
     return StepArgs(pack("step", {"now": now_ms(), "ttl": result_ttl_s}, args), runs)
@@ -709,8 +714,9 @@ class SentStep:
         self._store, self._args = store, args
         self._pool = store.client.connection_pool
         self._conn: Any = self._pool.get_connection()
-        try:
-            self._conn.send_command("EVALSHA", store._scripts["step"].sha, 0, store.keys.prefix, *args.args)
+        try:  # packed by hiredis in one call: redis-py's packer encodes each of the ~10 values per run in Python
+            self._conn.send_packed_command([hiredis.pack_command(
+                ("EVALSHA", store._scripts["step"].sha, 0, store.keys.prefix, *args.args))])
         except BaseException:
             self._release(broken=True)
             raise

@@ -426,6 +426,8 @@ class DecodeLoop(ModelLoop):
                 log.warning("reply of a decode step lost (%s); applying it again", exc)
         if kept is None:
             kept = self.store.step(items)
+        if all(kept):  # most steps: Redis kept every sequence
+            return
         for seq, ok in zip(owners, kept):
             if not ok and seq is not None and self.running.get(seq.rid) is seq:
                 self._end_span(seq, "dropped", reason="request ended elsewhere (cancelled, timed out or stale)")

@@ -159,6 +159,11 @@ class BlockManager:
             raise KVPoolFull(f"KV pool full: {need} more blocks needed, {self.num_free} free of {self.num_blocks}")
         table.extend(self._take() for _ in range(need))
 
+    def named_blocks(self, seq_id: Hashable) -> int:
+        """How many of `seq_id`'s leading blocks are named (committed); 0 for an unknown id."""
+        named = self._named.get(seq_id)
+        return len(named) if named is not None else 0
+
     def commit(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
         """Names the full blocks among `tokens` (the sequence's tokens whose K/V is now written),
         so later prompts with that prefix find them. A block whose content another block already

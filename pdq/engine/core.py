@@ -266,8 +266,14 @@ class EngineCore:
         reserved; while they are not free, the victim is preempted by recompute (which may be
         that sequence itself). A seat kept for a finished sequence takes a block only if one is
         free (else its padding row is left out)."""
+        if not self.running:
+            return
+        bs = self.runner.block_size
         for seq in list(self.running.values()):
-            if self.running.get(seq.seq_id) is not seq or seq.num_tokens - seq.num_cached != 1:
+            n = seq.num_tokens
+            if n - seq.num_cached != 1 or (n - 1) % bs:  # not decoding, or its next position is in a block it holds
+                continue
+            if self.running.get(seq.seq_id) is not seq:
                 continue
             padding = seq.status is SeqStatus.FINISHED
             while self.running.get(seq.seq_id) is seq and not self._grow(seq):

@@ -144,6 +144,8 @@ class KVPool:
         if known is None or not self.blocks.prefix_cache:
             return
         n = min(len(known), self._length[seq_id])
+        if n // self.block_size <= self.blocks.named_blocks(seq_id):  # most decode steps: no block filled since
+            return
         with self._lock:
             self.blocks.commit(seq_id, known[:n] if n < len(known) else known)
 

@@ -15,14 +15,15 @@ A chunk is at most `prefill_chunk` tokens; all tokens of a step are at most `max
 
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class SeqView:
+class SeqView(NamedTuple):
     """What the policy knows of a sequence: tokens known (prompt + generated) and how many of
     them already have K/V in the pool (for a waiting one: found in the prefix cache).
     `num_tokens - num_cached` tokens are still to run; a waiting sequence needs `blocks` free
-    KV blocks to be admitted."""
+    KV blocks to be admitted. (Named tuples, as `Chunk`: the core makes one per running
+    sequence every step, ~3x cheaper than a frozen dataclass.)"""
 
     seq_id: Hashable
     num_tokens: int
@@ -30,8 +31,7 @@ class SeqView:
     blocks: int = 0
 
 
-@dataclass(frozen=True)
-class Chunk:
+class Chunk(NamedTuple):
     """Run positions [start, start + length) of `seq_id` as a prefill chunk."""
 
     seq_id: Hashable

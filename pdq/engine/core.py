@@ -45,6 +45,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pdq.engine.batch_policy import BatchPolicy, Chunk, waits_for_shared_prefix
 from pdq.engine.batching import Strategy
@@ -95,9 +96,9 @@ def _decode_row(seq: Sequence) -> DecodeItem:
     return seq.seq_id, seq.token_at(pos), pos
 
 
-@dataclass(frozen=True)
-class StepOutput:
-    """`seq` took `token`; `finish_reason` is "" while it goes on."""
+class StepOutput(NamedTuple):
+    """`seq` took `token`; `finish_reason` is "" while it goes on. (A named tuple: one per
+    sequence a step.)"""
 
     seq: Sequence
     token: int

@@ -353,8 +353,10 @@ class ModelRunner:
         if commit:
             for item in prefill:
                 self.pool.commit(item.seq_id)
-            for seq_id, _, _ in decode:
-                self.pool.commit(seq_id)
+            bs = self.block_size
+            for seq_id, _, pos in decode:  # a decode row fills a block only at the block's last position
+                if (pos + 1) % bs == 0:  # (its earlier full blocks were named when they filled, or arrived)
+                    self.pool.commit(seq_id)
         return logits
 
     def _rows(self, prefill, decode) -> "_StepRows":

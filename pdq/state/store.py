@@ -15,7 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, fields, replace
 from collections.abc import Sequence
-from typing import Any, Callable, NamedTuple, TypeVar
+from typing import Any, Callable, TypeVar
 
 import hiredis
 import redis.asyncio as aioredis
@@ -60,9 +60,9 @@ def _record(raw: dict[Any, Any]) -> dict[str, Any]:
     return {_str(f): (v if _str(f) == "spec" else _str(v)) for f, v in raw.items()}
 
 
-class StepItem(NamedTuple):
-    """One sequence's part of a worker step: maybe a token, maybe its end. (A named tuple: a
-    decode step makes one per running sequence, and a frozen dataclass costs ~3x as much to make.)"""
+@dataclass(frozen=True)
+class StepItem:
+    """One sequence's part of a worker step: maybe a token, maybe its end."""
 
     request_id: str
     epoch: int

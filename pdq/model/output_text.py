@@ -23,19 +23,20 @@ class TextOutput:
 
     def add(self, token_id: int) -> tuple[str, bool]:
         """Adds a token. -> (text to stream now, whether a stop string ended the completion)."""
-        self.detok.add(token_id)
+        delta = self.detok.add(token_id)
         self.tokens += 1
+        if self.checker is None:  # no stop strings: the detokenizer's delta is all of the new text
+            self.emitted += len(delta)
+            return delta, False
         text = self.detok.text
-        if self.checker is not None and self.tokens < self.min_tokens:
+        if self.tokens < self.min_tokens:
             self.checker.skip(text)  # no stop string yet, nor later one that starts in this text
             return self._emit(text, len(text)), False
-        if self.checker is not None:
-            stopped, truncated = self.checker.check(text)
-            if stopped:
-                self.stopped = True
-                return self._emit(truncated, len(truncated)), True
-            return self._emit(text, self.checker.safe_len(text)), False
-        return self._emit(text, len(text)), False
+        stopped, truncated = self.checker.check(text)
+        if stopped:
+            self.stopped = True
+            return self._emit(truncated, len(truncated)), True
+        return self._emit(text, self.checker.safe_len(text)), False
 
     def flush(self) -> str:
         """The held-back rest (incomplete bytes as U+FFFD), when the completion ends for a

@@ -213,6 +213,8 @@ class StepArgs:
 
     def kept(self, reply: list[Any]) -> list[bool]:
         """The script's answer per run -> True (kept) / False (drop) per item."""
+        if len(reply) == len(self.runs) and all(reply):  # most steps: every run kept
+            return [True] * sum(self.runs)
         out: list[bool] = []
         for n, ok in zip(self.runs, reply):
             out += [bool(ok)] * n

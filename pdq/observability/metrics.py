@@ -150,7 +150,11 @@ class KVPools:
             runner = ref()
             if runner is None:
                 continue
-            usage = runner.usage()  # under the pool's own lock: safe beside the model thread
+            try:
+                usage = runner.usage()  # under the pool's own lock: safe beside the model thread
+            except Exception as exc:  # a scrape goes on without this pool: the other metrics still answer
+                log.warning("KV pool gauges of %s not read: %s", stage, exc)
+                continue
             for family, (_, _, field) in zip(families, self.GAUGES):
                 family.add_metric([stage], getattr(usage, field))
         yield from families

@@ -88,6 +88,18 @@ def test_kv_pool_gauges_are_read_from_the_runner_when_scraped():
     del runner  # a runner that is gone is no longer reported
     assert gauge("pdq_kv_pool_used_blocks") is None
 
+    class Broken:
+        def usage(self):
+            raise RuntimeError("pool gone")
+
+    broken = Broken()
+    pools.watch("prefill", broken)
+    other = Runner()
+    pools.watch("decode", other)
+    # a pool that cannot be read leaves its gauges out; the scrape and the others go on
+    assert registry.get_sample_value("pdq_kv_pool_capacity_tokens", {"stage": "prefill"}) is None
+    assert gauge("pdq_kv_pool_capacity_tokens") == 1024
+
 
 def test_cancel_sources_are_bounded():
     assert metrics.cancel_source("client") == "client"

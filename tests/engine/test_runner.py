@@ -235,3 +235,22 @@ def test_bfloat16_gemms_past_the_bucket_run_padded_and_return_their_own_rows():
         out = linear(x)
         assert out.shape == (rows, 96) and out.is_contiguous()
         torch.testing.assert_close(out.float(), x.float() @ linear.weight.float().T, rtol=2e-2, atol=2e-2)
+
+
+def test_blocks_a_sequence_fills_while_decoding_join_the_prefix_cache(tiny_llama, make_runner):
+    """A decode row names its sequence's blocks for the prefix cache when it fills one (only
+    then: the others are partly written), so a later prompt of those tokens skips them."""
+    runner = make_runner(tiny_llama)
+    bs = runner.block_size
+    prompt = list(range(3, 3 + bs - 3))  # three positions short of the first block's end
+    runner.allocate("a", prompt)
+    tokens = prompt + [int(runner.prefill([PrefillItem("a", prompt, 0)])[0].argmax())]
+    while len(tokens) < 2 * bs + 2:  # decode past two block boundaries
+        if runner.missing_blocks("a", len(tokens)):
+            runner.ensure("a", len(tokens))
+        cached = runner.cached_tokens(tokens)
+        tokens.append(int(runner.decode([("a", tokens[-1], len(tokens) - 1)])[0].argmax()))
+        written = len(tokens) - 1  # positions with K/V
+        assert cached == (written - 1) // bs * bs  # before this row: the blocks full then
+        assert runner.cached_tokens(tokens) == written // bs * bs  # after it, with the one it filled
+    assert runner.cached_tokens(tokens) == 2 * bs

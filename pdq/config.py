@@ -14,6 +14,8 @@ from typing import Any, TypeVar
 from pdq.ops.memory import DEFAULT_HEAP_RESERVE_MB
 from pdq.state.redis_url import check_redis_url
 
+DTYPE_NAMES = ("float32", "float16", "bfloat16")  # a worker's --dtype (PDQ_DTYPE) choices
+
 T = TypeVar("T")
 
 TIERS = ("interactive", "batch")
@@ -317,7 +319,7 @@ class WorkerConfig(StoreConfig):
         if self.heartbeat_s * 2 > self.worker_timeout_s:
             raise ValueError(f"heartbeat_s ({self.heartbeat_s}) must be at most half of worker_timeout_s "
                              f"({self.worker_timeout_s}), or a live worker would be taken for dead")
-        if self.dtype not in ("", "float32", "float16", "bfloat16"):
+        if self.dtype and self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
 
     def name(self, role: str) -> str:

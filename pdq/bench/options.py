@@ -8,12 +8,11 @@ from dataclasses import dataclass, field
 from pdq.bench.arrivals import Arrivals, parse_concurrency, parse_rates
 from pdq.bench.workload import WORKLOADS
 from pdq.ops import cpu
-from pdq.config import UP_COLOCATE_HELP, UP_SEPARATE_HELP, UP_CONTROL_POLICY_HELP
+from pdq.config import DTYPE_NAMES, UP_COLOCATE_HELP, UP_SEPARATE_HELP, UP_CONTROL_POLICY_HELP
 from pdq.state.request import MAX_STREAM_INTERVAL
 
 STRATEGIES = ("static", "dynamic", "continuous")
 BASELINES = ("hf", "engine")
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 def dtype_env(args: argparse.Namespace) -> dict[str, str]:
@@ -84,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          "vocabulary makes the prompts)")
     up.add_argument("--redis-url", default=os.environ.get("PDQ_UP_REDIS_URL"),
                     help="use this Redis instead of starting a private one")
-    up.add_argument("--dtype", choices=DTYPES, default=None,
+    up.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                     help="the model's dtype in the spawned workers, the baselines and the roofline alike (default: "
                          "$PDQ_DTYPE, else what a worker runs on this machine: bfloat16 on a CPU with AMX or "
                          "AVX512_BF16, float32 on other CPUs, bfloat16 on a GPU)")
@@ -214,8 +213,7 @@ class BenchOptions:
             raise ValueError("--env PDQ_STRATEGY: use --strategies")
         if "PDQ_DTYPE" in env:
             raise ValueError("--env PDQ_DTYPE: use --dtype (the baselines and the roofline take it too)")
-        if a.dtype:
-            env["PDQ_DTYPE"] = a.dtype
+        env.update(dtype_env(a))
         keys = _pairs(a.tenant_key, "--tenant-key")
         if a.api_key:
             keys["*"] = a.api_key

@@ -12,8 +12,9 @@ import sys
 
 import grpc
 
+from pdq.model.null import is_null_spec
 from pdq.ops import cpu
-from pdq.config import UP_COLOCATE_HELP, UP_SEPARATE_HELP, UP_CONTROL_POLICY_HELP
+from pdq.config import DTYPE_NAMES, UP_COLOCATE_HELP, UP_SEPARATE_HELP, UP_CONTROL_POLICY_HELP
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 INTERRUPTED = 130  # the exit status after Ctrl-C, as a shell reports a command killed by SIGINT
@@ -41,7 +42,7 @@ def _up(args: argparse.Namespace) -> int:
     if args.dtype:
         env["PDQ_DTYPE"] = args.dtype
     note = cpu.dtype_note(args.dtype or os.environ.get("PDQ_DTYPE"), cpu.cpu_flags(),
-                          gpu=os.path.exists("/dev/nvidia0") or args.model.startswith("null"))
+                          gpu=os.path.exists("/dev/nvidia0") or is_null_spec(args.model))
     if note:
         print(note, file=sys.stderr)
     prefill = 1 if args.prefill is None else args.prefill
@@ -140,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "compute: measures the control plane), or a Hugging Face checkpoint dir")
     up.add_argument("--redis-url", default=os.environ.get("PDQ_UP_REDIS_URL"),
                     help="use this Redis instead of starting a private one")
-    up.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+    up.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                     help="the workers' model dtype (default: bfloat16 on a CPU with bfloat16 matrix instructions, "
                          "AMX or AVX512_BF16 (Intel Xeon 4th generation, AMD Zen 4 and later), where it serves 1.5-2x "
                          "float32's tokens/s; float32 on other CPUs; bfloat16 on a GPU)")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pdq.config import DTYPE_NAMES
 from pdq.engine import cpu_kernels
 from pdq.engine.attention import AttnMetadata, PrefillChunk, additive_mask, decode_mask, kv_rows
 from pdq.engine.cuda_graphs import DecodeGraphs
@@ -79,9 +80,6 @@ def serving_dtype(device: torch.device, checkpoint_dtype: torch.dtype | str | No
         if serves_bfloat16(read_flags() if cpu_flags is None else cpu_flags):
             return torch.bfloat16
     return default_dtype(device, checkpoint_dtype)
-
-
-DTYPE_NAMES = ("float32", "float16", "bfloat16")
 
 
 def dtype_name(dtype: torch.dtype) -> str:

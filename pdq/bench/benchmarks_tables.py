@@ -133,9 +133,12 @@ def roofline_lines(docs: Docs, files: dict[str, str]) -> list[str]:
         if roof:
             shares = ", ".join(f"{k} {v:.0%}" for k, v in roof["efficiency"].items())
             who = f"{label} " if label else ""
+            each = roof.get("repeats", [])
+            timed = (f"timed in each repeat: {', '.join(num(r['output_tokens_per_s'], 1) for r in each)}; "
+                     f"each run over its own repeat's, the median repeat's share" if len(each) > 1
+                     else f"{roof['seconds']:.2f} s for the workload")
             out.append(f"- {who}matrix-multiply roofline (`benchmarks/{name}`): "
-                       f"{num(roof['output_tokens_per_s'], 1)} output tok/s "
-                       f"({roof['seconds']:.2f} s for the workload); "
+                       f"{num(roof['output_tokens_per_s'], 1)} output tok/s ({timed}); "
                        f"reached: {shares}")
     return out
 

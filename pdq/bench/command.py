@@ -65,6 +65,8 @@ class Bench:
         self.repeat = 0
         self._baselines: dict = {}
         self.dtype = run_dtype(opts.dtype)
+        self.roofs: list = []  # the roofline timed in each repeat (`roofline`)
+        self._no_roofline = False  # a model the roofline cannot time
 
     def offered(self) -> Workload:
         """The workload as the next run offers it: the same lengths and sharing as every other
@@ -154,8 +156,29 @@ class Bench:
         else:
             self.measure("hf @ all", lambda p: system.run(self.offered(), on_done=p))
 
+    def roofline(self, model_dir: str) -> None:
+        """Times the workload's matrix-multiply roofline (`pdq.bench.roofline`) in this repeat,
+        beside its runs: on a shared machine a roofline timed once, minutes from a run, measures
+        the machine's mood as much as the run."""
+        from pdq.bench import roofline
+
+        if self._no_roofline:
+            return
+        say("pdq bench: timing the workload's matrix multiplies alone (the roofline) ...")
+        try:
+            roof = roofline.measure(model_dir, self.workload, dtype=self.dtype)
+        except ValueError as exc:  # a model this runtime cannot run (UnsupportedModelError)
+            say(f"pdq bench: no roofline: {exc}")
+            self._no_roofline = True
+            return
+        self.roofs.append(roof)
+        rep = f" (repeat {self.repeat + 1}/{self.opts.repeat})" if self.opts.repeat > 1 else ""
+        say(f"pdq bench: roofline{rep}: {roof.output_tokens_per_s:.1f} output tok/s")
+
     def systems(self, model_dir: str) -> list[Callable[[], None]]:
-        """What one repeat runs, in order: the target or the spawned strategies, then baselines."""
+        """What one repeat runs, in order: the target or the spawned strategies, the baselines,
+        then the roofline (the repeats alternate the order, so the roofline is timed next to the
+        baselines' runs)."""
         opts = self.opts
         out: list[Callable[[], None]] = []
         if opts.target:
@@ -164,6 +187,8 @@ class Bench:
         if opts.spawn:
             out += [lambda s=s: self.spawned(s) for s in opts.strategies]
         out += [lambda b=b: self.baseline(b, model_dir) for b in opts.baselines]
+        if opts.roofline:
+            out.append(lambda: self.roofline(model_dir))
         return out
 
 
@@ -254,23 +279,16 @@ def run(args: argparse.Namespace) -> int:
         print()
         print("ratios at the same offered load (same run, same requests):")
         print(report.ratio_lines(rs))
-    roof = None
-    if opts.roofline:
-        from pdq.bench import roofline
-
-        say("pdq bench: timing the workload's matrix multiplies alone (the roofline) ...")
-        try:
-            roof = roofline.measure(model_dir, workload, dtype=bench.dtype)
-        except ValueError as exc:  # a model this runtime cannot run (UnsupportedModelError): no roofline
-            say(f"pdq bench: no roofline: {exc}")
-        else:
-            print()
-            print(report.roofline_lines(runs, roof))
+    if bench.roofs:
+        print()
+        print(report.roofline_lines(bench.runs, bench.roofs))
     sys.stdout.flush()
     if opts.json:
         doc = report.document(runs, config_json(opts, model_dir, workload, bench.dtype), _command_line())
-        if roof is not None:
-            doc["roofline"] = {**roof.to_json(), "efficiency": report.efficiencies(runs, roof)}
+        if bench.roofs:
+            doc["roofline"] = {**report.median_roofline(bench.roofs).to_json(),
+                               "efficiency": report.efficiencies(bench.runs, bench.roofs),
+                               "repeats": [r.to_json() for r in bench.roofs]}
         if opts.repeat > 1:
             doc["all_runs"] = bench.runs
         report.write_json(opts.json, doc)

@@ -123,8 +123,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--plot", default=None, metavar="FILE.png", help="throughput-latency curves per strategy")
     out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     out.add_argument("--no-roofline", action="store_true",
-                     help="skip the matrix-multiply roofline (the workload's GEMMs alone, timed here after the runs; "
-                          "each run's efficiency is its tokens/s over the roofline's)")
+                     help="skip the matrix-multiply roofline (the workload's GEMMs alone, timed here in each repeat "
+                          "beside its runs; each run's efficiency is its tokens/s over its repeat's roofline's)")
 
 
 def _pairs(items: list[str], flag: str) -> dict[str, str]:

@@ -42,6 +42,7 @@ def test_pdq_bench_spawn_with_baselines(tmp_path):
     assert doc["runs"][0]["client_cpu_pct"] is not None
     roof = doc["roofline"]
     assert roof["output_tokens_per_s"] > 0 and roof["passes"] > 1
+    assert roof["repeats"] == [{k: roof[k] for k in ("seconds", "output_tokens_per_s", "passes")}]  # one repeat
     assert set(roof["efficiency"]) == {"continuous @ all", "engine @ all", "hf @ all"}
     assert all(0 < e for e in roof["efficiency"].values())
     ratios = {(x["a"], x["b"]): x for x in doc["ratios"] if x["metric"] == "output_tokens_per_s"}

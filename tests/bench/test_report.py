@@ -157,3 +157,22 @@ def test_the_recorded_command_starts_with_the_runtime_switches_set_in_the_enviro
     monkeypatch.setenv("PDQ_NO_FUSED_OPS", "1")
     monkeypatch.setenv("PDQ_REDIS_URL", "redis://:secret@h:6379/0")  # not a runtime switch: not recorded
     assert report.document([], {}, ["--spawn"])["command"] == "PDQ_NO_FUSED_OPS=1 pdq bench --spawn"
+
+
+def test_each_run_is_a_share_of_the_roofline_timed_in_its_own_repeat():
+    from pdq.bench.roofline import Roofline
+
+    # the machine slowed in repeat 2: its roofline and its run alike
+    roofs = [Roofline(1.0, 100, 5), Roofline(2.0, 100, 5), Roofline(1.0, 100, 5)]  # 100, 50, 100 tok/s
+    runs = [{"name": "engine", "arrivals": "all", "repeat": k, "output_tokens_per_s": v}
+            for k, v in enumerate([80.0, 45.0, 90.0])]
+    runs.append({"name": "continuous", "arrivals": "all", "repeat": 0, "output_tokens_per_s": 70.0})
+    # engine: 0.8, 0.9, 0.9 -> 0.9 (over one roofline of 100 tok/s its median run would say 0.8);
+    # a system run in fewer repeats than were timed takes its own repeats' rooflines
+    assert report.efficiencies(runs, roofs) == {"engine @ all": 0.9, "continuous @ all": 0.7}
+    assert report.median_roofline(roofs).output_tokens_per_s == 100
+    lines = report.roofline_lines(runs, roofs)
+    assert "repeats 100.0, 50.0, 100.0" in lines and "engine @ all: 90% of the roofline" in lines
+    # a repeat the invocation stopped in before its roofline: the last roofline timed
+    late = {"name": "engine", "arrivals": "all", "repeat": 3, "output_tokens_per_s": 95.0}
+    assert report.efficiencies([late], roofs) == {"engine @ all": 0.95}

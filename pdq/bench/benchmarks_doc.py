@@ -87,7 +87,8 @@ def figures_table(docs: Docs, specs: list[dict]) -> list[str]:
 
 def machine_line(doc: dict, note: str = "") -> str:
     m = doc.get("machine") or {}
-    parts = [m.get("cpu_model") or "CPU model not recorded",
+    units = f" ({', '.join(m['cpu_units'])})" if m.get("cpu_units") else ""
+    parts = [(m.get("cpu_model") or "CPU model not recorded") + units,
              f"{m['cpus']} CPUs" if m.get("cpus") else "CPU count not recorded",
              ("no GPU" if m["gpu"] is None else m["gpu"]) if "gpu" in m else "GPU not recorded",
              f"torch {m['torch']}" if m.get("torch") else "torch version not recorded",

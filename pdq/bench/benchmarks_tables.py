@@ -134,8 +134,9 @@ def roofline_lines(docs: Docs, files: dict[str, str]) -> list[str]:
             shares = ", ".join(f"{k} {v:.0%}" for k, v in roof["efficiency"].items())
             who = f"{label} " if label else ""
             each = roof.get("repeats", [])
-            timed = (f"timed in each repeat: {', '.join(num(r['output_tokens_per_s'], 1) for r in each)}; "
-                     f"each run over its own repeat's, the median repeat's share" if len(each) > 1
+            timed = (f"the median of {len(each)}, one timed in each repeat: "
+                     f"{', '.join(num(r['output_tokens_per_s'], 1) for r in each)}; a run's share is of its own "
+                     f"repeat's roofline, a system's the median over its repeats" if len(each) > 1
                      else f"{roof['seconds']:.2f} s for the workload")
             out.append(f"- {who}matrix-multiply roofline (`benchmarks/{name}`): "
                        f"{num(roof['output_tokens_per_s'], 1)} output tok/s ({timed}); "

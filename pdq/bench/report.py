@@ -267,9 +267,12 @@ def _gpu() -> str | None:
 
 
 def machine() -> dict:
-    """The machine a run measured: CPU model and count, GPU (None: none), Python and torch."""
-    info = {"cpus": os.cpu_count(), "cpu_model": _cpu_model(), "gpu": _gpu(), "platform": platform.platform(),
-            "python": platform.python_version()}
+    """The machine a run measured: CPU model, vector units (`pdq.ops.cpu.cpu_units`) and count, GPU
+    (None: none), Python and torch."""
+    from pdq.ops.cpu import cpu_flags, cpu_units
+
+    info = {"cpus": os.cpu_count(), "cpu_model": _cpu_model(), "cpu_units": cpu_units(cpu_flags()), "gpu": _gpu(),
+            "platform": platform.platform(), "python": platform.python_version()}
     if "torch" in sys.modules:
         torch = sys.modules["torch"]
         info.update(torch=torch.__version__, torch_threads=torch.get_num_threads())

@@ -173,6 +173,16 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset(cpuinfo_field("flags", cpuinfo).split())
 
 
+# The vector and matrix units a benchmark's machine record names (`cpu_units`), widest last.
+VECTOR_UNITS = (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_bf16", "AVX512_BF16"), ("amx_bf16", "AMX"))
+
+
+def cpu_units(flags: frozenset[str]) -> list[str]:
+    """The VECTOR_UNITS among `flags` (`cpu_flags()`), e.g. ["AVX2", "AVX-512"]: CPUs sold under one
+    model name (a VM's "AMD EPYC") differ in them, and the model's speed on them differs."""
+    return [name for flag, name in VECTOR_UNITS if flag in flags]
+
+
 # CPU flags of bfloat16 matrix instructions, and what they are called: oneDNN's bfloat16 GEMM runs
 # on them (AMX tiles: Intel Xeon 4th generation and later; AVX512_BF16's dot products: AMD Zen 4
 # and later, Intel Cooper Lake), and without them bfloat16 is emulated and no faster than float32.

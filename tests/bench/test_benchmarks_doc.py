@@ -9,9 +9,10 @@ import pytest
 import yaml
 
 from pdq.bench import benchmarks_doc
-from pdq.bench.benchmarks_doc import anchor, render, stale
+from pdq.bench.benchmarks_doc import anchor, machine_line, render, stale
 from pdq.bench.benchmarks_tables import DocError, Docs
 from pdq.bench.report import machine
+from pdq.ops.cpu import cpu_units
 
 ROOT = benchmarks_doc.ROOT
 
@@ -85,3 +86,18 @@ def test_a_latency_figure_is_the_other_runs_over_this_ones_and_a_wrong_reference
 def test_the_json_records_the_machine_cpu_model_and_gpu():
     m = machine()
     assert m["cpu_model"] and "gpu" in m and m["cpus"] >= 1
+    assert set(m["cpu_units"]) <= {"AVX2", "AVX-512", "AVX512_BF16", "AMX"}
+
+
+def test_the_machine_line_names_the_cpus_vector_units_where_recorded():
+    m = {"cpus": 2, "cpu_model": "AMD EPYC", "gpu": None, "torch": "2.13.0+cpu"}
+    assert machine_line({"machine": {**m, "cpu_units": ["AVX2", "AVX-512", "AVX512_BF16"]}}).startswith(
+        "AMD EPYC (AVX2, AVX-512, AVX512_BF16), 2 CPUs, no GPU")
+    assert machine_line({"machine": m}).startswith("AMD EPYC, 2 CPUs")  # a document from before the field
+
+
+def test_cpu_units_names_what_the_flags_hold():
+    assert cpu_units(frozenset("fpu sse avx2 fma".split())) == ["AVX2"]
+    assert cpu_units(frozenset("avx2 avx512f avx512_bf16 amx_bf16 amx_tile".split())) == [
+        "AVX2", "AVX-512", "AVX512_BF16", "AMX"]
+    assert cpu_units(frozenset()) == []

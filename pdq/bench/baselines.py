@@ -98,12 +98,11 @@ class EngineBaseline:
     def __init__(self, model_dir: str | Path, kv_budget_tokens: int = ENGINE_KV_BUDGET_TOKENS,
                  max_seq_len: int = ENGINE_MAX_SEQ_LEN, dtype: str | None = None):
         self.omp_wait_policy = import_torch()
-        import torch
-
         from pdq.engine import LLMEngine
+        from pdq.engine.runner import torch_dtype
 
         self.engine = LLMEngine.from_pretrained(str(model_dir), kv_budget_tokens=kv_budget_tokens,
-                                                max_seq_len=max_seq_len, dtype=getattr(torch, dtype) if dtype else None)
+                                                max_seq_len=max_seq_len, dtype=torch_dtype(dtype))
         p = self.engine.policy
         # as a worker does at start-up (a decode worker: its max_batch_size, 64 by default, of GEMM row counts)
         self.engine.runner.warm_up(p.max_batched_tokens, p.prefill_chunk, min(p.max_num_seqs, WARM_DECODE_ROWS))

@@ -190,12 +190,11 @@ def run(args: argparse.Namespace) -> int:
     from pdq.bench.baselines import import_torch
 
     import_torch()  # the same OpenMP policy as the workers `pdq up` starts
-    import torch
 
     from pdq.bench.command import run_dtype
     from pdq.bench.options import _pairs, dtype_env
     from pdq.bench.workload import build, vocabulary
-    from pdq.engine.runner import ModelRunner
+    from pdq.engine.runner import ModelRunner, torch_dtype
     from pdq.model.loader import resolve_model
     from pdq.ops.child import spawn, stop
     from pdq.ops.redis_server import free_port
@@ -218,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     say(f"pdq bench --handoff: model {args.model}, median prompt {median_len} tokens, long prompt {LONG_PROMPT}; "
         f"{workload.describe()}")
     runner = ModelRunner.from_pretrained(model_dir, kv_budget_tokens=4096, max_seq_len=2048,
-                                         dtype=getattr(torch, dtype) if dtype else None)
+                                         dtype=torch_dtype(dtype))
     with Cluster(model=args.model, prefill=1, decode=2, port=0, auth=False, metrics_port=-1,
                  redis_url=args.redis_url, extra_env={"PDQ_KV_TRANSPORT": "tcp", **env}) as cluster:
         decode0 = next(ch for ch in cluster.children if ch.name == "decode-0")

@@ -19,7 +19,7 @@ from pathlib import Path
 BASELINE_NAMES = ("hf", "engine")
 SCHEMA_VERSION = 1
 
-# (a, b, metric, goal) from issues 3 and 8: a ratio of a to b of at least `goal`. For
+# (a, b, metric, goal) from issues 3, 8, 22 and 23: a ratio of a to b of at least `goal`. For
 # "output_tokens_per_s" (and "output_tokens_per_cpu_s") the ratio is a's / b's; for "ttft_p99"
 # it is b's / a's (a's is lower).
 # "service" stands for a run of the whole service with the default (continuous) strategy.
@@ -29,7 +29,7 @@ GOALS = (
     ("continuous", "static", "output_tokens_per_s", 3.0),
     ("continuous", "static", "ttft_p99", 10.0),
     ("service", "hf", "output_tokens_per_s", 2.4),
-    ("service", "engine", "output_tokens_per_s", 0.9),
+    ("service", "engine", "output_tokens_per_s", 0.95),  # issue 22 (issue 3 asked 0.9)
     ("continuous/http", "continuous", "output_tokens_per_s", 0.95),
 )
 HTTP_TTFT_GOAL_MS = 5.0  # the HTTP door's TTFT p50 within this of the gRPC door's

@@ -74,12 +74,12 @@ def measure(model_dir: str, workload: Workload, *, step_tokens: int = 1024, repe
     from transformers import AutoConfig
 
     from pdq.engine.layers import Linear
-    from pdq.engine.runner import default_device, default_dtype
+    from pdq.engine.runner import default_device, default_dtype, torch_dtype
     from pdq.model.arch import ModelSpec
 
     spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(model_dir))
     device = default_device()
-    dtype = getattr(torch, dtype) if dtype else default_dtype(device, None)
+    dtype = torch_dtype(dtype) or default_dtype(device, None)
     gen = torch.Generator(device="cpu").manual_seed(0)
 
     def linear(out_f: int, in_f: int) -> Linear:

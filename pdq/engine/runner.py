@@ -87,6 +87,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def torch_dtype(name: str | None) -> torch.dtype | None:
+    """"bfloat16" -> torch.bfloat16 (a name of DTYPE_NAMES, as `dtype_name` writes it); None -> None."""
+    if name is None or name == "":
+        return None
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be {', '.join(DTYPE_NAMES)}, got {name!r}")
+    return getattr(torch, name)
+
+
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype | None:
     """A worker's model dtype: `name` (--dtype, PDQ_DTYPE; one of DTYPE_NAMES, else ValueError) as
     a torch dtype; without one, `serving_dtype` on CPU and None elsewhere (the runtime's default
@@ -94,7 +103,7 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype | None:
     if name:
         if name not in DTYPE_NAMES:
             raise ValueError(f"dtype must be {', '.join(DTYPE_NAMES)}, got {name!r} (--dtype or PDQ_DTYPE)")
-        return getattr(torch, name)
+        return torch_dtype(name)
     return serving_dtype(device, None) if device.type == "cpu" else None
 
 

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from pdq.engine.runner import resolve_dtype, serving_dtype
@@ -48,3 +49,13 @@ def test_a_dtype_no_runtime_takes_is_a_clear_error():
                          env={**os.environ, "PDQ_DTYPE": "bogus"}, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "dtype must be float32, float16, bfloat16, got 'bogus' (--dtype or PDQ_DTYPE)" in out.stderr
+
+
+def test_torch_dtype_reads_the_names_dtype_name_writes():
+    from pdq.engine.runner import dtype_name, torch_dtype
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert torch_dtype(dtype_name(dtype)) is dtype
+    assert torch_dtype(None) is None and torch_dtype("") is None
+    with pytest.raises(ValueError, match="dtype must be"):
+        torch_dtype("int8")

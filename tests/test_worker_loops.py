@@ -15,6 +15,7 @@ import pytest
 
 from decode_worker.kv_receive import Arrived
 from decode_worker.loop import DecodeLoop
+from pdq.bench.step_cost import hand_over
 from pdq.observability import liveness
 from pdq.state import redisconn
 from pdq.state.cancel_listener import CancelListener
@@ -24,7 +25,7 @@ from pdq.model.loader import eos_token_ids, resolve_model
 from pdq.model.tokenizer import load_tokenizer
 from pdq.ops.redis_server import RedisServer
 from pdq.state.request import State
-from pdq.state.store import SyncStore, StepItem, now_ms
+from pdq.state.store import SyncStore, now_ms
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import internal_pb2 as pb
 from pdq.engine.worker import ModelThread
@@ -74,15 +75,7 @@ class Rig:
         spec = pb.RequestSpec(request_id=rid, tenant=tenant, tier=tier, prompt_token_ids=prompt,
                               sampling=gen_pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling),
                               arrival_ms=now_ms(), deadline_ms=deadline_ms)
-        assert self.store.submit(spec).kind == "created"
-        (claimed,) = self.store.claim([(rid, "decode-here")], "prefill-here")
-        key = ("kv-in", rid)
-        self.runner.allocate(key)
-        token = int(self.runner.prefill([PrefillItem(key, prompt, 0)])[0].argmax())
-        assert self.store.step([StepItem(rid, claimed.epoch, 0, token, "")]) == [True]
-        assert self.store.transition(rid, claimed.epoch, State.TRANSFERRING)
-        return Arrived(pb.KVHeader(spec=spec, epoch=claimed.epoch, generated_token_ids=[token],
-                                   num_tokens=len(prompt)), key)
+        return hand_over(self.store, self.runner, spec, "decode-here", "prefill-here")
 
     def record(self, rid: str) -> dict:
         return {k: v for k, v in self.store.record(rid).items() if k != "spec"}

@@ -32,6 +32,32 @@ def say(*parts: object) -> None:
     print(*parts, file=sys.stderr, flush=True)
 
 
+def hand_over(store, runner, spec, decode_id: str, prefill_id: str):
+    """What the scheduler and a prefill worker do before a decode worker takes a request, in one
+    call, for labs and tests that drive a `DecodeLoop` themselves: queues `spec`, claims it for
+    `decode_id` (from `prefill_id`), prefills its prompt into a KV entry of its own in `runner`,
+    writes its first token and moves it to TRANSFERRING. -> its hand-off (`Arrived`), for the
+    loop's `arrive`. RuntimeError where Redis refuses a step of it (a reused request id)."""
+    from decode_worker.kv_receive import Arrived
+    from pdq.engine.runner import PrefillItem
+    from pdq.state.request import State
+    from pdq.state.store import StepItem
+    from pdq.v1 import internal_pb2 as pb
+
+    rid, prompt = spec.request_id, list(spec.prompt_token_ids)
+    if store.submit(spec).kind != "created":
+        raise RuntimeError(f"request {rid!r} was not created (its id was used before)")
+    (claimed,) = store.claim([(rid, decode_id)], prefill_id)
+    key = ("kv-in", rid)
+    runner.allocate(key)
+    token = int(runner.prefill([PrefillItem(key, prompt, 0)])[0].argmax())
+    if store.step([StepItem(rid, claimed.epoch, 0, token, "")]) != [True] or not store.transition(
+            rid, claimed.epoch, State.TRANSFERRING):
+        raise RuntimeError(f"request {rid!r}: its first token or hand-off was refused")
+    return Arrived(pb.KVHeader(spec=spec, epoch=claimed.epoch, generated_token_ids=[token], num_tokens=len(prompt)),
+                   key)
+
+
 class StepLab:
     """A DecodeLoop (not started: stepped here) over the null model, with its store, listener and a
     private Redis; `add(n)` dispatches n sequences that never end (max_tokens far out)."""
@@ -58,10 +84,7 @@ class StepLab:
 
     def add(self, n: int) -> list[str]:
         """-> the request ids, which join the batch at the next step."""
-        from decode_worker.kv_receive import Arrived
-        from pdq.engine.runner import PrefillItem
-        from pdq.state.request import State
-        from pdq.state.store import StepItem, now_ms
+        from pdq.state.store import now_ms
         from pdq.v1 import generation_pb2 as gen_pb
         from pdq.v1 import internal_pb2 as pb
 
@@ -72,15 +95,7 @@ class StepLab:
             spec = pb.RequestSpec(request_id=rid, tenant="bench", tier="interactive", prompt_token_ids=PROMPT,
                                   sampling=gen_pb.SamplingParams(max_tokens=self.max_seq_len, ignore_eos=True),
                                   arrival_ms=now_ms())
-            self.store.submit(spec)
-            (claimed,) = self.store.claim([(rid, "decode-step-cost")], "prefill-step-cost")
-            key = ("kv-in", rid)
-            self.runner.allocate(key)
-            token = int(self.runner.prefill([PrefillItem(key, PROMPT, 0)])[0].argmax())
-            self.store.step([StepItem(rid, claimed.epoch, 0, token, "")])
-            self.store.transition(rid, claimed.epoch, State.TRANSFERRING)
-            self.loop.arrive(Arrived(pb.KVHeader(spec=spec, epoch=claimed.epoch, generated_token_ids=[token],
-                                                 num_tokens=len(PROMPT)), key))
+            self.loop.arrive(hand_over(self.store, self.runner, spec, "decode-step-cost", "prefill-step-cost"))
         return rids
 
     def cpu_us_per_step(self, steps: int) -> float:

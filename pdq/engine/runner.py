@@ -42,13 +42,16 @@ class PrefillItem:
 class _StepRows:
     """One step flattened: every token row's id, position and pool row (block * block_size +
     offset); prefill chunks as (start, length, first row, block table or None from position 0);
-    each decode row's block table."""
+    each decode row's sequence and how many blocks of its table the row reads (`widths`), and,
+    for the CUDA graphs, those tables as lists (`tables`)."""
 
     tokens: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     pool_rows: list[int] = field(default_factory=list)
     logit_rows: list[int] = field(default_factory=list)
     chunks: list[tuple] = field(default_factory=list)
+    decode_ids: list = field(default_factory=list)
+    widths: list[int] = field(default_factory=list)
     tables: list[list[int]] = field(default_factory=list)
     num_prefill: int = 0
 
@@ -387,12 +390,16 @@ class ModelRunner:
             r.positions.extend(range(start, start + n))
             r.logit_rows.append(len(r.tokens) - 1)
         r.num_prefill = len(r.tokens)
+        graphs = self.graphs is not None
         for seq_id, token, pos in decode:
             table = pool.table(seq_id)
             r.tokens.append(token)
             r.pool_rows.append(table[pos // bs] * bs + pos % bs)
             r.positions.append(pos)
-            r.tables.append(table[: pos // bs + 1])
+            r.decode_ids.append(seq_id)
+            r.widths.append(pos // bs + 1)
+            if graphs:
+                r.tables.append(table[: pos // bs + 1])
         if min(r.tokens) < 0 or max(r.tokens) >= self.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.vocab_size})")
         r.logit_rows.extend(range(r.num_prefill, len(r.tokens)))
@@ -418,9 +425,9 @@ class ModelRunner:
             chunks.append(chunk)
         rows = kv_rows(np.asarray(r.pool_rows, dtype=np.int64), np.arange(self.num_kv_heads, dtype=np.int64), bs)
         meta = AttnMetadata(positions=_ints(r.positions, dev), kv_rows=_ints(rows, dev), chunks=chunks,
-                            num_prefill_tokens=r.num_prefill, num_decode=len(r.tables))
-        if r.tables:
-            self._plan_decode(meta, r.tables, r.positions[r.num_prefill:])
+                            num_prefill_tokens=r.num_prefill, num_decode=len(r.decode_ids))
+        if r.decode_ids:
+            self._plan_decode(meta, r.decode_ids, r.widths, r.positions[r.num_prefill:])
         n = len(r.tokens)
         logit_rows = slice(None) if len(r.logit_rows) == n else _ints(r.logit_rows, dev)
         return _ints(r.tokens, dev), meta, logit_rows
@@ -438,12 +445,13 @@ class ModelRunner:
             raise ValueError(f"sequence {seq_id!r}: {start + n} tokens exceed max_seq_len={self.max_seq_len}")
         self.pool.ensure(seq_id, start + n)
 
-    def _plan_decode(self, meta: AttnMetadata, tables: list[list[int]], dec_pos: list[int]) -> None:
-        width = max(len(t) for t in tables)
-        padded = [t + [t[-1]] * (width - len(t)) for t in tables]  # padding reads a block of its own, masked
+    def _plan_decode(self, meta: AttnMetadata, seq_ids: list, widths: list[int], dec_pos: list[int]) -> None:
+        width = max(widths)
         lens = [p + 1 for p in dec_pos]
         meta.kernel = self.decode_kernel
-        meta.decode_tables = _ints(padded, self.device, np.int32)
+        # each row's table, then valid blocks of no meaning, which the kernel never reads (it stops
+        # at the row's length) and the gathering path masks
+        meta.decode_tables = torch.from_numpy(self.pool.blocks.table_rows(seq_ids, width)).to(self.device)
         meta.decode_lens = _ints(lens, self.device, np.int32)
         if not self.decode_kernel:
             meta.decode_mask = decode_mask(torch.arange(width * self.block_size, device=self.device),

@@ -63,3 +63,40 @@ def test_grow_takes_blocks_as_positions_are_written():
     assert len(m.tables["a"]) == 3
     with pytest.raises(KVPoolFull):
         m.ensure("a", 13)
+
+
+def test_table_rows_follow_every_table_through_allocate_grow_free_and_rename():
+    import random
+
+    rng = random.Random(0)
+    m = BlockManager(num_blocks=64, block_size=4)
+    live: list = []
+    for step in range(400):
+        op = rng.random()
+        if op < 0.35 and m.num_free > 4:
+            seq = f"s{step}"
+            m.allocate(seq, [rng.randrange(50) for _ in range(rng.randrange(1, 13))])
+            live.append(seq)
+        elif op < 0.7 and live:
+            seq = rng.choice(live)
+            try:
+                m.ensure(seq, len(m.tables[seq]) * 4 + rng.randrange(1, 9))
+            except KVPoolFull:
+                pass
+        elif op < 0.8 and live:
+            old = rng.choice(live)
+            live[live.index(old)] = new = f"r{step}"
+            m.rename(old, new)
+        elif live:
+            seq = live.pop(rng.randrange(len(live)))
+            m.free(seq)
+        if live:
+            width = max(len(m.tables[s]) for s in live)
+            rows = m.table_rows(live, width + 2)  # wider than any table: the rest is valid blocks
+            assert rows.dtype.name == "int32" and rows.shape == (len(live), width + 2)
+            for seq, row in zip(live, rows.tolist()):
+                table = m.tables[seq]
+                assert row[:len(table)] == table
+                assert all(0 <= b < 64 for b in row)
+    # a freed sequence's row is reused by the next one, overwritten from its first block
+    assert len(m.rows.slot) == len(live)

@@ -13,6 +13,8 @@ the same way, which is how the CPU tests check that padding changes no real row'
 
 import logging
 
+import numpy as np
+
 import torch
 
 from pdq.engine.attention import AttnMetadata, decode_mask, kv_rows
@@ -107,16 +109,19 @@ class DecodeGraphs:
                             break
         return len(self._graphs)
 
-    def run(self, tokens: list[int], positions: list[int], rows: list[int], tables: list[list[int]]) -> torch.Tensor | None:
-        """Logits [len(tokens), vocab] of one decode step, or None if its shape has no bucket."""
-        n, width = len(tokens), max(len(t) for t in tables)
+    def run(self, tokens: list[int], positions: list[int], rows: list[int], tables: np.ndarray) -> torch.Tensor | None:
+        """Logits [len(tokens), vocab] of one decode step, or None if its shape has no bucket.
+        tables: int32 [len(tokens), width], each row's block table then valid blocks of no
+        meaning (`BlockManager.table_rows`: the mask hides what lies past a row's length)."""
+        n, width = tables.shape
         b, w = bucket(n, self.batches), bucket(width, self.widths)
         if b is None or w is None:
             return None
         pad, s = b - n, self.scratch
+        padded = np.full((b, w), s, dtype=np.int32)
+        padded[:n, :width] = tables
         host = (torch.tensor(tokens + [0] * pad), torch.tensor(positions + [0] * pad),
-                torch.tensor(rows + [s * self.block_size] * pad),
-                torch.tensor([t + [s] * (w - len(t)) for t in tables] + [[s] * w] * pad, dtype=torch.int32),
+                torch.tensor(rows + [s * self.block_size] * pad), torch.from_numpy(padded),
                 torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32))
         self.runs += 1
         if not self.capture:

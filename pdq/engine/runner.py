@@ -42,8 +42,7 @@ class PrefillItem:
 class _StepRows:
     """One step flattened: every token row's id, position and pool row (block * block_size +
     offset); prefill chunks as (start, length, first row, block table or None from position 0);
-    each decode row's sequence and how many blocks of its table the row reads (`widths`), and,
-    for the CUDA graphs, those tables as lists (`tables`)."""
+    each decode row's sequence and how many blocks of its table the row reads (`widths`)."""
 
     tokens: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
@@ -52,7 +51,6 @@ class _StepRows:
     chunks: list[tuple] = field(default_factory=list)
     decode_ids: list = field(default_factory=list)
     widths: list[int] = field(default_factory=list)
-    tables: list[list[int]] = field(default_factory=list)
     num_prefill: int = 0
 
 
@@ -356,7 +354,8 @@ class ModelRunner:
         rows = self._rows(prefill, decode)
         logits = None
         if self.graphs is not None and not prefill:
-            logits = self.graphs.run(rows.tokens, rows.positions, rows.pool_rows, rows.tables)
+            logits = self.graphs.run(rows.tokens, rows.positions, rows.pool_rows,
+                                     self.pool.blocks.table_rows(rows.decode_ids, max(rows.widths)))
         if logits is None:
             input_ids, meta, logit_rows = self._tensors(rows)
             logits = self.model(input_ids, meta, self.pool.kv, logit_rows)
@@ -390,7 +389,6 @@ class ModelRunner:
             r.positions.extend(range(start, start + n))
             r.logit_rows.append(len(r.tokens) - 1)
         r.num_prefill = len(r.tokens)
-        graphs = self.graphs is not None
         for seq_id, token, pos in decode:
             table = pool.table(seq_id)
             r.tokens.append(token)
@@ -398,8 +396,6 @@ class ModelRunner:
             r.positions.append(pos)
             r.decode_ids.append(seq_id)
             r.widths.append(pos // bs + 1)
-            if graphs:
-                r.tables.append(table[: pos // bs + 1])
         if min(r.tokens) < 0 or max(r.tokens) >= self.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.vocab_size})")
         r.logit_rows.extend(range(r.num_prefill, len(r.tokens)))

@@ -2,6 +2,7 @@
 and the block tables up to their buckets changes no real row's logits and writes no real block.
 (The graphs themselves are captured and replayed in test_cuda.py, wherever a GPU is present.)"""
 
+import numpy as np
 import torch
 
 from pdq.engine import PrefillItem
@@ -56,5 +57,5 @@ def test_a_step_beyond_the_largest_bucket_runs_eagerly(tiny_llama, make_runner):
     for name in "abc":
         runner.allocate(name)
     runner.prefill([PrefillItem(name, tokens(9, i), 0) for i, name in enumerate("abc")])
-    assert graphs.run([1, 2, 3], [9, 9, 9], [0, 16, 32], [[0], [1], [2]]) is None  # 3 rows > 2
+    assert graphs.run([1, 2, 3], [9, 9, 9], [0, 16, 32], np.array([[0], [1], [2]], dtype=np.int32)) is None  # 3 rows > 2
     assert runner.decode([(name, 1, 9) for name in "abc"]).shape == (3, 256)  # the eager path serves it

@@ -62,7 +62,9 @@ class TableRows:
     """The block tables of live sequences as rows of one int32 array: a sequence holds a row
     (`slot`) from its first blocks until it is freed; `write` copies a table's new tail in, and a
     row past a table's length holds block numbers of no meaning (earlier occupants', or 0), each
-    a valid block. Rows and columns grow by doubling as needed."""
+    a valid block. Rows and columns grow by doubling as needed (into a new array, filled before
+    it replaces the old: a reader on another thread sees one or the other, each complete for the
+    sequences it reads). Changes come under the KV pool's lock, as the tables'."""
 
     def __init__(self):
         self.rows = np.zeros((8, 8), dtype=np.int32)
@@ -94,12 +96,13 @@ class TableRows:
 
     def take(self, seq_ids: Sequence[Hashable], width: int) -> np.ndarray:
         """The rows of `seq_ids`, first `width` columns: int32 [len(seq_ids), width], a copy."""
+        rows = self.rows  # once: another thread's allocation may grow (replace) it meanwhile
         slots = [self.slot[s] for s in seq_ids]
-        if width > self.rows.shape[1]:  # past every table's length: columns of no meaning
+        if width > rows.shape[1]:  # past every table's length: columns of no meaning
             out = np.zeros((len(slots), width), dtype=np.int32)
-            out[:, :self.rows.shape[1]] = self.rows[slots]
+            out[:, :rows.shape[1]] = rows[slots]
             return out
-        return self.rows[slots, :width]
+        return rows[slots, :width]
 
 
 class BlockManager:

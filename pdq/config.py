@@ -320,7 +320,7 @@ class WorkerConfig(StoreConfig):
             raise ValueError(f"heartbeat_s ({self.heartbeat_s}) must be at most half of worker_timeout_s "
                              f"({self.worker_timeout_s}), or a live worker would be taken for dead")
         if self.dtype and self.dtype not in DTYPE_NAMES:
-            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+            raise ValueError(f"dtype must be {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
 
     def name(self, role: str) -> str:
         return self.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"

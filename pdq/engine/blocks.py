@@ -15,7 +15,7 @@ positions past its shared prefix, into blocks of its own, so a shared block is n
 Every live table is also a row of one int32 array (`TableRows`), kept as the tables change, so
 that a step's decode tables reach the attention kernel as one array copy
 (`BlockManager.table_rows`), not a conversion of every block number of every running sequence
-(which grows with their contexts: ~0.6 ms a step at 64 sequences of 4,000 tokens).
+(a cost that grows with their contexts).
 """
 
 import hashlib
@@ -79,8 +79,8 @@ class TableRows:
             self.slot[seq_id] = slot
         n_rows, n_cols = self.rows.shape
         if slot >= n_rows or len(table) > n_cols:
-            grown = np.zeros((max(n_rows, 2 * slot + 2) if slot >= n_rows else n_rows,
-                              max(n_cols, 2 * len(table)) if len(table) > n_cols else n_cols), dtype=np.int32)
+            grown = np.zeros((n_rows if slot < n_rows else 2 * slot + 2,
+                              n_cols if len(table) <= n_cols else 2 * len(table)), dtype=np.int32)
             grown[:n_rows, :n_cols] = self.rows
             self.rows = grown
         if len(table) > start:

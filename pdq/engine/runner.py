@@ -42,7 +42,7 @@ class PrefillItem:
 class _StepRows:
     """One step flattened: every token row's id, position and pool row (block * block_size +
     offset); prefill chunks as (start, length, first row, block table or None from position 0);
-    each decode row's sequence and how many blocks of its table the row reads (`widths`)."""
+    each decode row's sequence (`decode_ids`)."""
 
     tokens: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
@@ -50,7 +50,6 @@ class _StepRows:
     logit_rows: list[int] = field(default_factory=list)
     chunks: list[tuple] = field(default_factory=list)
     decode_ids: list = field(default_factory=list)
-    widths: list[int] = field(default_factory=list)
     num_prefill: int = 0
 
 
@@ -90,7 +89,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def torch_dtype(name: str | None) -> torch.dtype | None:
     """"bfloat16" -> torch.bfloat16 (a name of DTYPE_NAMES, as `dtype_name` writes it); None -> None."""
-    if name is None or name == "":
+    if not name:
         return None
     if name not in DTYPE_NAMES:
         raise ValueError(f"dtype must be {', '.join(DTYPE_NAMES)}, got {name!r}")
@@ -355,7 +354,7 @@ class ModelRunner:
         logits = None
         if self.graphs is not None and not prefill:
             logits = self.graphs.run(rows.tokens, rows.positions, rows.pool_rows,
-                                     self.pool.blocks.table_rows(rows.decode_ids, max(rows.widths)))
+                                     self.pool.blocks.table_rows(rows.decode_ids, self.blocks_for(max(rows.positions) + 1)))
         if logits is None:
             input_ids, meta, logit_rows = self._tensors(rows)
             logits = self.model(input_ids, meta, self.pool.kv, logit_rows)
@@ -395,7 +394,6 @@ class ModelRunner:
             r.pool_rows.append(table[pos // bs] * bs + pos % bs)
             r.positions.append(pos)
             r.decode_ids.append(seq_id)
-            r.widths.append(pos // bs + 1)
         if min(r.tokens) < 0 or max(r.tokens) >= self.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.vocab_size})")
         r.logit_rows.extend(range(r.num_prefill, len(r.tokens)))
@@ -423,7 +421,7 @@ class ModelRunner:
         meta = AttnMetadata(positions=_ints(r.positions, dev), kv_rows=_ints(rows, dev), chunks=chunks,
                             num_prefill_tokens=r.num_prefill, num_decode=len(r.decode_ids))
         if r.decode_ids:
-            self._plan_decode(meta, r.decode_ids, r.widths, r.positions[r.num_prefill:])
+            self._plan_decode(meta, r.decode_ids, r.positions[r.num_prefill:])
         n = len(r.tokens)
         logit_rows = slice(None) if len(r.logit_rows) == n else _ints(r.logit_rows, dev)
         return _ints(r.tokens, dev), meta, logit_rows
@@ -441,8 +439,8 @@ class ModelRunner:
             raise ValueError(f"sequence {seq_id!r}: {start + n} tokens exceed max_seq_len={self.max_seq_len}")
         self.pool.ensure(seq_id, start + n)
 
-    def _plan_decode(self, meta: AttnMetadata, seq_ids: list, widths: list[int], dec_pos: list[int]) -> None:
-        width = max(widths)
+    def _plan_decode(self, meta: AttnMetadata, seq_ids: list, dec_pos: list[int]) -> None:
+        width = self.blocks_for(max(dec_pos) + 1)  # the blocks the longest row reads
         lens = [p + 1 for p in dec_pos]
         meta.kernel = self.decode_kernel
         # each row's table, then valid blocks of no meaning, which the kernel never reads (it stops

@@ -27,9 +27,10 @@ from pdq.transport import mtls
 from pdq.state import redisconn
 from pdq.config import SchedulerConfig
 from pdq.observability.liveness import Liveness
-from pdq.state.registry import PREFIX_HEX, ROLES, WorkerInfo, live_workers
+from pdq.state.calls import joined
+from pdq.state.registry import PREFIX_HEX, ROLES, WorkerInfo, live_call, live_workers
 from pdq.transport.serving import GRPC_OPTIONS
-from pdq.state.store import Deposed, AsyncStore, TenantBacklog, now_ms, spec_from_bytes
+from pdq.state.store import Deposed, AsyncStore, RequestStore, TenantBacklog, now_ms, spec_from_bytes
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 from scheduler.policies import (Candidate, DecodeSlots, DrainRate, Headroom, TenantQueue, TierQueue,
@@ -83,6 +84,18 @@ def to_tier_queues(snapshot: dict[str, list[TenantBacklog]], tiers: list[str],
                   for b in snapshot.get(tier, []) if b.heads]
         out.append(TierQueue(tier, rank, queues))
     return out
+
+
+@dataclass
+class RoundRead:
+    """What a dispatch round reads first, in one round trip: the `batch` in the order of choice,
+    whether it left queued requests out (`cut`: its size or token limit), the `live` workers by
+    role, and the queue's counters (`load`, `RequestStore.load`)."""
+
+    batch: list[Candidate]
+    cut: bool
+    live: dict[str, list[WorkerInfo]]
+    load: dict[str, int]
 
 
 class Dispatcher:
@@ -237,9 +250,13 @@ class Dispatcher:
         finally:
             live.stopped()
 
-    async def _workers(self) -> tuple[list[WorkerInfo], list[WorkerInfo]]:
-        """The prefill and the decode workers that may take work now (one Redis round trip)."""
-        live = self._live = await live_workers(self.store, ROLES, self.config.worker_timeout_s)
+    async def _workers(self, live: dict[str, list[WorkerInfo]] | None = None
+                       ) -> tuple[list[WorkerInfo], list[WorkerInfo]]:
+        """The prefill and the decode workers that may take work now, from `live` (the registry
+        as read with the queue's snapshot), else read now (one Redis round trip)."""
+        if live is None:
+            live = await live_workers(self.store, ROLES, self.config.worker_timeout_s)
+        self._live = live
         now = now_ms()
 
         def usable(role: str) -> list[WorkerInfo]:
@@ -257,10 +274,11 @@ class Dispatcher:
     async def dispatch_once(self) -> bool:
         """Sends at most one batch. -> True when a batch went out (call again)."""
         pokes = self._pokes
-        batch, cut = await self.next_batch()  # first: an idle scheduler costs one Redis call per period
+        read = await self.next_batch()  # the queue, the registry and the load: one round trip
+        batch, cut = read.batch, read.cut
         if not batch:
             return False
-        prefill, decode = await self._workers()
+        prefill, decode = await self._workers(read.live)
         matched = kv_matched(prefill, decode)
         if len(matched) < len(prefill):
             self._dtype_mismatch(prefill, decode, matched)
@@ -287,7 +305,7 @@ class Dispatcher:
                 and tenants >= set(self._served)):
             running, active = {}, set()  # room past the reserve, one tenant, no other lately: no Redis read
         else:
-            running, active = await self._competition()
+            running, active = self._competition(read.load)
         weights = {t: self._weights.get(t, self.config.default_weight) for t in active | {c.tenant for c in batch}}
         prefixes = (await self.prefix_router.decode_prefixes(batch, decode, target_info.address)
                     if self.prefix_router else {})
@@ -373,11 +391,15 @@ class Dispatcher:
         log.warning("prefill workers %s get no work: no decode worker runs their dtype (decode workers run %s); "
                     "start every worker with the same --dtype (PDQ_DTYPE)", ", ".join(left), ", ".join(dtypes))
 
-    async def next_batch(self) -> tuple[list[Candidate], bool]:
-        """The next batch in the order of choice, from a bounded snapshot of the queue, and
-        whether it left queued requests out (its size or token limit)."""
-        size = self.config.max_batch_size
-        snapshot = await self.store.snapshot(self.tiers, size, size)
+    async def next_batch(self) -> "RoundRead":
+        """The next batch in the order of choice, from a bounded snapshot of the queue, with the
+        registry and the queue's counters read in the same round trip (a round's reads before
+        its reservations are one wait, not three)."""
+        size, store = self.config.max_batch_size, self.store
+        (snapshot, live), load = await store.run(joined(
+            joined(RequestStore.snapshot.build(store, self.tiers, size, size),
+                   live_call(store, ROLES, self.config.worker_timeout_s)),
+            RequestStore.load.build(store)))
         self._queue_empty = not any(b.heads for backlogs in snapshot.values() for b in backlogs)
         self._next_retry_ms = snapshot.next_retry_ms
         self._weights = {b.tenant: b.weight for backlogs in snapshot.values() for b in backlogs if b.weight}
@@ -395,7 +417,7 @@ class Dispatcher:
         # snapshot itself held all it may of a tenant (the queue may go on behind those)
         cut = (seen > len(batch) or next(order, None) is not None
                or any(len(b.heads) >= size for backlogs in snapshot.values() for b in backlogs))
-        return batch, cut
+        return RoundRead(batch, cut, live, load)
 
     async def _preempt_for(self, head: Candidate, decode: list[WorkerInfo], free_slots: int) -> None:
         """The head of the queue found no room: a decode worker preempts one running request of
@@ -419,10 +441,10 @@ class Dispatcher:
     def _tier_rank(self, tier: str) -> int:
         return self.tiers.index(tier) if tier in self.tiers else len(self.tiers)
 
-    async def _competition(self) -> tuple[dict[str, int], set[str]]:
+    def _competition(self, load: dict[str, int]) -> tuple[dict[str, int], set[str]]:
         """-> decode slots each tenant holds, and the tenants competing for them now: those
-        running or queued, and those served within share_window_s."""
-        load = await self.store.load()
+        running or queued (`load`: the queue's counters, `RequestStore.load`), and those served
+        within share_window_s."""
         running = {k.removeprefix("running:"): v for k, v in load.items() if k.startswith("running:") and v > 0}
         queued = {k.removeprefix("n:") for k, v in load.items() if k.startswith("n:") and v > 0}
         cutoff = time.monotonic() - self.config.share_window_s

@@ -334,3 +334,25 @@ async def test_every_read_answers_the_same_through_the_async_and_the_sync_store(
     assert store.record_fields("r1", ("tenant", "missing")) == {"tenant": "acme"}
     assert store.pause(tenant="globex", paused=False) == 1 and store.paused() == ([], [])
     assert store.policy_and_seq("acme")[0].weight == 2.0 and store.announce("r2") == 0  # nobody listens here
+
+
+def test_joined_calls_answer_as_each_alone_in_one_round_trip_even_with_scripts_redis_had_not_seen(store):
+    """The dispatcher reads a round's queue snapshot, the registry and the queue's counters in
+    one pipeline (`calls.joined`); each part answers what it answers alone, and a script this
+    Redis had not loaded is run again alone after the rest."""
+    from pdq.state.calls import joined, mapped
+    from pdq.state.registry import ROLES, live_call
+    from pdq.state.store import RequestStore
+    store.submit(make_spec("r1"))
+    store.submit(make_spec("r2", tenant="globex", prompt=(4, 5)))
+    store.heartbeat("w1", "decode", 10_000, {"address": "127.0.0.1:1", "free_slots": 3, "capacity": 4})
+    alone = (store.snapshot(["interactive"], 8, 8), store.run(live_call(store, ROLES, 5.0)), store.load())
+    store.client.script_flush()
+    call = joined(joined(RequestStore.snapshot.build(store, ["interactive"], 8, 8), live_call(store, ROLES, 5.0)),
+                  RequestStore.load.build(store))
+    assert len(call.parts) == 3
+    (snapshot, live), load = store.run(call)
+    assert (snapshot, live, load) == alone
+    assert [b.tenant for b in snapshot["interactive"]] == ["acme", "globex"] and load["n"] == 2
+    assert [(w.worker_id, w.free_slots, w.capacity) for w in live["decode"]] == [("w1", 3, 4)]
+    assert store.run(mapped(RequestStore.load.build(store), lambda got: got["n"])) == 2

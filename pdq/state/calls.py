@@ -27,6 +27,7 @@ from redis.exceptions import NoScriptError
 from pdq.state.keys import SCRIPTS, Keys
 
 T = TypeVar("T")
+U = TypeVar("U")
 P = ParamSpec("P")
 
 
@@ -65,6 +66,19 @@ def command(*cmd: Any, parse: Callable[[Any], T]) -> Call[T]:
 def pipeline(cmds: list[Command], parse: Callable[[list[Any]], T], transaction: bool = False) -> Call[T]:
     """A call of raw commands in one round trip."""
     return Call(tuple(cmds), parse, transaction)
+
+
+def joined(first: Call[T], second: Call[U]) -> Call[tuple[T, U]]:
+    """Both calls in one round trip (one pipeline): -> (first's result, second's)."""
+    if first.transaction or second.transaction:
+        raise ValueError("a transaction cannot be joined to another call")
+    n = len(first.parts)
+    return Call(first.parts + second.parts, lambda replies: (first.parse(replies[:n]), second.parse(replies[n:])))
+
+
+def mapped(call: Call[T], convert: Callable[[T], U]) -> Call[U]:
+    """`call` with its result passed through `convert`."""
+    return Call(call.parts, lambda replies: convert(call.parse(replies)), call.transaction)
 
 
 class _Runner:

@@ -12,6 +12,7 @@ and a cancel of an ended request changes nothing.
 
 import grpc
 
+from gateway.submits import SubmitBatcher
 from pdq.transport import mtls
 from pdq.observability import telemetry_grpc
 from pdq.transport.serving import GRPC_OPTIONS
@@ -36,9 +37,12 @@ class Schedulers:
                          for a in addresses]
         self.stubs = [pb_grpc.SchedulerStub(c) for c in self.channels]
         self.current = 0  # the replica that answered last
+        self.submits = SubmitBatcher(lambda r, t: self._call("Submit", r, t),
+                                     lambda r, t: self._call("SubmitMany", r, t))
 
     async def Submit(self, request: pb.SubmitRequest, timeout: float | None = None) -> pb.SubmitResponse:
-        return await self._call("Submit", request, timeout)
+        """Submits one request; those at hand together go in one call (`gateway.submits`)."""
+        return await self.submits.submit(request, timeout)
 
     async def Cancel(self, request: pb.InternalCancelRequest, timeout: float | None = None) -> pb.InternalCancelResponse:
         return await self._call("Cancel", request, timeout)
@@ -68,5 +72,6 @@ class Schedulers:
         raise error
 
     async def close(self) -> None:
+        await self.submits.close()
         for channel in self.channels:
             await channel.close()

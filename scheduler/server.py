@@ -16,12 +16,16 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from pdq.observability import metrics, telemetry
 from pdq.config import SchedulerConfig
 from pdq.state.ending import Ending
+from pdq.state import redisconn
 from pdq.transport.mtls import InternalTLS
+from pdq.transport.rpc_guard import status_of
 from pdq.state.request import State
 from pdq.transport.serving import Server
 from pdq.transport.status import StatusError
 from pdq.state.registry import live_workers
-from pdq.state.store import QueueLimits, AsyncStore, RetryLimits, TenantPolicy, spec_from_bytes
+from pdq.state.calls import batched
+from pdq.state.store import (AsyncStore, QueueLimits, RequestStore, RetryLimits, SubmitArgs, Submitted, TenantPolicy,
+                             spec_from_bytes)
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 from scheduler.dispatcher import Dispatcher
@@ -78,56 +82,120 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         return self._pools
 
     async def Submit(self, request: pb.SubmitRequest, context: grpc.aio.ServicerContext) -> pb.SubmitResponse:
-        spec = pb.RequestSpec()
-        spec.CopyFrom(request.spec)
-        if not spec.request_id or not spec.tenant or not spec.prompt_token_ids:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "spec needs request_id, tenant and prompt_token_ids")
-        policy, seq = await self.store.policy_and_seq(spec.tenant)  # one round trip (a refused request wastes a seq)
-        tier = resolve_tier(spec.tier, policy.tier, self.config.tier_names)
-        if tier is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"tier: must be one of {', '.join(self.config.tier_names)}, got {spec.tier!r}")
-        spec.tier = tier
-        misfit = kv_misfit(len(spec.prompt_token_ids), spec.sampling.max_tokens, await self.decode_pools())
-        if misfit:
-            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt: {misfit}", reason="PROMPT_EXCEEDS_KV_POOL",
-                              field="prompt")
-        score = self.order(seq, len(spec.prompt_token_ids), spec.sampling.max_tokens, spec.deadline_ms)
-        span = telemetry.start("pdq.enqueue", attributes={"pdq.request_id": spec.request_id, "pdq.tenant": spec.tenant,
-                                                          "pdq.tier": tier, "pdq.seq": seq})
-        limits, wait = queue_limits(self.config, policy), self.config.submit_wait_replicas
-        if wait:
-            got = await self.store.submit_replicated(spec, request.idempotency_key, limits, seq, score, wait,
-                                                     self.config.submit_wait_ms)
-        else:
-            got = await self.store.submit(spec, request.idempotency_key, limits, seq, score)
+        got = (await self.admit([request], in_call=True))[0]
+        if isinstance(got, StatusError):
+            raise got
+        return got
+
+    async def SubmitMany(self, request: pb.SubmitManyRequest,
+                         context: grpc.aio.ServicerContext) -> pb.SubmitManyResponse:
+        items = list(request.items)
+        try:
+            answers = await self.admit(items)
+        except Exception as exc:
+            if redisconn.unavailable(exc) or len(items) == 1:
+                raise
+            log.exception("a batch of %d submits failed; admitting each alone", len(items))
+            answers = []
+            for item in items:  # what one request carries must not fail the others
+                try:
+                    answers += await self.admit([item])
+                except Exception as one:
+                    if redisconn.unavailable(one):
+                        raise
+                    answers.append(status_of(one, "/pdq.v1.Scheduler/SubmitMany"))
+        out = pb.SubmitManyResponse()
+        for got in answers:
+            if isinstance(got, StatusError):
+                out.items.add(code=got.code.value[0], message=got.message,
+                              trailing=[pb.MetadataEntry(key=k, value=v if isinstance(v, bytes) else v.encode())
+                                        for k, v in got.trailing_metadata()])
+            else:
+                out.items.add(response=got)
+        return out
+
+    async def admit(self, requests: list[pb.SubmitRequest], in_call: bool = False
+                    ) -> list[pb.SubmitResponse | StatusError]:
+        """Validates and queues each request (Submit and SubmitMany): its answer, or the
+        StatusError a Submit of its own ends with, in order. Their Redis writes are two round
+        trips for all of them (the tenants' policies and arrival numbers, then the submits);
+        only Redis unreachable (past its outage window) fails them all, raised. Each one's
+        enqueue span is a child of the current span (`in_call`: the request's own Submit call),
+        else of the request's trace context (its spec's traceparent)."""
+        out: list[pb.SubmitResponse | StatusError | None] = [None] * len(requests)
+        specs: dict[int, pb.RequestSpec] = {}
+        for i, request in enumerate(requests):
+            spec = pb.RequestSpec()
+            spec.CopyFrom(request.spec)
+            if not spec.request_id or not spec.tenant or not spec.prompt_token_ids:
+                out[i] = StatusError(grpc.StatusCode.INVALID_ARGUMENT, "spec needs request_id, tenant and prompt_token_ids")
+            else:
+                specs[i] = spec
+        read = await self.store.run(batched([RequestStore.policy_and_seq.build(self.store, specs[i].tenant)
+                                             for i in specs])) if specs else []
+        pools = await self.decode_pools() if specs else []
+        wait = self.config.submit_wait_replicas
+        queued: list[tuple[int, SubmitArgs, TenantPolicy]] = []
+        for (i, spec), (policy, seq) in zip(specs.items(), read):
+            tier = resolve_tier(spec.tier, policy.tier, self.config.tier_names)
+            if tier is None:
+                out[i] = StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                                     f"tier: must be one of {', '.join(self.config.tier_names)}, got {spec.tier!r}")
+                continue
+            spec.tier = tier
+            misfit = kv_misfit(len(spec.prompt_token_ids), spec.sampling.max_tokens, pools)
+            if misfit:
+                out[i] = StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt: {misfit}",
+                                     reason="PROMPT_EXCEEDS_KV_POOL", field="prompt")
+                continue
+            score = self.order(seq, len(spec.prompt_token_ids), spec.sampling.max_tokens, spec.deadline_ms)
+            queued.append((i, SubmitArgs(spec, requests[i].idempotency_key, queue_limits(self.config, policy), seq,
+                                         score), policy))
+        if not queued:
+            return out  # type: ignore[return-value]
+        spans = [telemetry.start("pdq.enqueue", None if in_call else args.spec.traceparent or None,
+                                 attributes={"pdq.request_id": args.spec.request_id, "pdq.tenant": args.spec.tenant,
+                                             "pdq.tier": args.spec.tier, "pdq.seq": args.seq})
+                 for _, args, _ in queued]
+        results = await self.store.submit_many([args for _, args, _ in queued], wait, self.config.submit_wait_ms)
+        created = []
+        for (i, args, _), got, span in zip(queued, results, spans):
+            out[i] = self._answer(args, got, span, wait)
+            if got.kind == "created":
+                created.append(args.spec)
+        if created:
+            if self.dispatcher.leader.leading:
+                self.dispatcher.poke()
+                for spec in created:
+                    if spec.deadline_ms:
+                        self.dispatcher.on_deadline(spec.deadline_ms)
+            else:  # the leader hears of them on the queued channel (and sweeps their deadlines within a second)
+                for spec in created:
+                    await self.store.announce(spec.request_id)
+        return out  # type: ignore[return-value]
+
+    def _answer(self, args: SubmitArgs, got: Submitted, span, wait: int) -> pb.SubmitResponse | StatusError:
+        """What one submit's write means for its caller (and its enqueue span's end)."""
         if got.kind == "conflict":
-            used = request.idempotency_key or spec.request_id
+            used = args.idempotency_key or args.spec.request_id
             message = (f"request_id {used!r} was already used for a different request (another prompt, sampling "
                        f"or tier); use a new request_id for a new request")
             telemetry.end(span, "conflict", message)
-            raise StatusError(grpc.StatusCode.ALREADY_EXISTS, message, reason="REQUEST_ID_REUSED", field="request_id")
+            return StatusError(grpc.StatusCode.ALREADY_EXISTS, message, reason="REQUEST_ID_REUSED", field="request_id")
         if got.kind == "rejected":
             delay = retry_after_ms(got.drain_tokens, self.dispatcher.drain.rate(time.monotonic()),
                                    self.config.retry_after_min_ms, self.config.retry_after_max_ms)
             message = f"{got.reason}: {_explain(got.reason)}; retry in {delay} ms"
             telemetry.end(span, "rejected", message, event_attributes={"pdq.reason": got.reason, "pdq.retry_ms": delay})
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message, retry_metadata(got.reason, message, delay))
+            return StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, message, retry_metadata(got.reason, message, delay))
         telemetry.end(span, "idempotent_retry" if got.kind == "existing" else None,
                       attributes={"pdq.enqueue.result": got.kind})
-        if got.kind == "created":
-            if self.dispatcher.leader.leading:
-                self.dispatcher.poke()
-                if spec.deadline_ms:
-                    self.dispatcher.on_deadline(spec.deadline_ms)
-            else:  # the leader hears of it on the queued channel (and sweeps its deadline within a second)
-                await self.store.announce(spec.request_id)
         if 0 <= got.replicas < wait:
             message = (f"the request is queued on the Redis primary, but {got.replicas} of the {wait} replicas "
                        f"asked for confirmed it within {self.config.submit_wait_ms} ms, so a failover could lose "
                        f"it: retry with the same request_id (a retry never runs it twice)")
-            raise StatusError(grpc.StatusCode.UNAVAILABLE, message, reason="NOT_REPLICATED",
-                              retry_ms=self.config.submit_wait_ms)
+            return StatusError(grpc.StatusCode.UNAVAILABLE, message, reason="NOT_REPLICATED",
+                               retry_ms=self.config.submit_wait_ms)
         return pb.SubmitResponse(request_id=got.request_id, created=got.kind == "created")
 
     async def Cancel(self, request: pb.InternalCancelRequest, context: grpc.aio.ServicerContext) -> pb.InternalCancelResponse:

@@ -76,6 +76,17 @@ def joined(first: Call[T], second: Call[U]) -> Call[tuple[T, U]]:
     return Call(first.parts + second.parts, lambda replies: (first.parse(replies[:n]), second.parse(replies[n:])))
 
 
+def batched(calls: list[Call[T]]) -> Call[list[T]]:
+    """Every call in one round trip (one pipeline), in order: -> their results."""
+    if any(c.transaction for c in calls):
+        raise ValueError("a transaction cannot be batched with other calls")
+    ends = [0]
+    for c in calls:
+        ends.append(ends[-1] + len(c.parts))
+    return Call(tuple(p for c in calls for p in c.parts),
+                lambda replies: [c.parse(replies[a:b]) for c, a, b in zip(calls, ends, ends[1:])])
+
+
 def mapped(call: Call[T], convert: Callable[[T], U]) -> Call[U]:
     """`call` with its result passed through `convert`."""
     return Call(call.parts, lambda replies: convert(call.parse(replies)), call.transaction)

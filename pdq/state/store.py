@@ -15,7 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, fields, replace
 from collections.abc import Sequence
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, NamedTuple, TypeVar
 
 import hiredis
 import redis.asyncio as aioredis
@@ -113,6 +113,16 @@ class RetryLimits:
         return cls(config.max_lost_attempts, config.retry_backoff_ms, config.retry_backoff_max_ms)
 
 
+class SubmitArgs(NamedTuple):
+    """One request for `RequestStore.submit_many`: `submit`'s arguments."""
+
+    spec: pb.RequestSpec
+    idempotency_key: str = ""
+    limits: QueueLimits = QueueLimits()
+    seq: int = 0
+    score: float | None = None
+
+
 @dataclass(frozen=True)
 class Submitted:
     """What became of a submit: kind "created", "existing" (an idempotent retry; request_id is
@@ -124,7 +134,7 @@ class Submitted:
     request_id: str = ""
     reason: str = ""
     drain_tokens: int = 0
-    replicas: int = -1  # replicas that confirmed the write (`submit_replicated`); -1: not asked
+    replicas: int = -1  # replicas that confirmed the write (`submit_many` with replicas); -1: not asked
 
 
 def _submitted(r: list[Any]) -> Submitted:
@@ -332,14 +342,16 @@ class RequestStore:
         return script("submit", self._submit_args(spec, idempotency_key, limits, seq, score), _submitted)
 
     @op
-    def submit_replicated(self, spec: pb.RequestSpec, idempotency_key: str, limits: QueueLimits, seq: int,
-                          score: float | None, replicas: int, timeout_ms: int) -> Call[Submitted]:
-        """`submit`, then Redis's WAIT on the same connection: it answers once `replicas` replicas
-        have the write, or after `timeout_ms`. -> Submitted, with `replicas` the number that
-        confirmed it."""
-        return Call((Script("submit", self._submit_args(spec, idempotency_key, limits, seq, score)),
-                     ("WAIT", replicas, timeout_ms)),
-                    lambda r: replace(_submitted(r[0]), replicas=int(r[1])))
+    def submit_many(self, items: list[SubmitArgs], replicas: int = 0, timeout_ms: int = 0) -> Call[list[Submitted]]:
+        """`submit` of every item in one round trip, in order; with `replicas`, then one WAIT for
+        them all, on the same connection (it answers once that many replicas have every write
+        before it, or after `timeout_ms`). -> a Submitted per item, `replicas` the number of
+        replicas that confirmed them."""
+        parts: tuple[Script | Command, ...] = tuple(Script("submit", self._submit_args(*item)) for item in items)
+        if not replicas:
+            return Call(parts, lambda r: [_submitted(x) for x in r])
+        return Call(parts + (("WAIT", replicas, timeout_ms),),
+                    lambda r: [replace(_submitted(x), replicas=int(r[-1])) for x in r[:-1]])
 
     def _submit_args(self, spec: pb.RequestSpec, idempotency_key: str, limits: QueueLimits, seq: int,
                      score: float | None) -> list[Any]:

@@ -45,6 +45,38 @@ class RequestSpec(_message.Message):
     client_request_id: str
     def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., tier: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., arrival_ms: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., traceparent: _Optional[str] = ..., stream_interval: _Optional[int] = ..., content_hash: _Optional[str] = ..., client_request_id: _Optional[str] = ...) -> None: ...
 
+class SubmitManyRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[SubmitRequest]
+    def __init__(self, items: _Optional[_Iterable[_Union[SubmitRequest, _Mapping]]] = ...) -> None: ...
+
+class SubmitManyResponse(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[SubmitOutcome]
+    def __init__(self, items: _Optional[_Iterable[_Union[SubmitOutcome, _Mapping]]] = ...) -> None: ...
+
+class SubmitOutcome(_message.Message):
+    __slots__ = ("response", "code", "message", "trailing")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TRAILING_FIELD_NUMBER: _ClassVar[int]
+    response: SubmitResponse
+    code: int
+    message: str
+    trailing: _containers.RepeatedCompositeFieldContainer[MetadataEntry]
+    def __init__(self, response: _Optional[_Union[SubmitResponse, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., trailing: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ...) -> None: ...
+
+class MetadataEntry(_message.Message):
+    __slots__ = ("key", "value")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value: bytes
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+
 class SubmitRequest(_message.Message):
     __slots__ = ("spec", "idempotency_key")
     SPEC_FIELD_NUMBER: _ClassVar[int]

@@ -40,6 +40,11 @@ class SchedulerStub:
                 request_serializer=pdq_dot_v1_dot_internal__pb2.SubmitRequest.SerializeToString,
                 response_deserializer=pdq_dot_v1_dot_internal__pb2.SubmitResponse.FromString,
                 _registered_method=True)
+        self.SubmitMany = channel.unary_unary(
+                '/pdq.v1.Scheduler/SubmitMany',
+                request_serializer=pdq_dot_v1_dot_internal__pb2.SubmitManyRequest.SerializeToString,
+                response_deserializer=pdq_dot_v1_dot_internal__pb2.SubmitManyResponse.FromString,
+                _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/pdq.v1.Scheduler/Cancel',
                 request_serializer=pdq_dot_v1_dot_internal__pb2.InternalCancelRequest.SerializeToString,
@@ -61,6 +66,16 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubmitMany(self, request, context):
+        """Several submits in one call (a gateway sends those it has at hand
+        together): each item is answered, in order, as a Submit of its own would
+        be, and one refused refuses no other. The call itself fails only as a
+        Submit would for all of them (e.g. UNAVAILABLE: Redis unreachable).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Cancel(self, request, context):
         """Cancels a request in any state (idempotent). NOT_FOUND when the request
         is unknown or belongs to another tenant.
@@ -76,6 +91,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=pdq_dot_v1_dot_internal__pb2.SubmitRequest.FromString,
                     response_serializer=pdq_dot_v1_dot_internal__pb2.SubmitResponse.SerializeToString,
+            ),
+            'SubmitMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitMany,
+                    request_deserializer=pdq_dot_v1_dot_internal__pb2.SubmitManyRequest.FromString,
+                    response_serializer=pdq_dot_v1_dot_internal__pb2.SubmitManyResponse.SerializeToString,
             ),
             'Cancel': grpc.unary_unary_rpc_method_handler(
                     servicer.Cancel,
@@ -111,6 +131,33 @@ class Scheduler:
             '/pdq.v1.Scheduler/Submit',
             pdq_dot_v1_dot_internal__pb2.SubmitRequest.SerializeToString,
             pdq_dot_v1_dot_internal__pb2.SubmitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdq.v1.Scheduler/SubmitMany',
+            pdq_dot_v1_dot_internal__pb2.SubmitManyRequest.SerializeToString,
+            pdq_dot_v1_dot_internal__pb2.SubmitManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

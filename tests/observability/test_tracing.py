@@ -149,3 +149,34 @@ def test_a_request_through_the_http_door_is_one_trace_too(traced_cluster, collec
     assert door.attributes["pdq.request_id"] == rid and door.attributes["gen_ai.usage.output_tokens"] == 5
     assert _one(spans, "pdq.v1.Scheduler/Submit").parent_id == door.span_id
     assert _one(spans, "pdq.decode").parent_id == door.span_id
+
+
+def test_requests_submitted_together_each_keep_one_whole_trace(traced_cluster, collector):
+    """Submits at hand together go to the scheduler in one SubmitMany (gateway.submits): each
+    request's enqueue span is still in its own trace, under its gateway span or its Submit's."""
+    import asyncio
+
+    from pdq.client import AsyncClient, Client
+
+    traces = [(secrets.token_hex(16), secrets.token_hex(8)) for _ in range(8)]
+
+    async def one(client, trace_id, parent):
+        return await client.stub.Generate(Client.request("together", max_tokens=2, ignore_eos=True), timeout=60,
+                                          metadata=(*client.metadata, ("traceparent", f"00-{trace_id}-{parent}-01")))
+
+    async def burst():
+        client = AsyncClient(traced_cluster.target)
+        try:
+            return await asyncio.gather(*(one(client, t, p) for t, p in traces))
+        finally:
+            await client.close()
+
+    assert [len(r.token_ids) for r in asyncio.run(burst())] == [2] * len(traces)
+    for trace_id, parent in traces:
+        collector.wait_for(lambda spans: _has(trace_id, ("pdq.v1.Generation/Generate", "pdq.enqueue", "pdq.decode"),
+                                              spans))
+        spans = collector.trace(trace_id)
+        gw, enqueue = _one(spans, "pdq.v1.Generation/Generate"), _one(spans, "pdq.enqueue")
+        assert gw.parent_id == parent
+        submit = [s for s in spans if s.name == "pdq.v1.Scheduler/Submit"]
+        assert enqueue.parent_id == (submit[0].span_id if submit else gw.span_id)

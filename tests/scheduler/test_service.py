@@ -1,6 +1,8 @@
 """The scheduler service on a real Redis and real gRPC, with fake workers: admission with retry
 hints, idempotent submit, tiers, fair share, cancellation, deadlines, dead workers and leases."""
 
+import asyncio
+
 import grpc
 import pytest
 from google.rpc import error_details_pb2, status_pb2
@@ -41,6 +43,62 @@ async def test_over_the_bound_the_caller_gets_resource_exhausted_with_a_retry_hi
         assert info.reason == "TENANT_QUEUE_FULL" and retry.retry_delay.ToMilliseconds() == delay
         assert await h.store.record("r3") == {}
         assert (await h.submit(spec("other", tenant="globex"))).created  # another tenant still gets in
+
+
+async def test_submit_many_answers_each_item_as_a_submit_of_its_own_would_and_one_refused_refuses_no_other(
+        url, prefix):
+    from gateway.submits import outcome_error
+
+    def hashed(rid: str, digest: str) -> pb.RequestSpec:
+        s = spec(rid)
+        s.content_hash = digest
+        return s
+    async with harness(url, prefix, tenant_max_queued=3, retry_after_min_ms=250) as h:
+        items = [pb.SubmitRequest(spec=spec("r1")), pb.SubmitRequest(spec=spec("r1")),  # the same id twice
+                 pb.SubmitRequest(spec=hashed("r2", "d1"), idempotency_key="k"),
+                 pb.SubmitRequest(spec=hashed("r3", "d2"), idempotency_key="k"),  # the key reused, other content
+                 pb.SubmitRequest(spec=spec("r4", tier="vip")),  # no such tier
+                 pb.SubmitRequest(spec=spec("r5", tenant="")),  # no tenant
+                 pb.SubmitRequest(spec=spec("r6")),
+                 pb.SubmitRequest(spec=spec("r7")),  # the tenant's fourth: over its bound of 3
+                 pb.SubmitRequest(spec=spec("g1", tenant="globex"))]
+        got = (await h.stub.SubmitMany(pb.SubmitManyRequest(items=items), timeout=5)).items
+        assert [o.code for o in got] == [0, 0, 0, grpc.StatusCode.ALREADY_EXISTS.value[0],
+                                        grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                        grpc.StatusCode.INVALID_ARGUMENT.value[0], 0,
+                                        grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], 0]
+        assert [(o.response.request_id, o.response.created) for o in got if o.code == 0] == [
+            ("r1", True), ("r1", False), ("r2", True), ("r6", True), ("g1", True)]
+        assert got[4].message.startswith("tier:") and "request_id, tenant" in got[5].message
+        full = outcome_error(got[7])
+        assert full.details().startswith("TENANT_QUEUE_FULL: ") and "retry in" in full.details()
+        meta = dict(full.trailing_metadata())
+        assert int(meta["grpc-retry-pushback-ms"]) >= 250
+        assert status_pb2.Status.FromString(meta["grpc-status-details-bin"]).code == full.code().value[0]
+        with pytest.raises(grpc.aio.AioRpcError) as alone:  # the same submit alone: the same answer
+            await h.submit(spec("r7"))
+        assert (alone.value.code(), alone.value.details().split(";")[0]) == (full.code(), full.details().split(";")[0])
+        conflict = outcome_error(got[3])
+        assert conflict.code() == grpc.StatusCode.ALREADY_EXISTS and "'k' was already used" in conflict.details()
+        assert [await h.state(r) for r in ("r1", "r2", "r3", "r4", "r6", "r7", "g1")] == [
+            "QUEUED", "QUEUED", "", "", "QUEUED", "", "QUEUED"]
+
+
+async def test_concurrent_submits_through_the_gateways_client_go_in_fewer_calls_each_answered(url, prefix):
+    from gateway.schedulers import Schedulers
+
+    async with harness(url, prefix) as h:
+        client = Schedulers([f"127.0.0.1:{h.server.port}"])
+        try:
+            got = await asyncio.gather(*(client.Submit(pb.SubmitRequest(spec=spec(f"c{i}", tier="vip" if i == 7 else "")),
+                                                       timeout=5) for i in range(40)), return_exceptions=True)
+        finally:
+            await client.close()
+        refused = got.pop(7)
+        assert isinstance(refused, grpc.aio.AioRpcError) and refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert [g.request_id for g in got] == [f"c{i}" for i in range(40) if i != 7] and all(g.created for g in got)
+        assert client.submits.calls < 40  # those at hand went together
+        assert {await h.state(f"c{i}") for i in range(40) if i != 7} == {"QUEUED"}
 
 
 async def test_a_tenant_policy_in_redis_overrides_the_default_bounds_and_tier(url, prefix):

@@ -19,7 +19,7 @@ import logging
 import queue
 import time
 
-from decode_worker.loop import DecodeLoop, take
+from decode_worker.loop import DecodeLoop, RideAlong, take
 from pdq.engine.core import CorePlan
 from pdq.state import redisconn
 from pdq.engine.worker import ModelLoop, ModelThread
@@ -40,6 +40,9 @@ class ColocatedLoop(ModelLoop):
         self.step_tokens = step_tokens
         self.inbox: queue.Queue = queue.Queue()
         prefill.inbox = decode.inbox = self.inbox  # submit() and add() land here
+        # first tokens of the prompts the decode side takes go to Redis with its next step
+        prefill.ride_along = lambda items, moves, then: decode.ride_along(RideAlong(items, moves, then))
+        prefill.written = lambda rid, moved: decode.first_written(rid, moved)
         self.pending: list[Job] = []
         self.gather_s = gather_ms / 1000
         self._coming = False  # the latest batch taken said more was coming (PrefillBatch.more_coming)
@@ -134,6 +137,7 @@ class ColocatedLoop(ModelLoop):
             d.after(plan, logits[n:], started)
         else:
             d._give_back_preempted()
+            d.flush_riders()  # no step to ride along with: the first tokens go alone (read after the next pass)
 
     def _answer_pending(self, error: str) -> None:
         for job in self.pending:

@@ -46,7 +46,8 @@ from pdq.ops.faults import Faults
 from pdq.model.output_text import TextOutput
 from pdq.state.request import State
 from pdq.state.ending import FAILURE, LOST, PREEMPTED, Ending
-from pdq.state.store import Moved, SyncStore, SentStep, StepItem, now_ms
+from pdq.state.calls import Call
+from pdq.state.store import Moved, Sent, StepItem, SyncStore, now_ms
 from pdq.engine.worker import IDLE_BEAT_S, ModelLoop
 
 log = logging.getLogger("pdq.decode")
@@ -123,6 +124,18 @@ def memory_victim(seqs: "list[Sequence]", tiers: tuple[str, ...]) -> "Sequence |
     return max(held, key=lambda s: (rank.get(s.labels[0], len(tiers)), seats[s.labels[1]], s.arrived), default=None)
 
 
+@dataclass
+class RideAlong:
+    """A write that goes to Redis with the decode loop's next step (`DecodeLoop.ride_along`):
+    step `items` (after the step's own), then DECODING-style `moves` (as
+    `RequestStore.step_and_transition` takes them); `then(kept, moved)` gets their answers, on
+    the model thread, once the reply is read."""
+
+    items: list[StepItem]
+    moves: list[tuple[str, int, State, dict[str, Any]]]
+    then: Callable[[list[bool], list["Moved | bool"]], None]
+
+
 def take(inbox: queue.Queue, wait: float | None, handle: Callable[[Any], None]) -> bool:
     """Hands everything in `inbox` to `handle`, first waiting up to `wait` seconds for an item
     (0: not at all, None: until one comes). -> False at the stop sentinel (None)."""
@@ -178,9 +191,11 @@ class DecodeLoop(ModelLoop):
         self.stats = LoopStats()
         self.step_metrics = metrics.DecodeStepStats(strategy.name)
         metrics.KV_POOLS.watch("decode", runner)
-        # the last step sent, its reply unread (settle): (SentStep, or None if it could not be
-        # sent; the sequence of each item, None where it ended; the items)
-        self._sent: tuple[SentStep | None, list[Sequence | None], list[StepItem]] | None = None
+        # the last step sent, its reply unread (settle): (Sent, or None if it could not be sent;
+        # the sequence of each of the step's own items, None where it ended; the call; the
+        # writes that rode along with it)
+        self._sent: tuple[Sent | None, list[Sequence | None], Call, list[RideAlong]] | None = None
+        self._riders: list[RideAlong] = []  # writes to send with the next step (`ride_along`)
         self._gaps_seen = cancels.gaps if cancels is not None else 0  # the listener's gaps caught up on
         self._left: list[str] | None = None  # during `after`: who left, told in one on_leave call at its end
         # fault injection (PDQ_FAULTS decode_step_delay_ms): every forward pass takes this much longer
@@ -304,6 +319,20 @@ class DecodeLoop(ModelLoop):
             seq.deadline_ms = moved.deadline_ms
         self.core.add_prefilled(seq)
 
+    def first_written(self, rid: str, moved: "Moved | bool") -> None:
+        """The first token and DECODING move of a sequence adopted before they were applied
+        (`arrive(..., moved=True)`, its prefill pass's writes riding along): Redis answered
+        `moved`. Refused (it ended elsewhere meanwhile, or the attempt is stale): it leaves;
+        moved: it takes the record's deadline (an operator may have moved it)."""
+        seq = self.running.get(rid) or next((s for s in self.core.waiting if s.seq_id == rid), None)
+        if seq is None:
+            return
+        if not moved:
+            self._end_span(seq, "dropped", reason="request ended during the KV hand-off")
+            self._leave(seq)  # type: ignore[arg-type]
+        elif isinstance(moved, Moved):
+            seq.deadline_ms = moved.deadline_ms  # type: ignore[attr-defined]
+
     def _note_admitted(self, plan: CorePlan) -> None:
         """Marks the sequences the core admitted for this step (their spans' "admitted" event)."""
         for seq in cast(list[Sequence], plan.decode):
@@ -408,24 +437,64 @@ class DecodeLoop(ModelLoop):
         self._note_admitted(plan)
         return plan
 
+    def ride_along(self, rider: "RideAlong") -> None:
+        """Writes `rider` with the next step this loop sends (one round trip, whose reply is read
+        after the next forward pass), or alone at `flush_riders`; `rider.then` gets its
+        answers when the reply is read. A colocated worker's first tokens and DECODING moves
+        go this way: the model thread does not wait for their round trip."""
+        self._riders.append(rider)
+
+    def flush_riders(self) -> None:
+        """Sends the writes waiting to ride along, alone (no step goes now); the reply of the
+        step sent before them is read first."""
+        if not self._riders:
+            return
+        self._settle_sent()
+        riders, self._riders = self._riders, []
+        call = self._step_call([], riders)
+        self._sent = (self._send(call), [], call, riders)
+
+    def _step_call(self, items: list[StepItem], riders: "list[RideAlong]") -> Call:
+        """One call for a step's items and the writes riding along: their tokens first (they
+        were sampled before the step's), then the step's, then their moves."""
+        store: Any = type(self.store)
+        if not riders:
+            return store.step.build(self.store, items)
+        return store.step_and_transition.build(self.store, [it for r in riders for it in r.items] + items,
+                                               [m for r in riders for m in r.moves])
+
     def settle(self) -> None:
         """Reads the reply of the step sent last: its running sequences that Redis dropped
         (cancelled, timed out or failed elsewhere, or a stale epoch) leave now, one step later
-        than a blocking round trip would have let them (the cancel notice usually came first).
-        A step that could not be sent, or whose reply was lost with its connection, is applied
-        now through the store's client, which rides an outage (Redis skips tokens it has)."""
+        than a blocking round trip would have let them (the cancel notice usually came first);
+        the writes that rode along get their answers. A step that could not be sent, or whose
+        reply was lost with its connection, is applied now through the store's client, which
+        rides an outage (Redis skips tokens it has). Writes waiting to ride along are sent
+        first (and read here too)."""
+        self._settle_sent()
+        if self._riders:
+            self.flush_riders()
+            self._settle_sent()
+
+    def _settle_sent(self) -> None:
         if self._sent is None:
             return
-        sent, owners, items = self._sent
+        sent, owners, call, riders = self._sent
         self._sent = None
-        kept = None
+        reply = None
         if sent is not None:
             try:
-                kept = sent.result()
+                reply = sent.result()
             except redisconn.UNAVAILABLE_ERRORS as exc:
                 log.warning("reply of a decode step lost (%s); applying it again", exc)
-        if kept is None:
-            kept = self.store.step(items)
+        if reply is None:
+            reply = self.store.run(call)
+        kept, moved = reply if riders else (reply, [])
+        n = m = 0
+        for rider in riders:
+            rider.then(kept[n:n + len(rider.items)], moved[m:m + len(rider.moves)])
+            n, m = n + len(rider.items), m + len(rider.moves)
+        kept = kept[n:]
         if all(kept):  # most steps: Redis kept every sequence
             return
         for seq, ok in zip(owners, kept):
@@ -446,7 +515,7 @@ class DecodeLoop(ModelLoop):
         barrier for a thread they took the core of; before the send the cores are the model's.
         Those that leave are told to `on_leave` in one call, after the send, so the event loop
         wakes once a step, not once a sequence."""
-        self.settle()
+        self._settle_sent()  # (writes riding along from this pass go with this step's)
         self._give_back_preempted(settle=False)
         seqs: list[Sequence] = plan.sample  # type: ignore[assignment]
         params = [s.params for s in seqs]
@@ -468,8 +537,9 @@ class DecodeLoop(ModelLoop):
         for seq, _ in step.live:
             itl.append((seq.labels, now - seq.last_token_at))
             seq.last_token_at = now
-        items = step.items
-        sent = self._send(items) if items else None
+        items, riders, self._riders = step.items, self._riders, []
+        call = self._step_call(items, riders) if items or riders else None
+        sent = self._send(call) if call is not None else None
         if self._first_pending:
             for seq in self._first_pending:
                 if seq.span is not None:
@@ -483,8 +553,8 @@ class DecodeLoop(ModelLoop):
                     self._end_span(seq, "finish", reason=reason)
                     if self.running.get(seq.rid) is not seq:  # it left the core (a request-level batch keeps its seat)
                         self._leave(seq)
-            if items:
-                self._sent = (sent, step.owners, items)
+            if call is not None:
+                self._sent = (sent, step.owners, call, riders)
             self.step_metrics.step(self.stats.seq_steps, self.core.padded, len(seqs),
                                    time.perf_counter() - started, itl)
             self._release_seats()
@@ -496,11 +566,11 @@ class DecodeLoop(ModelLoop):
             self.settle()
         self._last_step_end = time.monotonic()
 
-    def _send(self, items: list[StepItem]) -> SentStep | None:
-        """Sends a step (`SyncStore.send_step`). -> None when it could not be sent (its
-        connection broke): `settle` applies it through the store's client."""
+    def _send(self, call: Call) -> Sent | None:
+        """Sends a step (`SyncStore.send`). -> None when it could not be sent (its connection
+        broke): `settle` applies it through the store's client."""
         try:
-            return self.store.send_step(items)
+            return self.store.send(call)
         except redisconn.UNAVAILABLE_ERRORS as exc:
             log.warning("could not send a decode step (%s); it is applied when it settles", exc)
             return None

@@ -100,6 +100,11 @@ class PrefillLoop(ModelLoop):
                  adopt: Callable[[pb.KVHeader, Any, bool | None], str | None] | None = None,
                  taken: Callable[[str], None] | None = None):
         self.runner = runner
+        # a colocated worker's decode side (`ColocatedLoop`): first tokens of prompts handed to it
+        # are written with its next step (ride_along(items, moves, then)), and it hears which
+        # Redis refused (written(request id, moved))
+        self.ride_along: Callable[[list[StepItem], list, Callable[[list[bool], list], None]], None] | None = None
+        self.written: Callable[[str, Moved | bool], None] | None = None
         self.output_grant = 0  # a local prompt's output positions granted up front (its decode worker's setting)
         self.taken = taken  # told (with the request id) when a local prompt takes its reserved blocks
         self.local = local
@@ -308,27 +313,60 @@ class PrefillLoop(ModelLoop):
             return
         # the DECODING moves of prompts this process's decode side takes go in the same round trip
         local = [(job, token) for job, token, reason in results if not reason and self.adopt and self._local(job)]
-        kept, moved = self.store.step_and_transition(
-            items, [(job.rid, job.item.epoch, State.DECODING, {"decode_worker": job.item.decode_address})
-                    for job, _ in local])
+        moves = [(job.rid, job.item.epoch, State.DECODING, {"decode_worker": job.item.decode_address})
+                 for job, _ in local]
+        if self.ride_along is not None and len(local) == sum(1 for _, _, reason in results if not reason):
+            self._first_riding(items, moves, results)
+            return
+        kept, moved = self.store.step_and_transition(items, moves)
         moved_by_job = {id(job): ok for (job, _), ok in zip(local, moved)}
         now = now_ms()
         for (job, token, reason), ok in zip(results, kept):
             if ok:  # once per request: its first token (a resumed request never samples here)
-                spec = job.item.spec
-                labels = (spec.tier, spec.tenant)
-                metrics.TTFT.labels(*labels).observe(max(0, now - spec.arrival_ms) / 1000)
-                metrics.PROMPT_TOKENS.labels(*labels).inc(len(job.prompt))
-                metrics.GENERATED_TOKENS.labels(*labels).inc()
-                if reason:
-                    metrics.E2E.labels(*labels).observe(max(0, now - spec.arrival_ms) / 1000)
-                telemetry.add_event(job.span, "first_token", {"pdq.token_index": 0, "pdq.finish_reason": reason})
+                self._first_token_seen(job, reason, now)
             if not ok:
                 self._end(job, Outcome("dropped", error="request ended"))
             elif reason:
                 self._end(job, Outcome("finished", generated=[token]))
             else:
                 self._handoff(job, [token], moved_by_job.get(id(job)))
+
+    def _first_riding(self, items: list[StepItem], moves: list, results: list[tuple[Job, int, str]]) -> None:
+        """First tokens whose requests all end here or go to this process's decode side: their
+        writes ride along with the decode side's next step (`ride_along`) instead of the model
+        thread waiting for the round trip. The prompts are handed to the decode side now, as
+        moved; when Redis answers, one it refused (ended meanwhile, a stale attempt) leaves the
+        decode side again (`written`), as a refused step of a running sequence would."""
+        now = now_ms()
+        for job, token, reason in results:
+            telemetry.add_event(job.span, "first_token", {"pdq.token_index": 0, "pdq.finish_reason": reason})
+            if reason:
+                self._end(job, Outcome("finished", generated=[token]))
+            else:
+                self._handoff(job, [token], True)
+        local = [job for job, _, reason in results if not reason]
+
+        def then(kept: list[bool], moved: list) -> None:
+            for (job, _, reason), ok in zip(results, kept):
+                if ok:
+                    self._first_token_seen(job, reason, now, span=False)
+            for job, ok in zip(local, moved):
+                if self.written is not None:
+                    self.written(job.rid, ok)
+        assert self.ride_along is not None
+        self.ride_along(items, moves, then)
+
+    def _first_token_seen(self, job: Job, reason: str, now: int, span: bool = True) -> None:
+        """Once per request, its first token written (a resumed request never samples here)."""
+        spec = job.item.spec
+        labels = (spec.tier, spec.tenant)
+        metrics.TTFT.labels(*labels).observe(max(0, now - spec.arrival_ms) / 1000)
+        metrics.PROMPT_TOKENS.labels(*labels).inc(len(job.prompt))
+        metrics.GENERATED_TOKENS.labels(*labels).inc()
+        if reason:
+            metrics.E2E.labels(*labels).observe(max(0, now - spec.arrival_ms) / 1000)
+        if span:
+            telemetry.add_event(job.span, "first_token", {"pdq.token_index": 0, "pdq.finish_reason": reason})
 
     def _local(self, job: Job) -> bool:
         """Whether the job's decode worker is this process (its K/V stays in place)."""

@@ -136,6 +136,27 @@ def test_a_sent_step_that_fails_raises_when_read_and_leaves_the_pool_usable(stor
     assert store.send_step([StepItem("r", 1, 0, 7, "a")]).result() == [True]
 
 
+def test_a_sent_call_of_several_scripts_answers_as_run_at_once_and_reruns_those_redis_had_not_seen(store):
+    """`SyncStore.send` sends any call in halves (a colocated worker's first tokens and their
+    DECODING moves ride along with its next step): the replies read later answer as `run`
+    would, and a script this Redis had not loaded is run again after the rest."""
+    from pdq.state.store import RequestStore
+    for rid in ("a", "b"):
+        store.submit(make_spec(rid))
+        claim(store, rid)
+    call = RequestStore.step_and_transition.build(store, [StepItem("a", 1, 0, 7, "x"), StepItem("b", 1, 0, 8, "y")],
+                                                  [("a", 1, State.DECODING, {"decode_worker": "d:1"})])
+    store.client.script_flush()
+    sent = store.send(call)
+    assert sent.result() == ([True, True], [Moved(deadline_ms=0)])
+    with pytest.raises(RuntimeError):
+        sent.result()  # read once
+    assert tokens(store, "a") == [(0, 7, "x")] and store.record("a")["state"] == "DECODING"
+    again = store.send(RequestStore.step_and_transition.build(store, [StepItem("a", 1, 1, 9, "z")],
+                                                              [("b", 1, State.DECODING, {})]))
+    assert again.result() == ([True], [Moved(deadline_ms=0)]) and tokens(store, "a")[-1] == (1, 9, "z")
+
+
 def test_consecutive_tokens_of_a_request_go_into_one_entry(store):
     """A worker that writes several tokens of a request at once (stream_interval) makes one
     stream entry of them, each token's text length in bytes alongside; replays are dropped."""

@@ -480,3 +480,50 @@ def test_a_hand_off_whose_tokens_do_not_match_its_kv_is_given_back_and_the_rest_
     rig.loop.settle()
     assert rig.record("fine")["state"] == "COMPLETED" and len(rig.stream("fine")) == 5
     assert rig.runner.free_tokens == rig.runner.capacity_tokens
+
+
+def test_first_tokens_riding_along_are_applied_before_the_next_token_and_a_refused_one_takes_its_sequence_away(rig):
+    """A colocated worker hands its prompts to its decode side before their first tokens and
+    DECODING moves are applied: those ride along with the decode loop's next step
+    (`DecodeLoop.ride_along`), whose reply is read after the next forward pass. Redis applies
+    them before that step's tokens (each stream's indices follow on), and one it refuses (here a
+    stale attempt: the request was requeued meanwhile) takes its sequence off the decode side,
+    blocks freed, nothing of it written."""
+    from decode_worker.loop import RideAlong
+    from pdq.state.store import Moved, StepItem
+
+    handed, items, moves = [], [], []
+    for rid, prompt in (("kept", PROMPTS[0]), ("stale", PROMPTS[1])):
+        spec = pb.RequestSpec(request_id=rid, tenant="acme", tier="interactive", prompt_token_ids=prompt,
+                              sampling=gen_pb.SamplingParams(max_tokens=6, ignore_eos=True), arrival_ms=now_ms())
+        assert rig.store.submit(spec).kind == "created"
+        (claimed,) = rig.store.claim([(rid, "decode-here")], "decode-here")
+        key = ("prefill", rid, claimed.epoch)
+        rig.runner.allocate(key)
+        token = int(rig.runner.prefill([PrefillItem(key, prompt, 0)])[0].argmax())
+        handed.append(Arrived(pb.KVHeader(spec=spec, epoch=claimed.epoch, generated_token_ids=[token],
+                                          num_tokens=len(prompt)), key))
+        items.append(StepItem(rid, claimed.epoch, 0, token, ""))
+        moves.append((rid, claimed.epoch, State.DECODING, {"decode_worker": "here"}))
+    assert rig.store.requeue("stale", 1, "moved on", 3) == "QUEUED"  # its attempt is stale now
+    answers = []
+
+    def then(kept, moved):
+        answers.append((kept, moved))
+        for (rid, *_), ok in zip(moves, moved):
+            rig.loop.first_written(rid, ok)
+
+    for arrived in handed:
+        rig.loop.arrive(arrived, moved=True)
+    rig.loop.ride_along(RideAlong(items, moves, then))
+    assert rig.stream("kept") == []  # nothing sent before the loop's next step
+    rig.loop._step()
+    assert answers == [] and rig.loop._sent[3]  # sent with the step (its tokens 1 after their tokens 0), reply unread
+    while rig.loop.busy:
+        rig.loop._step()
+    rig.loop.settle()
+    assert answers == [([True, False], [Moved(deadline_ms=0), False])]
+    assert rig.record("kept")["state"] == "COMPLETED"
+    assert [i for i, _ in rig.stream("kept")] == list(range(6)) and rig.stream("stale") == []
+    assert rig.left == ["stale", "kept"] and rig.record("stale")["state"] == "QUEUED"
+    assert rig.runner.free_tokens == rig.runner.capacity_tokens

@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdq.ops.child import spawn
-from pdq.ops.redis_server import RedisServer, free_port
+from pdq.ops.redis_server import RedisServer, free_port, release_port
 
 HOST = "127.0.0.1"
 # Every role: what makes faults heal within seconds (see the module doc).
@@ -169,17 +169,23 @@ class ChaosCluster:
         env.update(ROLE_ENV, PDQ_REDIS_URL=self.redis.url, PDQ_MODEL=model_dir, **(extra_env or {}))
         py = [sys.executable, "-m"]
         common = ["--host", HOST]
-        sched_ports, gw_port = [free_port(HOST) for _ in range(schedulers)], free_port(HOST)
+        self._held: list[int] = []  # every role's ports, held until stop: a restarted role finds its port free
+
+        def port_() -> int:
+            self._held.append(free_port(HOST, hold=True))
+            return self._held[-1]
+
+        sched_ports, gw_port = [port_() for _ in range(schedulers)], port_()
         roles = [Role(f"scheduler-{i}", port, py + ["scheduler", *common, "--port", str(port),
                                                     "--scheduler-id", f"chaos-scheduler-{i}"], env,
                       logs / f"scheduler-{i}.log") for i, port in enumerate(sched_ports)]
         for i in range(prefill):
-            port = free_port(HOST)
+            port = port_()
             roles.append(Role(f"prefill-{i}", port, py + ["prefill_worker", *common, "--port", str(port),
                                                           "--worker-id", f"chaos-prefill-{i}"],
                               dict(env, PDQ_FAULTS=PREFILL_FAULTS), logs / f"prefill-{i}.log"))
         for i in range(decode):
-            port, kv_port = free_port(HOST), free_port(HOST)
+            port, kv_port = port_(), port_()
             roles.append(Role(f"decode-{i}", port, py + ["decode_worker", *common, "--port", str(port),
                                                          "--kv-port", str(kv_port), "--worker-id", f"chaos-decode-{i}",
                                                          "--max-batch-size", str(DECODE_SLOTS)],
@@ -262,5 +268,8 @@ class ChaosCluster:
                 role.process.wait()
             if role.channel is not None:
                 await role.channel.close()
+        for port in self._held:
+            release_port(port)
+        self._held.clear()
         if self.redis.alive():
             self.redis.server.stop()

@@ -51,27 +51,48 @@ def _built_with_tls(path: str) -> bool:
 
 
 _handed_out: set[int] = set()  # ports this process already gave a child that may not have bound yet
+_held: dict[int, socket.socket] = {}  # ports held for a child (free_port(hold=True)) until release_port
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1", hold: bool = False) -> int:
     """A port free now, for a child process to bind soon. Chosen below the kernel's ephemeral
     range (32768+), so outgoing connections of other processes cannot take it in between, and
-    never one this process handed out before (a child given it may not have bound it yet)."""
+    never one this process handed out before (a child given it may not have bound it yet).
+
+    hold: the port stays bound here (SO_REUSEADDR, not listening) until `release_port`, so that
+    no other process's `free_port` takes it in the second its child needs to start (two test
+    processes starting clusters at once did), nor while the child restarts on it. The child
+    still binds it: gRPC, aiohttp, Redis and Prometheus servers set SO_REUSEADDR, and Linux lets
+    such a bind share a port with sockets that do not listen."""
     rng = random.SystemRandom()
     for _ in range(200):
         port = rng.randrange(20000, 32768)
         if port in _handed_out:
             continue
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
+        s = socket.socket()
+        try:
+            if hold:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+        except OSError:
+            s.close()
+            continue
         _handed_out.add(port)
+        if hold:
+            _held[port] = s
+        else:
+            s.close()
         return port
     with socket.socket() as s:  # crowded: let the kernel pick
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def release_port(port: int) -> None:
+    """Stops holding a port `free_port(hold=True)` gave (no-op for any other)."""
+    s = _held.pop(port, None)
+    if s is not None:
+        s.close()
 
 
 BIND_TRIES = 3  # first starts on a port taken meanwhile by another process (see RedisServer.start)

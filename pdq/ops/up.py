@@ -31,7 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdq.ops.devkeys import remove_dev_keys, write_dev_keys
 from pdq.ops.child import spawn
 from pdq.transport.mtls import InternalTLS, dev_certificates, sync_channel
-from pdq.ops.redis_server import RedisServer, free_port
+from pdq.ops.redis_server import RedisServer, free_port, release_port
 from pdq.ops.supervisor import Child, RestartPolicy, Supervisor
 
 __all__ = ["Child", "Cluster", "RestartPolicy", "cpu_share_env", "run"]
@@ -127,6 +127,7 @@ class Cluster:
     _tls: InternalTLS | None = field(default=None, repr=False)  # set with mtls: how to reach internal ports
     _certs: str = field(default="", repr=False)  # the throwaway CA's directory, removed at stop
     _prefill_threads: str = field(default="", repr=False)  # PDQ_THREADS of prefill workers ("" = as the rest)
+    _held: list[int] = field(default_factory=list, repr=False)  # ports held for its children (`_port`)
 
     @property
     def worker_nice(self) -> int:
@@ -157,7 +158,7 @@ class Cluster:
                 self._supervisor.watch(self.redis_child)
                 say(f"pdq: private Redis at {self.redis_url}")
             if self.port == 0:
-                self.port = free_port(self.host)
+                self.port = self._port()
             env = self._env = dict(os.environ, PDQ_REDIS_URL=self.redis_url, PDQ_MODEL=model_dir, **self.extra_env)
             prefill = 0 if self.colocate else self.prefill  # colocated workers prefill themselves
             if self.colocate:
@@ -174,17 +175,17 @@ class Cluster:
                 env["PDQ_AUTH_FILE"] = str(auth_file)
             sched_ports = []
             for i in range(self.schedulers):  # the first is up (and leads) before the next starts
-                sched_ports.append(free_port(self.host))
+                sched_ports.append(self._port())
                 name = "scheduler" if i == 0 else f"scheduler-{i}"
                 self._spawn(name, "scheduler", sched_ports[-1], env, ["--scheduler-id", f"{name}-{os.getpid()}"],
                             metrics_offset=1 + i)
                 if i == 0 and self.schedulers > 1:
                     self._wait_child(self.children[-1], time.monotonic() + timeout_s, timeout_s)
             for i in range(prefill):
-                self._spawn(f"prefill-{i}", "prefill_worker", free_port(self.host), env,
+                self._spawn(f"prefill-{i}", "prefill_worker", self._port(), env,
                             ["--worker-id", f"prefill-{i}-{os.getpid()}"], metrics_offset=10 + i)
             for i in range(self.decode):
-                self._spawn(f"decode-{i}", "decode_worker", free_port(self.host), env,
+                self._spawn(f"decode-{i}", "decode_worker", self._port(), env,
                             ["--worker-id", f"decode-{i}-{os.getpid()}"], metrics_offset=20 + i)
             self._spawn("gateway", "gateway", self.port, env, ["--scheduler-address",
                                                                  ",".join(f"{self.host}:{p}" for p in sched_ports),
@@ -197,8 +198,15 @@ class Cluster:
             raise
         return self
 
+    def _port(self) -> int:
+        """A port for a child, held until the cluster stops (`free_port(hold=True)`): no other
+        process takes it while the child starts or restarts on it."""
+        port = free_port(self.host, hold=True)
+        self._held.append(port)
+        return port
+
     def _spawn(self, name: str, module: str, port: int, env: dict, extra: list[str] = (), metrics_offset: int = 0) -> None:
-        metrics_port = (-1 if self.metrics_port < 0 else free_port(self.host) if self.metrics_port == 0
+        metrics_port = (-1 if self.metrics_port < 0 else self._port() if self.metrics_port == 0
                         else self.metrics_port + metrics_offset)
         args = [sys.executable, "-m", module, "--host", self.host, "--port", str(port),
                 "--metrics-port", str(metrics_port), *extra]
@@ -219,7 +227,7 @@ class Cluster:
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         i = sum(c.name.startswith(role + "-") for c in self.children)
         env = dict(self._env, PDQ_PIN_THREADS="false")  # it shares the cores from now on
-        self._spawn(f"{role}-{i}", f"{role}_worker", free_port(self.host), env,
+        self._spawn(f"{role}-{i}", f"{role}_worker", self._port(), env,
                     ["--worker-id", f"{role}-{i}-{os.getpid()}", *extra_args], metrics_offset=(10 if role == "prefill" else 20) + i)
         child = self.children[-1]
         self._wait_child(child, time.monotonic() + timeout_s, timeout_s)
@@ -328,6 +336,9 @@ class Cluster:
                 child.process.kill()
                 child.process.wait()
         self.children.clear()
+        for port in self._held:
+            release_port(port)
+        self._held.clear()
         if self.auth and self.client_key:
             remove_dev_keys(self.port)
             self.client_key = self.admin_key = ""

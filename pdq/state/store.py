@@ -15,11 +15,11 @@ import time
 import uuid
 from dataclasses import dataclass, fields, replace
 from collections.abc import Sequence
-from typing import Any, Callable, NamedTuple, TypeVar
+from typing import Any, Callable, Generic, NamedTuple, TypeVar
 
 import hiredis
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError
+from redis.exceptions import ResponseError
 
 from pdq.state.ending import FAILURE, KINDS, LOST, Ending
 from pdq.state.calls import AsyncRunner, Call, Command, Script, SyncRunner, command, op, pipeline, script
@@ -40,6 +40,7 @@ class Deposed(Exception):
 
 
 R = TypeVar("R")
+T = TypeVar("T")
 
 
 def _fenced(fn: Callable[[Any], R]) -> Callable[[Any], R]:
@@ -710,50 +711,69 @@ class SyncStore(RequestStore, SyncRunner):
         RequestStore.__init__(self, result_ttl_s, retry)
         SyncRunner.__init__(self, client, prefix)
 
-    def send_step(self, items: list[StepItem]) -> SentStep:
-        """`step` in two halves: the command goes out now, on a connection of its own, and
-        `SentStep.result()` reads its reply later. A model loop sends a step's tokens and reads the
-        reply after its next forward pass, so Redis applies them meanwhile instead of the model
-        waiting for the round trip. Until the reply is read, a command sent on another connection
-        may be applied before it: a caller that needs the step applied first (a requeue) reads
-        the reply first."""
-        return SentStep(self, _step_args(items, self.result_ttl_s))
+    def send(self, call: Call[T]) -> "Sent[T]":
+        """A call in two halves: its commands go out now, on a connection of their own, and
+        `Sent.result()` reads the replies later. A model loop sends a step's tokens and reads
+        the reply after its next forward pass, so Redis applies them meanwhile instead of the
+        model waiting for the round trip. Until the reply is read, a command sent on another
+        connection may be applied before it: a caller that needs the call applied first (a
+        requeue) reads the reply first."""
+        return Sent(self, call)
+
+    def send_step(self, items: list[StepItem]) -> "SentStep":
+        """`send` of `step(items)`."""
+        return Sent(self, RequestStore.step.build(self, items))
 
 
-class SentStep:
-    """A step sent by `SyncStore.send_step` whose reply is not read yet. `result()` reads it
-    once: -> per item True (kept) / False (drop); raises what the call would have raised."""
+class Sent(Generic[T]):
+    """A call sent by `SyncStore.send` whose replies are not read yet. `result()` reads them
+    once: -> the call's result; raises what the call would have raised. A script this Redis
+    had not seen was not applied: it runs again alone (loading it), after the rest."""
 
-    def __init__(self, store: SyncStore, args: StepArgs):
-        self._store, self._args = store, args
+    def __init__(self, store: SyncStore, call: Call[T]):
+        if call.transaction:
+            raise ValueError("a transaction is not sent in halves")
+        self._store, self._call = store, call
         self._pool = store.client.connection_pool
         self._conn: Any = self._pool.get_connection()
+        prefix, scripts = store.keys.prefix, store._scripts
         try:  # packed by hiredis in one call: redis-py's packer encodes each of the ~10 values per run in Python
             self._conn.send_packed_command([hiredis.pack_command(
-                ("EVALSHA", store._scripts["step"].sha, 0, store.keys.prefix, *args.args))])
+                ("EVALSHA", scripts[part.name].sha, 0, prefix, *part.args) if isinstance(part, Script) else part)
+                for part in call.parts])
         except BaseException:
             self._release(broken=True)
             raise
 
-    def result(self) -> list[bool]:
+    def result(self) -> T:
         if self._conn is None:
-            raise RuntimeError("a step's reply is read once")
+            raise RuntimeError("a sent call's reply is read once")
+        replies: list[Any] = []
         try:
-            reply = self._conn.read_response()
-        except NoScriptError:  # this Redis had not seen the script: nothing was applied, run it whole
-            self._release()
-            return self._store.run(script("step", self._args.args, self._args.kept))
+            for _ in self._call.parts:
+                try:
+                    replies.append(self._conn.read_response())
+                except ResponseError as exc:  # this part's error; the replies after it are still to read
+                    replies.append(exc)
         except BaseException:
             self._release(broken=True)
             raise
         self._release()
-        return self._args.kept(reply)
+        store, call = self._store, self._call
+        for i in store._reruns(call, replies):
+            part = call.parts[i]
+            assert isinstance(part, Script)
+            replies[i] = store._scripts[part.name](keys=[], args=store._script_args(part))
+        return call.parse(replies)
 
     def _release(self, broken: bool = False) -> None:
         if broken:
             self._conn.disconnect()  # a reply may be in flight: never hand this socket out again
         self._pool.release(self._conn)
         self._conn = None
+
+
+SentStep = Sent[list[bool]]  # a step sent by `SyncStore.send_step`: per item True (kept) / False (drop)
 
 
 def spec_from_bytes(raw: bytes) -> pb.RequestSpec:

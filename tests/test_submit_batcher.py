@@ -96,14 +96,20 @@ async def test_a_waiting_submit_whose_timeout_passes_is_never_sent_and_gets_dead
     assert s.sent == [("one", ["a"])]  # "late" was dropped before it could go
 
 
-async def test_a_scheduler_without_submit_many_gets_single_submits_from_then_on():
-    s = Scheduler(many_error=error(grpc.StatusCode.UNIMPLEMENTED, "Method not found!"))
+async def one_busy_two_waiting(s: Scheduler) -> tuple[SubmitBatcher, asyncio.Task, list[asyncio.Task]]:
+    """A batcher with one call in flight ("a", its limit) and "b", "c" waiting; then released."""
     b = SubmitBatcher(s.one, s.many, max_inflight=1)
     busy = asyncio.create_task(b.submit(request("a"), 5))
     await settle()
     waiting = [asyncio.create_task(b.submit(request(r), 5)) for r in ("b", "c")]
     await settle()
     s.release.set()
+    return b, busy, waiting
+
+
+async def test_a_scheduler_without_submit_many_gets_single_submits_from_then_on():
+    s = Scheduler(many_error=error(grpc.StatusCode.UNIMPLEMENTED, "Method not found!"))
+    b, busy, waiting = await one_busy_two_waiting(s)
     got = await asyncio.gather(busy, *waiting)
     assert [g.request_id for g in got] == ["a", "b", "c"] and not b.many
     assert s.sent == [("one", ["a"]), ("many", ["b", "c"]), ("one", ["b"]), ("one", ["c"])]
@@ -111,12 +117,7 @@ async def test_a_scheduler_without_submit_many_gets_single_submits_from_then_on(
 
 async def test_a_submit_many_that_fails_as_a_whole_fails_each_of_its_submits_with_its_error():
     s = Scheduler(many_error=error(grpc.StatusCode.UNAVAILABLE, "scheduler gone"))
-    b = SubmitBatcher(s.one, s.many, max_inflight=1)
-    busy = asyncio.create_task(b.submit(request("a"), 5))
-    await settle()
-    waiting = [asyncio.create_task(b.submit(request(r), 5)) for r in ("b", "c")]
-    await settle()
-    s.release.set()
+    _, busy, waiting = await one_busy_two_waiting(s)
     assert (await busy).request_id == "a"
     for task in waiting:
         with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -127,9 +127,9 @@ def memory_victim(seqs: "list[Sequence]", tiers: tuple[str, ...]) -> "Sequence |
 @dataclass
 class RideAlong:
     """A write that goes to Redis with the decode loop's next step (`DecodeLoop.ride_along`):
-    step `items` (after the step's own), then DECODING-style `moves` (as
-    `RequestStore.step_and_transition` takes them); `then(kept, moved)` gets their answers, on
-    the model thread, once the reply is read."""
+    step `items` (before the step's own: they were sampled first), then DECODING-style `moves`
+    (as `RequestStore.step_and_transition` takes them); `then(kept, moved)` gets their answers,
+    on the model thread, once the reply is read."""
 
     items: list[StepItem]
     moves: list[tuple[str, int, State, dict[str, Any]]]

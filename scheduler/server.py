@@ -135,7 +135,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                                              for i in specs])) if specs else []
         pools = await self.decode_pools() if specs else []
         wait = self.config.submit_wait_replicas
-        queued: list[tuple[int, SubmitArgs, TenantPolicy]] = []
+        queued: list[tuple[int, SubmitArgs]] = []
         for (i, spec), (policy, seq) in zip(specs.items(), read):
             tier = resolve_tier(spec.tier, policy.tier, self.config.tier_names)
             if tier is None:
@@ -150,16 +150,16 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                 continue
             score = self.order(seq, len(spec.prompt_token_ids), spec.sampling.max_tokens, spec.deadline_ms)
             queued.append((i, SubmitArgs(spec, requests[i].idempotency_key, queue_limits(self.config, policy), seq,
-                                         score), policy))
+                                         score)))
         if not queued:
             return out  # type: ignore[return-value]
         spans = [telemetry.start("pdq.enqueue", None if in_call else args.spec.traceparent or None,
                                  attributes={"pdq.request_id": args.spec.request_id, "pdq.tenant": args.spec.tenant,
                                              "pdq.tier": args.spec.tier, "pdq.seq": args.seq})
-                 for _, args, _ in queued]
-        results = await self.store.submit_many([args for _, args, _ in queued], wait, self.config.submit_wait_ms)
+                 for _, args in queued]
+        results = await self.store.submit_many([args for _, args in queued], wait, self.config.submit_wait_ms)
         created = []
-        for (i, args, _), got, span in zip(queued, results, spans):
+        for (i, args), got, span in zip(queued, results, spans):
             out[i] = self._answer(args, got, span, wait)
             if got.kind == "created":
                 created.append(args.spec)

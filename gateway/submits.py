@@ -84,6 +84,7 @@ class SubmitBatcher:
         finally:
             if item in self.waiting:  # not sent (timed out, or its caller went away): it never will be
                 self.waiting.remove(item)
+            item.done.cancel()  # answered already, or nobody is left to read the answer of its batch
 
     def _drain(self) -> None:
         """Sends what waits, while fewer than max_inflight calls are out."""

@@ -24,6 +24,7 @@ class Scheduler:
     def __init__(self, many_error: grpc.aio.AioRpcError | None = None):
         self.sent: list[tuple[str, list[str]]] = []  # ("one" | "many", request ids)
         self.release = asyncio.Event()
+        self.release_many = self.release  # SubmitMany answers when this is set
         self.many_error = many_error
 
     async def one(self, r: pb.SubmitRequest, timeout):
@@ -35,7 +36,7 @@ class Scheduler:
 
     async def many(self, r: pb.SubmitManyRequest, timeout):
         self.sent.append(("many", [i.spec.request_id for i in r.items]))
-        await self.release.wait()
+        await self.release_many.wait()
         if self.many_error is not None:
             raise self.many_error
         out = pb.SubmitManyResponse()
@@ -131,3 +132,31 @@ def test_an_outcome_of_every_status_code_becomes_that_code():
             continue
         got = outcome_error(pb.SubmitOutcome(code=code.value[0], message="m"))
         assert got.code() == code and got.details() == "m"
+
+
+async def test_a_waiting_submit_whose_caller_goes_away_leaves_no_answer_behind(caplog):
+    """A caller cancelled after its submit went out in a batch: the batch's other answers still
+    come, and the one nobody reads is dropped quietly (no 'exception was never retrieved')."""
+    import gc
+    import logging
+
+    s = Scheduler()
+    s.release_many = asyncio.Event()
+    b = SubmitBatcher(s.one, s.many, max_inflight=1)
+    busy = asyncio.create_task(b.submit(request("a"), 5))
+    await settle()
+    gone = asyncio.create_task(b.submit(request("bad-gone"), 5))
+    kept = asyncio.create_task(b.submit(request("c"), 5))
+    await settle()
+    s.release.set()
+    await busy
+    await settle()
+    assert s.sent[1] == ("many", ["bad-gone", "c"])  # out, not answered yet
+    gone.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        s.release_many.set()
+        assert (await kept).request_id == "c"
+        gc.collect()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]

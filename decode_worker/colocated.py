@@ -19,7 +19,8 @@ import logging
 import queue
 import time
 
-from decode_worker.loop import DecodeLoop, RideAlong, take
+from decode_worker.loop import DecodeLoop, take
+from decode_worker.writes import RideAlong
 from pdq.engine.core import CorePlan
 from pdq.state import redisconn
 from pdq.engine.worker import ModelLoop, ModelThread
@@ -41,7 +42,7 @@ class ColocatedLoop(ModelLoop):
         self.inbox: queue.Queue = queue.Queue()
         prefill.inbox = decode.inbox = self.inbox  # submit() and add() land here
         # first tokens of the prompts the decode side takes go to Redis with its next step
-        prefill.ride_along = lambda items, moves, then: decode.ride_along(RideAlong(items, moves, then))
+        prefill.ride_along = lambda items, moves, then: decode.writes.ride_along(RideAlong(items, moves, then))
         prefill.written = lambda rid, moved: decode.first_written(rid, moved)
         self.pending: list[Job] = []
         self.gather_s = gather_ms / 1000
@@ -137,7 +138,7 @@ class ColocatedLoop(ModelLoop):
             d.after(plan, logits[n:], started)
         else:
             d._give_back_preempted()
-            d.flush_riders()  # no step to ride along with: the first tokens go alone (read after the next pass)
+            d.writes.flush_riders()  # no step to ride along with: the first tokens go alone (read after the next pass)
 
     def _answer_pending(self, error: str) -> None:
         for job in self.pending:

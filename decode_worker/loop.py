@@ -11,13 +11,11 @@ deadlines in; tokens, ends and preempted sequences out to Redis. A sequence leav
 finishes, is cancelled or times out, and its KV blocks are freed then. With the request-level
 strategies a finished sequence keeps its seat until its whole batch is done, as naive servers
 run. Each step's tokens (and ends) go to Redis in one command, whose reply is read after the
-next forward pass (`SyncStore.send_step`): Redis applies them while the model runs.
+next forward pass (`decode_worker.writes.StepWriter`): Redis applies them while the model runs.
 
-Redis trouble never gives sequences back: every write is retried (the store's client rides an
-outage for redis_outage_s; a step whose reply was lost with its connection is applied again
-through it, and Redis skips the tokens it already has), and an outage longer than that takes the
-process down (`ModelLoop`), its sequences then resumed elsewhere. Only a failed forward pass
-gives the running sequences back to the scheduler.
+Redis trouble never gives sequences back: every write is retried (`StepWriter`), and an outage
+longer than the store's client rides takes the process down (`ModelLoop`), its sequences then
+resumed elsewhere. Only a failed forward pass gives the running sequences back to the scheduler.
 """
 
 import concurrent.futures
@@ -32,6 +30,7 @@ import torch
 
 from decode_worker import bookkeeping
 from decode_worker.kv_receive import Arrived, Discard
+from decode_worker.writes import StepWriter
 from pdq.engine.batch_policy import BatchPolicy
 from pdq.engine.batching import Strategy
 from pdq.engine.core import CorePlan, EngineCore
@@ -46,8 +45,7 @@ from pdq.ops.faults import Faults
 from pdq.model.output_text import TextOutput
 from pdq.state.request import State
 from pdq.state.ending import FAILURE, LOST, PREEMPTED, Ending
-from pdq.state.calls import Call
-from pdq.state.store import Moved, Sent, StepItem, SyncStore, now_ms
+from pdq.state.store import Moved, StepItem, SyncStore, now_ms
 from pdq.engine.worker import IDLE_BEAT_S, ModelLoop
 
 log = logging.getLogger("pdq.decode")
@@ -124,18 +122,6 @@ def memory_victim(seqs: "list[Sequence]", tiers: tuple[str, ...]) -> "Sequence |
     return max(held, key=lambda s: (rank.get(s.labels[0], len(tiers)), seats[s.labels[1]], s.arrived), default=None)
 
 
-@dataclass
-class RideAlong:
-    """A write that goes to Redis with the decode loop's next step (`DecodeLoop.ride_along`):
-    step `items` (before the step's own: they were sampled first), then DECODING-style `moves`
-    (as `RequestStore.step_and_transition` takes them); `then(kept, moved)` gets their answers,
-    on the model thread, once the reply is read."""
-
-    items: list[StepItem]
-    moves: list[tuple[str, int, State, dict[str, Any]]]
-    then: Callable[[list[bool], list["Moved | bool"]], None]
-
-
 def take(inbox: queue.Queue, wait: float | None, handle: Callable[[Any], None]) -> bool:
     """Hands everything in `inbox` to `handle`, first waiting up to `wait` seconds for an item
     (0: not at all, None: until one comes). -> False at the stop sentinel (None)."""
@@ -191,11 +177,7 @@ class DecodeLoop(ModelLoop):
         self.stats = LoopStats()
         self.step_metrics = metrics.DecodeStepStats(strategy.name)
         metrics.KV_POOLS.watch("decode", runner)
-        # the last step sent, its reply unread (settle): (Sent, or None if it could not be sent;
-        # the sequence of each of the step's own items, None where it ended; the call; the
-        # writes that rode along with it)
-        self._sent: tuple[Sent | None, list[Sequence | None], Call, list[RideAlong]] | None = None
-        self._riders: list[RideAlong] = []  # writes to send with the next step (`ride_along`)
+        self.writes: StepWriter[Sequence] = StepWriter(store, self._refused)  # each step's, read a step later
         self._gaps_seen = cancels.gaps if cancels is not None else 0  # the listener's gaps caught up on
         self._left: list[str] | None = None  # during `after`: who left, told in one on_leave call at its end
         # fault injection (PDQ_FAULTS decode_step_delay_ms): every forward pass takes this much longer
@@ -437,70 +419,17 @@ class DecodeLoop(ModelLoop):
         self._note_admitted(plan)
         return plan
 
-    def ride_along(self, rider: "RideAlong") -> None:
-        """Writes `rider` with the next step this loop sends (one round trip, whose reply is read
-        after the next forward pass), or alone at `flush_riders`; `rider.then` gets its
-        answers when the reply is read. A colocated worker's first tokens and DECODING moves
-        go this way: the model thread does not wait for their round trip."""
-        self._riders.append(rider)
-
-    def flush_riders(self) -> None:
-        """Sends the writes waiting to ride along, alone (no step goes now); the reply of the
-        step sent before them is read first."""
-        if not self._riders:
-            return
-        self._settle_sent()
-        riders, self._riders = self._riders, []
-        call = self._step_call([], riders)
-        self._sent = (self._send(call), [], call, riders)
-
-    def _step_call(self, items: list[StepItem], riders: "list[RideAlong]") -> Call:
-        """One call for a step's items and the writes riding along: their tokens first (they
-        were sampled before the step's), then the step's, then their moves."""
-        store: Any = type(self.store)
-        if not riders:
-            return store.step.build(self.store, items)
-        return store.step_and_transition.build(self.store, [it for r in riders for it in r.items] + items,
-                                               [m for r in riders for m in r.moves])
-
     def settle(self) -> None:
-        """Reads the reply of the step sent last: its running sequences that Redis dropped
-        (cancelled, timed out or failed elsewhere, or a stale epoch) leave now, one step later
-        than a blocking round trip would have let them (the cancel notice usually came first);
-        the writes that rode along get their answers. A step that could not be sent, or whose
-        reply was lost with its connection, is applied now through the store's client, which
-        rides an outage (Redis skips tokens it has). Writes waiting to ride along are sent
-        first (and read here too)."""
-        self._settle_sent()
-        if self._riders:
-            self.flush_riders()
-            self._settle_sent()
+        """Reads the reply of the step sent last (and sends and reads what waits to ride along,
+        `StepWriter.settle`): its running sequences that Redis dropped (cancelled, timed out or
+        failed elsewhere, or a stale epoch) leave now, one step later than a blocking round
+        trip would have let them (the cancel notice usually came first)."""
+        self.writes.settle()
 
-    def _settle_sent(self) -> None:
-        if self._sent is None:
-            return
-        sent, owners, call, riders = self._sent
-        self._sent = None
-        reply = None
-        if sent is not None:
-            try:
-                reply = sent.result()
-            except redisconn.UNAVAILABLE_ERRORS as exc:
-                log.warning("reply of a decode step lost (%s); applying it again", exc)
-        if reply is None:
-            reply = self.store.run(call)
-        kept, moved = reply if riders else (reply, [])
-        n = m = 0
-        for rider in riders:
-            rider.then(kept[n:n + len(rider.items)], moved[m:m + len(rider.moves)])
-            n, m = n + len(rider.items), m + len(rider.moves)
-        kept = kept[n:]
-        if all(kept):  # most steps: Redis kept every sequence
-            return
-        for seq, ok in zip(owners, kept):
-            if not ok and seq is not None and self.running.get(seq.rid) is seq:
-                self._end_span(seq, "dropped", reason="request ended elsewhere (cancelled, timed out or stale)")
-                self._leave(seq)
+    def _refused(self, seq: Sequence) -> None:
+        if self.running.get(seq.rid) is seq:
+            self._end_span(seq, "dropped", reason="request ended elsewhere (cancelled, timed out or stale)")
+            self._leave(seq)
 
     def after(self, plan: CorePlan, logits: torch.Tensor, started: float) -> None:
         """Samples the step's tokens (`logits`: a row per decode row of `plan`), hands them to the
@@ -515,7 +444,7 @@ class DecodeLoop(ModelLoop):
         barrier for a thread they took the core of; before the send the cores are the model's.
         Those that leave are told to `on_leave` in one call, after the send, so the event loop
         wakes once a step, not once a sequence."""
-        self._settle_sent()  # (writes riding along from this pass go with this step's)
+        self.writes.settle_sent()  # (writes riding along from this pass go with this step's)
         self._give_back_preempted(settle=False)
         seqs: list[Sequence] = plan.sample  # type: ignore[assignment]
         params = [s.params for s in seqs]
@@ -537,9 +466,7 @@ class DecodeLoop(ModelLoop):
         for seq, _ in step.live:
             itl.append((seq.labels, now - seq.last_token_at))
             seq.last_token_at = now
-        items, riders, self._riders = step.items, self._riders, []
-        call = self._step_call(items, riders) if items or riders else None
-        sent = self._send(call) if call is not None else None
+        self.writes.send(step.items, step.owners)
         if self._first_pending:
             for seq in self._first_pending:
                 if seq.span is not None:
@@ -553,8 +480,6 @@ class DecodeLoop(ModelLoop):
                     self._end_span(seq, "finish", reason=reason)
                     if self.running.get(seq.rid) is not seq:  # it left the core (a request-level batch keeps its seat)
                         self._leave(seq)
-            if call is not None:
-                self._sent = (sent, step.owners, call, riders)
             self.step_metrics.step(self.stats.seq_steps, self.core.padded, len(seqs),
                                    time.perf_counter() - started, itl)
             self._release_seats()
@@ -565,15 +490,6 @@ class DecodeLoop(ModelLoop):
         if not self.running:  # no next forward to overlap with
             self.settle()
         self._last_step_end = time.monotonic()
-
-    def _send(self, call: Call) -> Sent | None:
-        """Sends a step (`SyncStore.send`). -> None when it could not be sent (its connection
-        broke): `settle` applies it through the store's client."""
-        try:
-            return self.store.send(call)
-        except redisconn.UNAVAILABLE_ERRORS as exc:
-            log.warning("could not send a decode step (%s); it is applied when it settles", exc)
-            return None
 
     def _preempt(self, ask: PreemptAsk) -> None:
         """Gives one sequence back to the queue by recompute (`PreemptAsk`): its tokens so far

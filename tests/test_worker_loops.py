@@ -170,7 +170,7 @@ def test_a_decode_loop_rides_a_redis_crash_that_loses_a_steps_reply_and_its_rest
             wait_for("tokens from the loop", lambda: all(int(rig.record(r)["n_out"]) >= 3 for r in rids))
             rig.loop.step_delay_s = 0.05  # a step's reply stays unread for a whole (slowed) forward pass: seen below
             server.process.send_signal(signal.SIGSTOP)  # the next step is sent and never answered
-            wait_for("a step waiting for its reply", lambda: rig.loop._sent is not None and rig.loop._sent[0] is not None)
+            wait_for("a step waiting for its reply", lambda: rig.loop.writes.sent is not None and rig.loop.writes.sent[0] is not None)
             time.sleep(0.3)  # the loop is blocked reading that reply (it reads it before the next send)
             server.process.send_signal(signal.SIGKILL)
             server.process.wait()
@@ -489,7 +489,7 @@ def test_first_tokens_riding_along_are_applied_before_the_next_token_and_a_refus
     them before that step's tokens (each stream's indices follow on), and one it refuses (here a
     stale attempt: the request was requeued meanwhile) takes its sequence off the decode side,
     blocks freed, nothing of it written."""
-    from decode_worker.loop import RideAlong
+    from decode_worker.writes import RideAlong
     from pdq.state.store import Moved, StepItem
 
     handed, items, moves = [], [], []
@@ -515,10 +515,10 @@ def test_first_tokens_riding_along_are_applied_before_the_next_token_and_a_refus
 
     for arrived in handed:
         rig.loop.arrive(arrived, moved=True)
-    rig.loop.ride_along(RideAlong(items, moves, then))
+    rig.loop.writes.ride_along(RideAlong(items, moves, then))
     assert rig.stream("kept") == []  # nothing sent before the loop's next step
     rig.loop._step()
-    assert answers == [] and rig.loop._sent[3]  # sent with the step (its tokens 1 after their tokens 0), reply unread
+    assert answers == [] and rig.loop.writes.sent[3]  # sent with the step (its tokens 1 after their tokens 0), reply unread
     while rig.loop.busy:
         rig.loop._step()
     rig.loop.settle()

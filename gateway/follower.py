@@ -51,6 +51,7 @@ HOT_BLOCK_MS = 1000
 COLD_BLOCK_MS = 10_000
 COUNT = 512  # entries per stream per read
 WAKE_BACKOFF_CAP_S = 0.05
+WAKE_AFTER_S = 0.002  # a new stream's wake waits this long for the XREAD in flight to return by itself
 WAKES_PER_TURN = 128  # subscribers handed entries per turn of the event loop
 RETRY_CAP_S = 1.0  # a reader retries Redis at least this often during an outage
 
@@ -148,8 +149,12 @@ class _Reader:
         self.liveness.stopped()
 
     async def _wake(self, generation: int) -> None:
-        """Unblocks the XREAD of `generation`. CLIENT UNBLOCK answers 0 while that XREAD has not
-        reached Redis yet (sent, not yet blocking): try again until it has, or has returned."""
+        """Unblocks the XREAD of `generation`, unless it returns by itself within WAKE_AFTER_S
+        (a busy reader's XREAD returns with every step a worker writes, and the streams added
+        meanwhile go in the next one: a round trip and an XREAD saved). CLIENT UNBLOCK answers 0
+        while that XREAD has not reached Redis yet (sent, not yet blocking): try again until it
+        has, or has returned."""
+        await asyncio.sleep(WAKE_AFTER_S)
         delay = 0.001
         try:
             while self.reading == generation and self.client_id is not None:

@@ -256,3 +256,42 @@ async def test_closing_ends_every_subscription_as_the_gateway_stopping(redis_ser
     late = follower.subscribe(f"{prefix}:x")
     assert isinstance(late.queue.get_nowait(), FollowerUnavailable)
     await other.aclose()
+
+
+class CountingWaker:
+    """The follower's waker (a Redis client), counting its CLIENT UNBLOCKs."""
+
+    def __init__(self, client):
+        self.client, self.unblocks = client, 0
+
+    async def client_unblock(self, client_id):
+        self.unblocks += 1
+        return await self.client.client_unblock(client_id)
+
+
+async def test_a_stream_added_to_a_busy_reader_rides_its_next_read_without_a_wake(redis_server, prefix, monkeypatch):
+    """A reader whose XREAD returns by itself within WAKE_AFTER_S (entries keep coming, as from
+    a decode worker's steps) takes a stream added meanwhile in its next XREAD: no CLIENT UNBLOCK.
+    One blocked with nothing coming is woken after WAKE_AFTER_S."""
+    never_returns(monkeypatch)
+    monkeypatch.setattr(follower_mod, "WAKE_AFTER_S", 0.2)
+    other = aioredis.Redis.from_url(redis_server.url)
+    waker = CountingWaker(other)
+    follower = OutputFollower(redis_server.url, waker, cold=1, hot=1)
+    busy = follower.subscribe(f"{prefix}:out:busy")
+    await reading(follower)
+    new = follower.subscribe(f"{prefix}:out:new")  # added while the XREAD blocks: a wake is due in 0.2 s
+    await other.xadd(f"{prefix}:out:busy", {"i": 0})  # ... but the XREAD returns by itself first
+    assert await entries(busy, 1) == [{b"i": b"0"}]
+    await other.xadd(f"{prefix}:out:new", {"i": 0})
+    assert await entries(new, 1, timeout=5) == [{b"i": b"0"}]
+    assert waker.unblocks == 0
+    quiet = follower.subscribe(f"{prefix}:out:quiet")  # a blocked XREAD with nothing coming
+    await reading(follower)
+    idle = follower.subscribe(f"{prefix}:out:idle")  # only the wake, after the wait, gets it in
+    await other.xadd(f"{prefix}:out:idle", {"i": 0})
+    assert await entries(idle, 1, timeout=5) == [{b"i": b"0"}]
+    assert waker.unblocks >= 1
+    follower.unsubscribe(quiet)
+    await follower.close()
+    await other.aclose()

@@ -11,8 +11,9 @@ every streaming call, unary call and long-poll of the gateway, however many foll
   (`gateway.results.follow` reads them with XRANGE), so a late subscriber still sees the stream
   from its first entry, and nothing comes twice. `unsubscribe` when done.
 - A stream followed for the first time wakes its reader's XREAD with CLIENT UNBLOCK (sent by
-  `waker`, any client of the same Redis) so that its entries are read at once, not after the
-  block time; a subscriber of a stream already followed costs no Redis command.
+  `waker`, any client of the same Redis) so that its entries are read within WAKE_AFTER_S, not
+  after the block time, unless that XREAD returns by itself first (a busy reader's does with
+  every step a worker writes); a subscriber of a stream already followed costs no Redis command.
 - An XREAD costs Redis time in proportion to its keys, and a reader sends it again after every
   entry: so a stream starts on a "cold" reader, and moves to a "hot" one with its first entry.
   Streams that wait (queued requests) cost the hot path nothing; a token of a running request

@@ -11,6 +11,8 @@ Each submit is answered as a `Submit` of its own would be: its `SubmitResponse`,
 a `grpc.aio.AioRpcError` with the scheduler's status, message and details; a submit whose own
 timeout passes first gets DEADLINE_EXCEEDED (one still waiting is not sent). A scheduler that
 does not know `SubmitMany` (an older one, during an upgrade) gets single `Submit`s from then on.
+A `Submit` of one request runs in its caller's context, so its span is in the request's trace;
+a `SubmitMany` is in no request's trace (each request's spec carries its own trace context).
 """
 
 import asyncio
@@ -50,6 +52,7 @@ class _Waiting:
     request: pb.SubmitRequest
     deadline: float | None  # loop time
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    context: contextvars.Context = field(default_factory=contextvars.copy_context)  # its call's (its trace)
 
 
 class SubmitBatcher:
@@ -104,8 +107,7 @@ class SubmitBatcher:
         results: list = []
         try:
             if len(batch) == 1 or not self.many:
-                results = await asyncio.gather(*(self.send_one(w.request, timeout) for w in batch),
-                                               return_exceptions=True)
+                results = await self._each(batch, timeout)
             else:
                 results = await self._many(batch, timeout)
         except Exception as exc:  # the call failed as a whole: every item fails with it
@@ -131,11 +133,18 @@ class SubmitBatcher:
                 raise
             log.info("the scheduler does not serve SubmitMany; submitting one request per call")
             self.many = False
-            return await asyncio.gather(*(self.send_one(w.request, timeout) for w in batch), return_exceptions=True)
+            return await self._each(batch, timeout)
         if len(reply.items) != len(batch):
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                        f"SubmitMany answered {len(reply.items)} items of {len(batch)}")
         return [o.response if o.code == 0 else outcome_error(o) for o in reply.items]
+
+    async def _each(self, batch: list[_Waiting], timeout: float | None) -> list:
+        """A Submit of its own for each, in its caller's context: its call's span continues the
+        request's trace, as a submit sent at once does."""
+        loop = asyncio.get_running_loop()
+        return await asyncio.gather(*(loop.create_task(self.send_one(w.request, timeout), context=w.context)
+                                      for w in batch), return_exceptions=True)
 
     async def close(self) -> None:
         """Waits for the calls in flight (their submits are answered)."""

@@ -160,3 +160,31 @@ async def test_a_waiting_submit_whose_caller_goes_away_leaves_no_answer_behind(c
         assert (await kept).request_id == "c"
         gc.collect()
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
+async def test_a_waiting_submit_sent_alone_runs_in_its_callers_context():
+    """Its Submit's span is then in its request's trace (the trace context is a contextvar)."""
+    import contextvars
+
+    caller = contextvars.ContextVar("caller", default="none")
+    seen: list[str] = []
+    s = Scheduler()
+    plain_one = s.one
+
+    async def one(r, timeout):
+        seen.append(caller.get())
+        return await plain_one(r, timeout)
+
+    b = SubmitBatcher(one, s.many, max_inflight=1)
+
+    async def submit_as(name: str, rid: str):
+        caller.set(name)
+        return await b.submit(request(rid), 5)
+
+    busy = asyncio.create_task(submit_as("first", "a"))
+    await settle()
+    alone = asyncio.create_task(submit_as("second", "b"))  # waits, then goes alone
+    await settle()
+    s.release.set()
+    assert [(await busy).request_id, (await alone).request_id] == ["a", "b"]
+    assert seen == ["first", "second"] and s.sent == [("one", ["a"]), ("one", ["b"])]

@@ -69,9 +69,8 @@ class StepWriter(Generic[S]):
 
     def flush_riders(self) -> None:
         """Sends the writes waiting to ride along, alone (no step goes now); the reply of the
-        call sent before them is read first."""
+        call sent before them is read first (`send`)."""
         if self._riders:
-            self.settle_sent()
             self.send([], [])
 
     def settle(self) -> None:

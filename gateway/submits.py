@@ -65,7 +65,7 @@ class SubmitBatcher:
         self.many = True  # the scheduler answers SubmitMany (False once one said UNIMPLEMENTED)
         self.inflight = 0
         self.waiting: list[_Waiting] = []
-        self.calls = 0  # calls made (Submit or SubmitMany), for tests and metrics
+        self.calls = 0  # calls made (Submit or SubmitMany)
         self._tasks: set[asyncio.Task] = set()
 
     async def submit(self, request: pb.SubmitRequest, timeout: float | None) -> pb.SubmitResponse:

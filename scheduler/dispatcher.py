@@ -28,9 +28,9 @@ from pdq.state import redisconn
 from pdq.config import SchedulerConfig
 from pdq.observability.liveness import Liveness
 from pdq.state.calls import joined
-from pdq.state.registry import PREFIX_HEX, ROLES, WorkerInfo, live_call, live_workers
+from pdq.state.registry import PREFIX_HEX, ROLES, WorkerInfo, live_from, live_workers, registry_call
 from pdq.transport.serving import GRPC_OPTIONS
-from pdq.state.store import Deposed, AsyncStore, RequestStore, TenantBacklog, now_ms, spec_from_bytes
+from pdq.state.store import Deposed, AsyncStore, Registry, RequestStore, TenantBacklog, now_ms, spec_from_bytes
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
 from scheduler.policies import (Candidate, DecodeSlots, DrainRate, Headroom, TenantQueue, TierQueue,
@@ -89,12 +89,13 @@ def to_tier_queues(snapshot: dict[str, list[TenantBacklog]], tiers: list[str],
 @dataclass
 class RoundRead:
     """What a dispatch round reads first, in one round trip: the `batch` in the order of choice,
-    whether it left queued requests out (`cut`: its size or token limit), the `live` workers by
-    role, and the queue's counters (`load`, `RequestStore.load`)."""
+    whether it left queued requests out (`cut`: its size or token limit), the `registry` as read
+    (`registry_call`; turned into workers only for a round with a batch, `live_from`), and the
+    queue's counters (`load`, `RequestStore.load`)."""
 
     batch: list[Candidate]
     cut: bool
-    live: dict[str, list[WorkerInfo]]
+    registry: Registry
     load: dict[str, int]
 
 
@@ -126,7 +127,8 @@ class Dispatcher:
         self._stopped = asyncio.Event()
         self._preempted_at = 0.0  # monotonic time of the latest preemption (0: none since a round placed one)
         self._dtype_warned = -60.0  # monotonic time of the latest warning of workers left out for their dtype
-        self._live: dict[str, list[WorkerInfo]] = {role: [] for role in ROLES}  # the registry as last read
+        self._live: dict[str, list[WorkerInfo]] = {role: [] for role in ROLES}  # the registry as last used
+        self._registry: Registry | None = None  # the registry as the latest round read it
         self.retries = Retries(config, store, self._release)
         self.prefix_router = PrefixRouter(store, config.prefix_weight) if config.prefix_routing else None
 
@@ -278,7 +280,7 @@ class Dispatcher:
         batch, cut = read.batch, read.cut
         if not batch:
             return False
-        prefill, decode = await self._workers(read.live)
+        prefill, decode = await self._workers(live_from(read.registry, ROLES))
         matched = kv_matched(prefill, decode)
         if len(matched) < len(prefill):
             self._dtype_mismatch(prefill, decode, matched)
@@ -396,10 +398,11 @@ class Dispatcher:
         registry and the queue's counters read in the same round trip (a round's reads before
         its reservations are one wait, not three)."""
         size, store = self.config.max_batch_size, self.store
-        (snapshot, live), load = await store.run(joined(
+        (snapshot, registry), load = await store.run(joined(
             joined(RequestStore.snapshot.build(store, self.tiers, size, size),
-                   live_call(store, ROLES, self.config.worker_timeout_s)),
+                   registry_call(store, ROLES, self.config.worker_timeout_s)),
             RequestStore.load.build(store)))
+        self._registry = registry
         self._queue_empty = not any(b.heads for backlogs in snapshot.values() for b in backlogs)
         self._next_retry_ms = snapshot.next_retry_ms
         self._weights = {b.tenant: b.weight for backlogs in snapshot.values() for b in backlogs if b.weight}
@@ -417,7 +420,7 @@ class Dispatcher:
         # snapshot itself held all it may of a tenant (the queue may go on behind those)
         cut = (seen > len(batch) or next(order, None) is not None
                or any(len(b.heads) >= size for backlogs in snapshot.values() for b in backlogs))
-        return RoundRead(batch, cut, live, load)
+        return RoundRead(batch, cut, registry, load)
 
     async def _preempt_for(self, head: Candidate, decode: list[WorkerInfo], free_slots: int) -> None:
         """The head of the queue found no room: a decode worker preempts one running request of
@@ -503,7 +506,8 @@ class Dispatcher:
         if time.monotonic() - self._depth_at < 1.0:
             return
         self._depth_at = time.monotonic()
-        await self._workers()  # refreshes the live worker gauges
+        # the live worker gauges, from the registry the round just before read
+        await self._workers(live_from(self._registry, ROLES) if self._registry is not None else None)
         depth = await self.store.depth(self.tiers)
         labels = set()
         for tier, tenant, requests, tokens in depth:

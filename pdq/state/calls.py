@@ -135,7 +135,11 @@ class SyncRunner(_Runner):
             return call.parse([self.client.execute_command(*part)])
         pipe = self.client.pipeline(transaction=call.transaction)
         self._queue(pipe, call)
-        replies = pipe.execute(raise_on_error=False)
+        return self.parse_replies(call, pipe.execute(raise_on_error=False))
+
+    def parse_replies(self, call: Call[T], replies: list[Any]) -> T:
+        """`call`'s result from its replies, one per part (an error as its exception): a script
+        this Redis had not seen runs again alone (loading it); any other error raises."""
         for i in self._reruns(call, replies):
             part = call.parts[i]
             assert isinstance(part, Script)

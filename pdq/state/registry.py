@@ -105,24 +105,33 @@ async def set_drained(client: aioredis.Redis, keys: Keys, worker_id: str, draine
     await (client.sadd if drained else client.srem)(keys.drained, worker_id)
 
 
+def registry_call(store: AsyncStore | SyncStore, roles: tuple[str, ...], timeout_s: float) -> Call[Registry]:
+    """The registry's read for `live_from`, as a call to send alone or with others
+    (`pdq.state.calls.joined`): the workers of `roles` that heartbeat within timeout_s."""
+    return RequestStore.workers.build(store, roles, now_ms() - int(timeout_s * 1000))
+
+
+def live_from(registry: Registry, roles: tuple[str, ...]) -> dict[str, list[WorkerInfo]]:
+    """The registry as read (`registry_call`) -> {role: [WorkerInfo]}."""
+    rows, drained = registry
+    return {role: [WorkerInfo(worker_id=wid, role=role, address=h["address"],
+                              free_slots=int(h.get("free_slots", 0)), capacity=int(h.get("capacity", 0)),
+                              running=int(h.get("running", 0)),
+                              kv_free_tokens=int(h.get("kv_free_tokens", 0)),
+                              kv_total_tokens=int(h.get("kv_total_tokens", 0)),
+                              kv_block_size=int(h.get("kv_block_size", 0)), reserved=int(h.get("reserved", 0)),
+                              prefixes=tuple(h.get("prefixes", "").split()), kv_dtype=h.get("kv_dtype", ""),
+                              draining=h.get("draining") == "1" or wid in drained,
+                              heartbeat_ms=int(h.get("heartbeat_ms", 0)), quarantined_until_ms=until,
+                              quarantine_reason=reason, handoff_streak=streak)
+                   for wid, h, (until, reason, streak) in rows[role] if "address" in h]
+            for role in roles}
+
+
 def live_call(store: AsyncStore | SyncStore, roles: tuple[str, ...], timeout_s: float
               ) -> Call[dict[str, list[WorkerInfo]]]:
-    """The read of `live_workers`, as a call to send alone or with others (`pdq.state.calls.joined`)."""
-    def convert(registry: Registry) -> dict[str, list[WorkerInfo]]:
-        rows, drained = registry
-        return {role: [WorkerInfo(worker_id=wid, role=role, address=h["address"],
-                                  free_slots=int(h.get("free_slots", 0)), capacity=int(h.get("capacity", 0)),
-                                  running=int(h.get("running", 0)),
-                                  kv_free_tokens=int(h.get("kv_free_tokens", 0)),
-                                  kv_total_tokens=int(h.get("kv_total_tokens", 0)),
-                                  kv_block_size=int(h.get("kv_block_size", 0)), reserved=int(h.get("reserved", 0)),
-                                  prefixes=tuple(h.get("prefixes", "").split()), kv_dtype=h.get("kv_dtype", ""),
-                                  draining=h.get("draining") == "1" or wid in drained,
-                                  heartbeat_ms=int(h.get("heartbeat_ms", 0)), quarantined_until_ms=until,
-                                  quarantine_reason=reason, handoff_streak=streak)
-                       for wid, h, (until, reason, streak) in rows[role] if "address" in h]
-                for role in roles}
-    return mapped(RequestStore.workers.build(store, roles, now_ms() - int(timeout_s * 1000)), convert)
+    """The read of `live_workers`, as a call to send alone or with others."""
+    return mapped(registry_call(store, roles, timeout_s), lambda registry: live_from(registry, roles))
 
 
 async def live_workers(store: AsyncStore, roles: tuple[str, ...], timeout_s: float) -> dict[str, list[WorkerInfo]]:

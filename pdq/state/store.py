@@ -759,12 +759,7 @@ class Sent(Generic[T]):
             self._release(broken=True)
             raise
         self._release()
-        store, call = self._store, self._call
-        for i in store._reruns(call, replies):
-            part = call.parts[i]
-            assert isinstance(part, Script)
-            replies[i] = store._scripts[part.name](keys=[], args=store._script_args(part))
-        return call.parse(replies)
+        return self._store.parse_replies(self._call, replies)
 
     def _release(self, broken: bool = False) -> None:
         if broken:

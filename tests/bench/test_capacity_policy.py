@@ -98,6 +98,17 @@ def test_the_ceiling_sweep_runs_the_same_plan_against_a_bare_server_and_reports_
                               seed=0, stream_interval=1)
     plan = SweepPlan(max_tokens=4, start_rps=20, max_steps=2, refine=0, step_s=0.5, p99_ms=5000)
     (got,) = transport_ceiling([plan], args, vocab=[65, 66, 67], cores=2)
-    assert [s["offered_rps"] > 0 for s in got["steps"]] == [True, True]
-    assert got["best"]["requests_per_s"] > 0 and got["best"]["tokens_per_s"] > 0
-    assert {"grpc-server", "client"} <= set(got["best"]["cpu_pct"])
+    # whether a step sustains depends on how busy the machine is (CI runs tests side by side),
+    # so the test holds the report to its steps, not to a rate: every step ran and was measured,
+    # and best / first_broken are the steps the rules pick
+    steps = got["steps"]
+    assert 1 <= len(steps) <= 2 and steps[0]["target_rps"] == 20
+    for s in steps:
+        assert s["requests"] > 0 and s["errors"] == 0 and s["offered_rps"] > 0 and s["achieved_rps"] > 0
+        assert s["tokens_per_s"] > 0
+        assert {"grpc-server", "client"} <= set(s["cpu_pct"])
+    sustained = [s for s in steps if not s["broke"]]
+    if sustained:
+        assert got["best"]["requests_per_s"] == max(s["achieved_rps"] for s in sustained)
+    else:
+        assert got["best"] is None and got["first_broken"]["offered_rps"] == steps[0]["offered_rps"]

@@ -106,34 +106,39 @@ def test_an_end_entry_carries_the_usage_its_reader_would_read_from_the_record(st
     assert timings.e2e_ms >= timings.ttft_ms >= timings.queue_ms >= 0
 
 
+def send_step(store, items):
+    """A step sent in halves, as a decode worker's `StepWriter` sends it."""
+    return store.send(SyncStore.step.build(store, items))
+
+
 def test_a_sent_step_applies_and_its_reply_reads_later(store):
     store.submit(make_spec("r"))
     claim(store, "r")
-    sent = store.send_step([StepItem("r", 1, 0, 7, "a"), StepItem("r", 0, 1, 8, "b")])
+    sent = send_step(store, [StepItem("r", 1, 0, 7, "a"), StepItem("r", 0, 1, 8, "b")])
     assert store.record("r")["state"]  # other commands go on meanwhile, on other connections
     assert sent.result() == [True, False]  # the same answer as step(): kept, stale epoch dropped
     assert tokens(store, "r") == [(0, 7, "a")]
     assert store.end("r", Ending(State.CANCELLED, "cancelled")) == State.CANCELLED
     with pytest.raises(RuntimeError, match="once"):
         sent.result()
-    assert store.send_step([StepItem("r", 1, 1, 9, "c")]).result() == [False]  # ended: dropped
+    assert send_step(store, [StepItem("r", 1, 1, 9, "c")]).result() == [False]  # ended: dropped
 
 
 def test_a_sent_step_to_a_redis_without_the_script_runs_it_once(store):
     store.submit(make_spec("r"))
     claim(store, "r")
     store.client.script_flush()
-    assert store.send_step([StepItem("r", 1, 0, 7, "a")]).result() == [True]
+    assert send_step(store, [StepItem("r", 1, 0, 7, "a")]).result() == [True]
     assert tokens(store, "r") == [(0, 7, "a")]
 
 
 def test_a_sent_step_that_fails_raises_when_read_and_leaves_the_pool_usable(store):
     store.submit(make_spec("r"))
     claim(store, "r")
-    sent = store.send_step([StepItem("r", 1, 3, 1, "x")])  # a gap in the indices: the script errors
+    sent = send_step(store, [StepItem("r", 1, 3, 1, "x")])  # a gap in the indices: the script errors
     with pytest.raises(Exception, match="gap"):
         sent.result()
-    assert store.send_step([StepItem("r", 1, 0, 7, "a")]).result() == [True]
+    assert send_step(store, [StepItem("r", 1, 0, 7, "a")]).result() == [True]
 
 
 def test_a_sent_call_of_several_scripts_answers_as_run_at_once_and_reruns_those_redis_had_not_seen(store):
@@ -177,7 +182,7 @@ def test_consecutive_tokens_of_a_request_go_into_one_entry(store):
     assert store.streamed_tokens("a") == [7, 8, 9, 4] and store.record("a")["n_out"] == "4"
     assert tokens(store, "b") == [(0, 5, "q")]
     # a lone token's entry (stream interval 1) gives its text's length in bytes too, sent or run
-    assert store.send_step([StepItem("b", 1, 1, 6, "日")]).result() == [True]
+    assert send_step(store, [StepItem("b", 1, 1, 6, "日")]).result() == [True]
     assert store.step([StepItem("b", 1, 2, 8, "é"), StepItem("a", 1, 4, 9, "late")]) == [True, False]
     entries = [{k.decode(): v.decode() for k, v in f.items()} for _, f in store.client.xrange(store.keys.output("b"))]
     assert entries[1:] == [{"i": "1", "t": "6", "x": "日", "l": "3"}, {"i": "2", "t": "8", "x": "é", "l": "2"}]

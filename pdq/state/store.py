@@ -702,7 +702,7 @@ class AsyncStore(RequestStore, AsyncRunner):
 
 class SyncStore(RequestStore, SyncRunner):
     """A worker model thread's writer (and tools' and tests' store), on a `redis.Redis`: each
-    `RequestStore` operation returns its result; `send_step` sends a step and reads its reply later."""
+    `RequestStore` operation returns its result; `send` sends a call and reads its reply later."""
 
     def __init__(self, client: Any, prefix: str = "pdq", result_ttl_s: int = 3600,
                  retry: RetryLimits = RetryLimits()):
@@ -719,10 +719,6 @@ class SyncStore(RequestStore, SyncRunner):
         connection may be applied before it: a caller that needs the call applied first (a
         requeue) reads the reply first."""
         return Sent(self, call)
-
-    def send_step(self, items: list[StepItem]) -> "SentStep":
-        """`send` of `step(items)`."""
-        return Sent(self, RequestStore.step.build(self, items))
 
 
 class Sent(Generic[T]):
@@ -766,9 +762,6 @@ class Sent(Generic[T]):
             self._conn.disconnect()  # a reply may be in flight: never hand this socket out again
         self._pool.release(self._conn)
         self._conn = None
-
-
-SentStep = Sent[list[bool]]  # a step sent by `SyncStore.send_step`: per item True (kept) / False (drop)
 
 
 def spec_from_bytes(raw: bytes) -> pb.RequestSpec:

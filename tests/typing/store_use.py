@@ -5,7 +5,7 @@ from typing import assert_type
 
 from pdq.state.ending import Ending
 from pdq.state.request import State
-from pdq.state.store import (AsyncStore, Claimed, HandoffRecord, Moved, SentStep, Snapshot, StepItem, Submitted,
+from pdq.state.store import (AsyncStore, Claimed, HandoffRecord, Moved, Sent, Snapshot, StepItem, Submitted,
                              SyncStore, TenantPolicy)
 from pdq.v1 import internal_pb2 as pb
 
@@ -27,8 +27,8 @@ async def services(store: AsyncStore, spec: pb.RequestSpec) -> None:
 def model_thread(store: SyncStore) -> None:
     assert_type(store.transition("r", 1, State.DECODING, decode_worker="d1"), Moved | bool)
     assert_type(store.step([StepItem("r", 1, 0, 7)]), list[bool])
-    assert_type(store.send_step([StepItem("r", 1, 0, 7)]), SentStep)
-    assert_type(store.send_step([]).result(), list[bool])
+    assert_type(store.send(SyncStore.step.build(store, [StepItem("r", 1, 0, 7)])), Sent[list[bool]])
+    assert_type(store.send(SyncStore.step.build(store, [])).result(), list[bool])
     assert_type(store.step_and_transition([], [("r", 1, State.DECODING, {})]), tuple[list[bool], list[Moved | bool]])
     assert_type(store.requeue("r", 1, "oom", 3), str | None)
     assert_type(store.states(["r"]), list[State | None])

@@ -40,6 +40,15 @@ class Event:
         # an end's usage fields (USAGE_FIELDS, in order), so that its reader needs no other read
         self.usage = dict(zip(USAGE_FIELDS, _str(f["u"]).split(","))) if "u" in f else None
 
+    def then(self, other: "Event") -> "Event":
+        """This token event and `other`, the next, as one (a new event: the follower hands one
+        parsed entry to every subscriber of its stream, so none is changed)."""
+        out = Event.__new__(Event)
+        out.index, out.token_ids = self.index, self.token_ids + other.token_ids
+        out.texts, out.logprobs = self.texts + other.texts, self.logprobs + other.logprobs
+        out.state, out.reason, out.error, out.usage = None, "", "", None
+        return out
+
 
 def token_logprob(token_id: int, record: str) -> gen_pb.TokenLogprob:
     chosen, top = decode_logprobs(record)
@@ -81,13 +90,53 @@ async def follow(store: AsyncStore, follower: OutputFollower, rid: str,
                     return
             if isinstance(batch, Exception):
                 raise batch
-            for _, entry in batch:
-                event = entry if isinstance(entry, Event) else Event(entry)  # parsed by the follower, or not
+            events, failed = at_hand(batch, sub.queue)
+            for event in coalesce(events):
                 yield event
                 if event.state is not None:
                     return
+            if failed is not None:
+                raise failed
     finally:
         follower.unsubscribe(sub)
+
+
+def at_hand(batch: list, queue: asyncio.Queue) -> tuple[list[Event], Exception | None]:
+    """The events of `batch` and of every batch already queued behind it (the subscriber fell
+    behind the stream), and the failure queued after them, if one was."""
+    events = []
+    while True:
+        events += [entry if isinstance(entry, Event) else Event(entry) for _, entry in batch]  # parsed by the follower, or not
+        if queue.empty():
+            return events, None
+        batch = queue.get_nowait()
+        if isinstance(batch, Exception):
+            return events, batch
+
+
+# At most this many tokens in one joined event (the largest stream_interval): a message stays
+# small (a replay of a long finished stream comes in many), well under gRPC's 4 MB limit even
+# with 20 top log-probabilities a token.
+JOIN_MAX_TOKENS = 256
+
+
+def coalesce(events: list[Event]) -> list[Event]:
+    """Consecutive token events as one (their tokens, texts and log-probabilities in order), up
+    to JOIN_MAX_TOKENS: a reader that fell behind the stream sends what it has in one message
+    instead of a message per entry, each of which costs the gateway and its client more than its
+    tokens do (vLLM's output collector merges a slow consumer's outputs the same way). The
+    tokens and their order are the stream's, and an entry is never split; only how many
+    messages carry them changes."""
+    out: list[Event] = []
+    for event in events:
+        last = out[-1] if out else None
+        if (last is not None and last.state is None and last.index is not None and event.index is not None
+                and event.index == last.index + len(last.token_ids)
+                and len(last.token_ids) + len(event.token_ids) <= JOIN_MAX_TOKENS):
+            out[-1] = last.then(event)
+        else:
+            out.append(event)
+    return out
 
 
 async def _entries(store: AsyncStore, key: str, upto: bytes) -> AsyncIterator[dict]:

@@ -172,7 +172,8 @@ class GenerationService(gen_grpc.GenerationServicer):
     async def stream(self, rid: str, context: grpc.aio.ServicerContext, offset: int = 0, cancel_on_close: bool = True):
         """GenerateStreamResponse messages of a request from token `offset`, then its end: one
         message per output stream entry, i.e. the tokens a worker wrote at once (one, unless
-        the request has a stream_interval)."""
+        the request has a stream_interval), or per the entries at hand when this call fell
+        behind the stream (`gateway.results.coalesce`)."""
         end = None
         sent = offset  # the first token index the client has not got
         left: BaseException | None = None  # what ended the call before the request ended

@@ -11,6 +11,7 @@ from gateway import follower as follower_mod
 from gateway.follower import FollowerUnavailable, OutputFollower
 from gateway.results import Event, follow
 from pdq.state import redisconn
+from pdq.state.request import State
 from pdq.ops.redis_server import RedisServer
 from pdq.state.store import AsyncStore
 
@@ -102,8 +103,9 @@ async def test_every_follower_of_one_stream_gets_all_of_it_however_late_it_joins
     follower = OutputFollower(redis_server.url, other)
     key = store.keys.output("r1")
 
-    async def read_all() -> list[int]:
-        return [event.index async for event in follow(store, follower, "r1") if event.state is None]
+    async def read_all() -> list[int]:  # the token indices, however many entries an event joins
+        return [event.index + k async for event in follow(store, follower, "r1") if event.state is None
+                for k in range(len(event.token_ids))]
 
     early = [asyncio.create_task(read_all()) for _ in range(50)]
     for i in range(3):
@@ -295,3 +297,49 @@ async def test_a_stream_added_to_a_busy_reader_rides_its_next_read_without_a_wak
     follower.unsubscribe(quiet)
     await follower.close()
     await other.aclose()
+
+
+async def test_a_follower_that_fell_behind_gets_the_entries_at_hand_as_one_event(redis_server, prefix):
+    """`follow` hands a subscriber that fell behind every token entry already queued as one
+    event (the gateway then sends one message, not one per entry); tokens, texts and order are
+    the stream's, and the end stays an event of its own."""
+    other = aioredis.Redis.from_url(redis_server.url)
+    store = AsyncStore(other, prefix)
+    follower = OutputFollower(redis_server.url, other)
+    key = store.keys.output("r")
+    events = follow(store, follower, "r")
+    await other.xadd(key, {"i": 0, "t": 5, "x": "a"})
+    first = await asyncio.wait_for(anext(events), 10)
+    assert (first.index, first.token_ids, first.texts) == (0, [5], ["a"])
+    probe = follower.subscribe(key)  # subscribed after `events`: handed each batch after it
+    for i, (t, x) in enumerate([(6, "b"), (7, "cd"), (8, "é")], start=1):
+        await other.xadd(key, {"i": i, "t": t, "x": x})
+    await entries(probe, 3)  # all three wait in `events`' queue too, while it is not reading
+    behind = await asyncio.wait_for(anext(events), 10)
+    assert (behind.index, behind.token_ids, behind.texts, behind.state) == (1, [6, 7, 8], ["b", "cd", "é"], None)
+    await other.xadd(key, {"i": 4, "t": 9, "x": "f"})
+    await other.xadd(key, {"done": "COMPLETED", "r": "length"})
+    await entries(probe, 2)
+    rest = [event async for event in events]
+    assert [(e.index, e.token_ids, e.state) for e in rest] == [(4, [9], None), (None, [], State.COMPLETED)]
+    follower.unsubscribe(probe)
+    await follower.close()
+    await other.aclose()
+
+
+def test_coalesce_joins_consecutive_token_events_and_changes_none_of_them():
+    from gateway.results import coalesce
+
+    def tokens(i: int, *ids: int) -> Event:
+        return Event({"i": i, "t": ",".join(map(str, ids)), "x": "".join(chr(96 + t % 26) for t in ids),
+                      "l": ",".join("1" for _ in ids)})
+    given = [tokens(0, 1), tokens(1, 2, 3), tokens(3, 4), tokens(7, 5), Event({"done": "COMPLETED", "r": "length"})]
+    got = coalesce(given)
+    assert [(e.index, e.token_ids, e.texts, e.state) for e in got] == [
+        (0, [1, 2, 3, 4], ["a", "b", "c", "d"], None),  # 0, 1-2, 3: consecutive
+        (7, [5], ["e"], None),  # not the next index: kept apart
+        (None, [], [], State.COMPLETED)]
+    assert [(e.index, e.token_ids) for e in given[:3]] == [(0, [1]), (1, [2, 3]), (3, [4])]  # shared: unchanged
+    assert coalesce([]) == [] and coalesce(given[3:]) == given[3:]
+    long = [tokens(i * 100, *range(i * 100, i * 100 + 100)) for i in range(6)]  # entries of 100 tokens
+    assert [(e.index, len(e.token_ids)) for e in coalesce(long)] == [(0, 200), (200, 200), (400, 200)]  # <= 256

@@ -99,11 +99,12 @@ async function main() {
   console.log(`finish_reason ${r.finish_reason} prompt_tokens ${r.usage.prompt_tokens} ` +
               `completion_tokens ${r.usage.completion_tokens} ttft_ms ${r.timings.ttft_ms.toFixed(1)}`);
 
-  // 2. GenerateStream: one message per token, printed as it comes.
+  // 2. GenerateStream: a message per token as it comes (the tokens already there in one
+  //    message, when the stream is read behind them), printed a token a line.
   console.log('== GenerateStream');
   const end = await stream(client, request(prompt, MAX_TOKENS), (msg) => {
     if (msg.index !== undefined && msg.index !== null) {
-      console.log(`token ${msg.index} ${msg.token_id} ${JSON.stringify(msg.text)}`);
+      msg.token_ids.forEach((t, k) => console.log(`token ${msg.index + k} ${t} ${JSON.stringify(k ? '' : msg.text)}`));
     } else if (msg.finish_reason !== 'FINISH_REASON_UNSPECIFIED') {
       console.log(`finish_reason ${msg.finish_reason} completion_tokens ${msg.usage.completion_tokens}`);
     } else {

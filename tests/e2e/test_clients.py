@@ -13,6 +13,7 @@ import pytest
 from pdq.client import AsyncClient, Client
 from pdq.v1 import generation_pb2 as gen_pb
 from tests.e2e.conftest import KEYS
+from tests.streams import streamed
 
 CLOSE_S = 10.0  # far more than closing takes; past it, closing hung
 
@@ -55,8 +56,7 @@ def test_the_asyncio_client_submits_fetches_resumes_and_cancels_as_the_sync_one(
     arid, first, done, resumed, cancelled, missing = asyncio.run(main())
     assert first.request_id == arid and first.state
     assert done.done and done.state == "COMPLETED" and list(done.result.token_ids) == list(want.result.token_ids)
-    tokens = [m for m in resumed if m.HasField("index")]
-    assert [m.index for m in tokens] == [6, 7, 8, 9] and [m.token_id for m in tokens] == list(want.result.token_ids[6:])
+    assert streamed(resumed) == ([6, 7, 8, 9], list(want.result.token_ids[6:]))
     assert resumed[-1].finish_reason == gen_pb.FINISH_REASON_LENGTH
     assert cancelled == "CANCELLED" and missing == grpc.StatusCode.NOT_FOUND
 

@@ -16,6 +16,7 @@ import redis
 from pdq.client import Client
 from pdq.config import TIERS
 from pdq.state.store import SyncStore
+from tests.streams import streamed as streamed_tokens, until_tokens
 from pdq.ops.up import Cluster
 from tests import oracles
 
@@ -102,12 +103,12 @@ def test_mixed_batch_equals_generate_alone_and_hands_off_in_place(cluster, refer
     late = ("a request that joins while the others decode", 10)
     with Client(cluster.target) as client:
         first = client.generate_stream(jobs[0][0], max_tokens=jobs[0][1], ignore_eos=True)
-        head = [next(first), next(first)]  # the request id, then a token: the batch is decoding
+        head = [next(first), *until_tokens(first, 1)]  # the request id, then a token: the batch is decoding
         with ThreadPoolExecutor(len(jobs)) as pool:
             rest = [pool.submit(client.generate, p, max_tokens=n, ignore_eos=True) for p, n in jobs[1:] + [late]]
             streamed = head + list(first)
             results = [f.result() for f in rest]
-    first_tokens = [m.token_id for m in streamed if m.HasField("index")]
+    first_tokens = streamed_tokens(streamed)[1]
     assert first_tokens == oracles.hf_greedy(reference, *jobs[0])
     for (prompt, n), result in zip(jobs[1:] + [late], results):
         assert result.prompt_tokens > CHUNK  # prefilled over several passes

@@ -18,6 +18,7 @@ from pdq.client import Client
 from pdq.ops.up import Child, Cluster
 from pdq.v1 import internal_pb2 as pb
 from pdq.v1 import internal_pb2_grpc as pb_grpc
+from tests.streams import streamed, until_tokens
 
 FAST_FAILOVER = {"PDQ_HEARTBEAT_S": "0.25", "PDQ_WORKER_TIMEOUT_S": "1.5", "PDQ_GRACE_S": "0.3"}
 SLOTS = 2  # decode slots per worker (PDQ_MAX_BATCH_SIZE; the scheduler's prefill batches are as small)
@@ -69,18 +70,16 @@ def test_kill_9_decode_worker_mid_stream_resumes_elsewhere_exactly_once(cluster,
         stream = c.generate_stream(prompt, max_tokens=n, ignore_eos=True)
         seen = [next(stream)]
         rid = seen[0].request_id
-        while sum(m.HasField("index") for m in seen) < 5:  # tokens are arriving from a decode worker
-            seen.append(next(stream))
+        seen += until_tokens(stream, 5)  # tokens are arriving from a decode worker
         address = wait_for("the decode worker in the record", lambda: record(rdb, rid).get("decode_worker"))
         assert record(rdb, rid)["state"] == "DECODING"
         victim = child_at(cluster, address)
         victim.process.send_signal(signal.SIGKILL)  # no goodbye: only its missing heartbeats tell
         victim.process.wait(10)
         seen += list(stream)
-    tokens = [m for m in seen if m.HasField("index")]
-    assert len(tokens) < n + 1 and tokens[-1].index == n - 1
-    assert [m.index for m in tokens] == list(range(n))  # every index exactly once, in order
-    assert [m.token_id for m in tokens] == list(expected.token_ids)  # same greedy output
+    indices, tokens = streamed(seen)
+    assert indices == list(range(n))  # every index exactly once, in order
+    assert tokens == list(expected.token_ids)  # same greedy output
     assert "".join(m.text for m in seen) == expected.text
     rec = record(rdb, rid)
     assert rec["state"] == "COMPLETED" and rec["decode_worker"] != address

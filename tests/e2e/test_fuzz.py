@@ -22,6 +22,7 @@ from pdq.model.loader import resolve_model
 from pdq.v1 import generation_pb2 as gen_pb
 from pdq.v1 import generation_pb2_grpc as gen_grpc
 from tests.e2e.conftest import KEYS
+from tests.streams import streamed
 
 # Never acceptable, whatever the input: a bug in the server.
 BUG = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
@@ -253,7 +254,7 @@ def test_fuzzed_generate_requests_get_a_deliberate_status_and_leave_nothing_when
         ledger.settle(f"{rpc}({req!r:.300})", code, started_ms)
         check_status(code, result, f"{rpc}({req!r:.500})")
         if code == grpc.StatusCode.OK and rpc == "GenerateStream" and close_after is None:
-            indices = [m.index for m in result if m.HasField("index")]
+            indices = streamed(result)[0]
             assert indices == list(range(len(indices))), f"stream indices {indices} for {req!r:.300}"
             assert result[-1].finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED
         elif code == grpc.StatusCode.OK and rpc == "Generate":
@@ -299,7 +300,7 @@ def test_fuzzed_request_ids_for_get_result_cancel_and_stream_result(cluster, stu
         ledger.settle(f"{rpc}({request_id!r:.100})", grpc.StatusCode.NOT_FOUND, started_ms)  # never makes a request
         check_status(code, result, f"{rpc}(request_id={request_id!r:.200}, wait_ms={wait_ms}, offset={offset})")
         if code == grpc.StatusCode.OK and rpc == "StreamResult" and close_after is None:
-            indices = [m.index for m in result if m.HasField("index")]
+            indices = streamed(result)[0]
             assert indices == list(range(offset, offset + len(indices)))
 
     run()

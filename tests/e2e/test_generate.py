@@ -10,6 +10,7 @@ import pytest
 
 from pdq.v1 import generation_pb2 as gen_pb
 from tests import oracles
+from tests.streams import streamed
 
 PROMPTS = [
     "Hello",
@@ -39,27 +40,27 @@ def test_greedy_output_equals_transformers_generate_for_concurrent_prompts(clien
 def test_stream_sends_every_index_once_in_order_and_ends_with_usage(client):
     msgs = list(client.generate_stream(PROMPTS[1], max_tokens=10, ignore_eos=True))
     assert msgs[0].request_id and not msgs[0].HasField("index")
-    tokens = [m for m in msgs if m.HasField("index")]
-    assert [m.index for m in tokens] == list(range(10))
     last = msgs[-1]
     assert last.finish_reason == gen_pb.FINISH_REASON_LENGTH and last.usage.completion_tokens == 10
     assert last.timings.ttft_ms > 0 and last.timings.e2e_ms >= last.timings.ttft_ms
     unary = client.generate(PROMPTS[1], max_tokens=10, ignore_eos=True)
-    assert "".join(m.text for m in tokens) == unary.text
-    assert [m.token_id for m in tokens] == unary.token_ids
-    assert all(list(m.token_ids) == [m.token_id] for m in tokens)
+    assert streamed(msgs) == (list(range(10)), unary.token_ids)
+    assert "".join(m.text for m in msgs) == unary.text
 
 
-def test_a_stream_interval_sends_the_first_token_alone_then_groups(client):
+def test_a_stream_interval_sends_whole_writes_the_first_token_alone(client, store_client):
+    """Each message carries one or more whole entries of the worker (the first token alone,
+    then groups of 4 steps), never part of one."""
     msgs = list(client.generate_stream(PROMPTS[1], max_tokens=30, ignore_eos=True, stream_interval=4))
-    tokens = [m for m in msgs if m.HasField("index")]
-    sizes = [len(m.token_ids) for m in tokens]
+    entries = [f for _, f in store_client.xrange(f"pdq:req:{msgs[0].request_id}:out") if b"i" in f]
+    sizes = [len(f[b"t"].split(b",")) for f in entries]
     assert sizes[0] == 1 and all(1 <= n <= 4 for n in sizes) and sum(sizes) == 30
     assert sizes[2:-1] == [4] * (len(sizes) - 3)  # whole groups of 4 steps between the first and last writes
-    assert [m.index for m in tokens] == [sum(sizes[:i]) for i in range(len(sizes))]
-    assert all(m.token_id == m.token_ids[0] for m in tokens)
+    written = {int(f[b"i"]) for f in entries}  # where each entry starts
+    tokens = [m for m in msgs if m.HasField("index")]
+    assert {m.index for m in tokens} <= written and all(m.index + len(m.token_ids) in written | {30} for m in tokens)
     unary = client.generate(PROMPTS[1], max_tokens=30, ignore_eos=True)
-    assert [t for m in tokens for t in m.token_ids] == unary.token_ids
+    assert streamed(msgs) == (list(range(30)), unary.token_ids)
     assert "".join(m.text for m in tokens) == unary.text
     assert msgs[-1].finish_reason == gen_pb.FINISH_REASON_LENGTH and msgs[-1].usage.completion_tokens == 30
 

@@ -10,6 +10,7 @@ import redis
 from pdq.client import Client
 from pdq.ops.up import Cluster
 from tests.observability.test_metrics import scrape, value
+from tests.streams import streamed, until_tokens
 
 
 @pytest.fixture(scope="module", params=["grpc", "tcp"])
@@ -77,14 +78,14 @@ def test_request_moves_to_another_decode_worker_when_its_worker_stops(faulty):
         expected = c.generate("migrate me", max_tokens=200, ignore_eos=True).token_ids
         stream = c.generate_stream("migrate me", max_tokens=200, ignore_eos=True)
         rid = next(stream).request_id
-        seen = [next(stream) for _ in range(5)]
+        seen = until_tokens(stream, 5)
         address = record(faulty, rid)["decode_worker"]
         victim = next(ch for ch in faulty.children if address.endswith(f":{ch.port}"))
         victim.process.send_signal(signal.SIGTERM)  # its sequences go back to the scheduler
         seen += [m for m in stream]
-        tokens = [m for m in seen if m.HasField("index")]
-        assert [m.index for m in tokens] == list(range(200))  # every index exactly once
-        assert [m.token_id for m in tokens] == expected  # same greedy output as uninterrupted
+        indices, tokens = streamed(seen)
+        assert indices == list(range(200))  # every index exactly once
+        assert tokens == expected  # same greedy output as uninterrupted
         rec = record(faulty, rid)
         assert rec["state"] == "COMPLETED" and rec["decode_worker"] != address
         victim.process.wait(30)

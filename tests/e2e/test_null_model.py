@@ -6,11 +6,13 @@ client checks the hops it crossed."""
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import redis
 
 from pdq.client import Client
 from pdq.model.builtin import VOCAB_SIZE
 from pdq.model.null import greedy_output
 from pdq.ops.up import Cluster
+from tests.streams import streamed
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,8 @@ def test_a_null_model_takes_text_prompts_through_the_built_in_tokenizer_and_stre
     with Client(cluster.target) as client:
         messages = list(client.generate_stream("hello, null", max_tokens=5, stream_interval=1, timeout=60))
         whole = client.generate("hello, null", max_tokens=5, timeout=60)
-    token_messages = [m for m in messages if m.HasField("index")]
-    assert [len(m.token_ids) for m in token_messages] == [1] * 5
-    assert [m.token_ids[0] for m in token_messages] == whole.token_ids
+    with redis.Redis.from_url(cluster.redis_url) as r:  # written a token at a time
+        entries = [f for _, f in r.xrange(f"pdq:req:{messages[0].request_id}:out") if b"i" in f]
+    assert [f[b"t"] for f in entries] == [str(t).encode() for t in whole.token_ids]
+    assert streamed(messages) == (list(range(5)), whole.token_ids)
     assert whole.prompt_tokens > 0 and whole.text

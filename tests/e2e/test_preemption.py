@@ -9,6 +9,7 @@ import redis
 from pdq.client import Client
 from pdq.ops.up import Cluster
 from tests.e2e.conftest import KEYS
+from tests.streams import streamed, until_tokens
 
 
 @pytest.fixture(scope="module")
@@ -26,14 +27,13 @@ def test_an_interactive_request_preempts_a_running_batch_one_which_resumes_uncha
         kw = dict(max_tokens=160, ignore_eos=True, temperature=0.0)
         stream = c.generate_stream("a long batch job", tier="batch", **kw)
         rid = next(stream).request_id
-        got = [next(stream)]  # it runs: it holds the only seat
+        got = until_tokens(stream, 1)  # it runs: it holds the only seat
         urgent = c.generate("urgent", max_tokens=4, tier="interactive", timeout=60)
         assert urgent.finish_reason == "length" and len(urgent.token_ids) == 4
         assert int(store.hget(f"pdq:req:{rid}", "preempted") or 0) >= 1  # it made room, not the batch job's end
         got += list(stream)
-        indices = [i for m in got if m.HasField("index") for i in range(m.index, m.index + len(m.token_ids))]
+        indices, tokens = streamed(got)
         assert indices == list(range(160))  # every index once, in order, across the preemption
-        tokens = [t for m in got if m.HasField("index") for t in m.token_ids]
         assert got[-1].finish_reason and got[-1].usage.completion_tokens == 160
         assert tokens == c.generate("a long batch job", tier="batch", **kw).token_ids  # as if never preempted
         assert store.hget(f"pdq:req:{rid}", "state") == b"COMPLETED"

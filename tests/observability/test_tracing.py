@@ -8,6 +8,8 @@ import urllib.request
 import grpc
 import pytest
 
+from tests.streams import streamed
+
 SERVICES = {"pdq-gateway", "pdq-scheduler", "pdq-prefill", "pdq-decode"}
 HOPS = ("pdq.v1.Generation/GenerateStream", "pdq.stream", "pdq.v1.Scheduler/Submit", "pdq.enqueue",
         "pdq.queue_wait", "pdq.prefill", "pdq.kv_transfer", "pdq.kv_receive", "pdq.decode")
@@ -30,7 +32,7 @@ def test_one_trace_spans_every_hop(client, collector):
     prompt = "a secret prompt about observability"
     msgs = list(client.generate_stream(prompt, max_tokens=6, ignore_eos=True))
     rid = msgs[0].request_id
-    assert sum(1 for m in msgs if m.text or m.token_id) == 6
+    assert streamed(msgs)[0] == list(range(6))
 
     collector.wait_for(lambda spans: _has(trace_id, HOPS, spans))
     spans = collector.trace(trace_id)
@@ -98,7 +100,7 @@ def test_cancelled_request_trace_shows_the_cancellation(client, collector):
     rid, tokens = "", 0
     for msg in stream:
         rid = msg.request_id
-        tokens += bool(msg.text or msg.token_id)
+        tokens += len(streamed([msg])[1])
         if tokens >= 3:
             break
     stream.close()  # closing the stream cancels the request

@@ -16,6 +16,7 @@ from grpc_status import rpc_status
 from pdq.client import Client
 from pdq.ops.child import spawn
 from pdq.ops.up import Cluster
+from tests.streams import streamed, until_tokens
 
 SLOTS = 2  # sequences per decode worker (and requests per prefill batch)
 
@@ -133,13 +134,13 @@ def test_a_killed_decode_workers_request_finishes_on_the_other_one_intact(client
     expected = client.generate("survive me", max_tokens=120, ignore_eos=True).token_ids
     stream = client.generate_stream("survive me", max_tokens=120, ignore_eos=True)
     rid = next(stream).request_id
-    seen = [next(stream) for _ in range(5)]
+    seen = until_tokens(stream, 5)
     address = r.hget(f"pdq:req:{rid}", "decode_worker")
     kill(cluster, address)
     seen += list(stream)
-    tokens = [m for m in seen if m.HasField("index")]
-    assert [m.index for m in tokens] == list(range(120))  # every index exactly once
-    assert [m.token_id for m in tokens] == expected
+    indices, tokens = streamed(seen)
+    assert indices == list(range(120))  # every index exactly once
+    assert tokens == expected
     rec = record(r, rid, "state", "decode_worker", "attempts")
     assert rec["state"] == "COMPLETED" and rec["decode_worker"] != address and rec["attempts"] == "2"
 

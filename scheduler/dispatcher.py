@@ -374,7 +374,10 @@ class Dispatcher:
         metrics.BATCH_SIZE.labels("dispatch").observe(len(items))
         metrics.BATCH_TOKENS.labels("dispatch").observe(prompt_tokens)
         metrics.TOKEN_BUDGET_USE.labels("dispatch").observe(min(1.0, prompt_tokens / self.config.max_batched_tokens))
-        batch_msg = pb.PrefillBatch(batch_id=batch_id, items=items, more_coming=cut or self._pokes != pokes)
+        # more is coming only where a seat is left for it: a batch that took the last free seats
+        # is the last until sequences end (a worker waiting for more would idle meanwhile)
+        coming = (cut or self._pokes != pokes) and sum(s.free_slots for s in slots) > 0
+        batch_msg = pb.PrefillBatch(batch_id=batch_id, items=items, more_coming=coming)
         target.inflight += prompt_tokens
         task = asyncio.create_task(self._run_batch(target, target_id, batch_msg, reserved))
         target.tasks.add(task)

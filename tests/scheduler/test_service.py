@@ -299,6 +299,20 @@ async def test_a_batch_that_leaves_queued_requests_out_says_more_is_coming(url, 
         assert prefill.more_coming == [True, True, False]
 
 
+async def test_a_batch_that_takes_the_last_free_seats_says_nothing_more_is_coming(url, prefix):
+    """With requests still queued but no decode seat left, nothing more can come until sequences
+    end: a worker told otherwise would wait out its gather window idle (a saturated colocated
+    worker did, ~100 ms per pair of batches)."""
+    async with harness(url, prefix, max_batch_size=2) as h:
+        for k in range(5):
+            await h.submit(spec(f"r{k}", max_tokens=50))
+        await h.start_workers(slots=2, step_s=0.01)
+        await ended(h, [f"r{k}" for k in range(5)])
+        prefill = h.workers.prefillers[0]
+        assert prefill.batches[0] == ["r0", "r1"]
+        assert prefill.more_coming[0] is False
+
+
 async def test_a_flooding_tenant_gets_no_more_than_its_share(url, prefix):
     """Two equal-weight tenants, one with 10x the other's requests, both backlogged: while both
     wait, each is served half of the tokens."""

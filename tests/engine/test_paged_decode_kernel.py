@@ -1,6 +1,8 @@
 """The paged decode attention kernel (`cpu_kernels.paged_decode`) against plain torch, over
 the shapes its work split takes: several sequences per thread (each item a sequence's blocks,
-all heads), and fewer sequences than threads (a sequence's heads split into parts)."""
+all heads), and fewer sequences than threads (a sequence's heads split into parts); and over
+the head sizes and query groups it has code of its own for (D 64 and 128 with G 1, 2, 4, 8, or
+another G) and others (read at run time)."""
 
 import math
 
@@ -28,7 +30,9 @@ def reference(q, k_cache, v_cache, tables, lens):
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
 @pytest.mark.parametrize("batch,kv_heads,group,dim", [(1, 4, 2, 64), (2, 3, 2, 32), (3, 1, 4, 16), (5, 4, 1, 64),
-                                                      (24, 2, 2, 32)])
+                                                      (24, 2, 2, 32), (4, 2, 8, 64), (2, 2, 3, 64), (2, 1, 4, 64),
+                                                      (3, 2, 4, 128), (2, 1, 1, 128), (2, 2, 2, 128),
+                                                      (2, 1, 8, 128), (2, 2, 5, 128), (2, 2, 2, 80)])
 def test_paged_decode_matches_torch(batch, kv_heads, group, dim, threads):
     assert cpu_kernels.available()  # CI has a C compiler: the kernel must be what runs here
     gen = torch.Generator().manual_seed(batch * 100 + kv_heads * 10 + group)
@@ -54,7 +58,8 @@ def test_paged_decode_matches_torch(batch, kv_heads, group, dim, threads):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("batch,kv_heads,group,dim", [(1, 4, 2, 64), (3, 1, 4, 16), (24, 2, 2, 32)])
+@pytest.mark.parametrize("batch,kv_heads,group,dim", [(1, 4, 2, 64), (3, 1, 4, 16), (24, 2, 2, 32), (2, 2, 8, 64),
+                                                      (3, 2, 4, 128), (2, 2, 3, 128)])
 def test_paged_decode_of_bfloat16_tensors_matches_torch(batch, kv_heads, group, dim, threads):
     """bfloat16 q, keys and values (a bfloat16 model's pool): the kernel reads them as they are,
     computes in float32 and writes bfloat16, within bfloat16's precision of the exact result."""

@@ -83,6 +83,30 @@ INLINE void decode_item(const void *q, const void *k_cache, const void *v_cache,
   free(s);
 }
 
+/* decode_item with the head size D and the query group G as constants for the common shapes, so
+ * that the compiler unrolls each dot product and each row update whole (no remainder loops) and
+ * keeps a key's or value's row in registers for all G query heads. Timed alone on an AVX-512 CPU
+ * (2 threads, 32 sequences of ~200 positions, eight layers' blocks in turn, so not from cache):
+ * D 64 G 2 (the built-in `small`) bfloat16 0.42 -> 0.28 ms, float32 0.67 -> 0.47; D 64 G 8
+ * (`1b`) 1.19 -> 0.77 and 1.44 -> 1.01; D 128 G 4 3.0 -> 2.1 and 3.7 -> 3.5; other shapes as before. */
+#define ITEM(GC, DC) decode_item(q, k_cache, v_cache, tables, lens, out, H, GC, DC, bs, max_blocks, scale, parts, item, bf)
+INLINE void decode_shape(const void *q, const void *k_cache, const void *v_cache, const int32_t *tables,
+                         const int32_t *lens, void *out, int H, int G, int D, int bs, int max_blocks, float scale,
+                         int parts, int item, const int bf) {
+  if (D == 64 && G == 1) ITEM(1, 64);
+  else if (D == 64 && G == 2) ITEM(2, 64);
+  else if (D == 64 && G == 4) ITEM(4, 64);
+  else if (D == 64 && G == 8) ITEM(8, 64);
+  else if (D == 64) ITEM(G, 64);
+  else if (D == 128 && G == 1) ITEM(1, 128);
+  else if (D == 128 && G == 2) ITEM(2, 128);
+  else if (D == 128 && G == 4) ITEM(4, 128);
+  else if (D == 128 && G == 8) ITEM(8, 128);
+  else if (D == 128) ITEM(G, 128);
+  else ITEM(G, D);
+}
+#undef ITEM
+
 /* q, out: [B, H*G, D]; k_cache, v_cache: [num_blocks, H, bs, D]; all of one type */
 #define PAGED_DECODE(NAME, BF)                                                                                   \
   void NAME(const void *q, const void *k_cache, const void *v_cache, const int32_t *tables, const int32_t *lens, \
@@ -94,7 +118,7 @@ INLINE void decode_item(const void *q, const void *k_cache, const void *v_cache,
     }                                                                                                           \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                                  \
     for (int item = 0; item < B * parts; item++)                                                                \
-      decode_item(q, k_cache, v_cache, tables, lens, out, H, G, D, bs, max_blocks, scale, parts, item, BF);     \
+      decode_shape(q, k_cache, v_cache, tables, lens, out, H, G, D, bs, max_blocks, scale, parts, item, BF);    \
   }
 PAGED_DECODE(paged_decode_f32, 0)
 PAGED_DECODE(paged_decode_bf16, 1)

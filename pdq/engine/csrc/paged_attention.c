@@ -85,10 +85,8 @@ INLINE void decode_item(const void *q, const void *k_cache, const void *v_cache,
 
 /* decode_item with the head size D and the query group G as constants for the common shapes, so
  * that the compiler unrolls each dot product and each row update whole (no remainder loops) and
- * keeps a key's or value's row in registers for all G query heads. Timed alone on an AVX-512 CPU
- * (2 threads, 32 sequences of ~200 positions, eight layers' blocks in turn, so not from cache):
- * D 64 G 2 (the built-in `small`) bfloat16 0.42 -> 0.28 ms, float32 0.67 -> 0.47; D 64 G 8
- * (`1b`) 1.19 -> 0.77 and 1.44 -> 1.01; D 128 G 4 3.0 -> 2.1 and 3.7 -> 3.5; other shapes as before. */
+ * keeps a key's or value's row in registers for all G query heads; other shapes read them at run
+ * time. What it gains: BENCHMARKS.md, "CPU decode attention: head shapes as constants". */
 #define ITEM(GC, DC) decode_item(q, k_cache, v_cache, tables, lens, out, H, GC, DC, bs, max_blocks, scale, parts, item, bf)
 INLINE void decode_shape(const void *q, const void *k_cache, const void *v_cache, const int32_t *tables,
                          const int32_t *lens, void *out, int H, int G, int D, int bs, int max_blocks, float scale,

@@ -44,7 +44,8 @@ def _compute(model_dir: str, prompts: tuple[str, ...], longest: list[int]) -> li
     wanted = [(i, tokenizer.encode(text, add_special_tokens=False).ids, n)
               for i, (text, n) in enumerate(zip(prompts, longest)) if n > 0]
     budget = sum(len(ids) + n for _, ids, n in wanted) + 16 * len(wanted)  # every sequence at once, a block spare each
-    engine = LLMEngine.from_pretrained(model_dir, kv_budget_tokens=max(4096, budget), max_seq_len=512)
+    engine = LLMEngine.from_pretrained(model_dir, kv_budget_tokens=max(4096, budget), max_seq_len=512,
+                                       dtype=torch.float32)  # the cluster's (pdq.chaos.cluster.ROLE_ENV)
     outs = engine.generate([ids for _, ids, _ in wanted],
                            [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, _, n in wanted])
     out: list[list[int]] = [[] for _ in prompts]
@@ -54,9 +55,9 @@ def _compute(model_dir: str, prompts: tuple[str, ...], longest: list[int]) -> li
 
 
 def _cache_path(model_dir: str, prompts: tuple[str, ...], longest: list[int]) -> Path:
-    """Keyed by the model's files (name, size, mtime), the prompts and the lengths."""
+    """Keyed by the model's files (name, size, mtime), the prompts, the lengths and the dtype."""
     from pdq.model.builtin import default_cache_dir
 
     files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(model_dir).iterdir() if p.is_file())
-    key = json.dumps([str(Path(model_dir).resolve()), files, list(prompts), longest])
+    key = json.dumps([str(Path(model_dir).resolve()), files, list(prompts), longest, "float32"])
     return default_cache_dir() / "chaos" / f"reference-{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"

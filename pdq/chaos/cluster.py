@@ -36,9 +36,9 @@ ROLE_ENV = {
     # many processes on few shared cores: one torch thread each, idle threads sleep at once
     "PDQ_THREADS": "1", "PDQ_HEAP_RESERVE_MB": "0", "OMP_WAIT_POLICY": "PASSIVE",
     "PDQ_MAX_SEQ_LEN": "512", "PDQ_KV_BUDGET_TOKENS": "16384",
-    # the reference's dtype (`pdq.chaos.reference`): the garbled check needs each request's greedy
-    # tokens to be its prompt's alone, and bfloat16's depend on the batch they ran in (the workers'
-    # default on a CPU with AMX or AVX512_BF16 would fail it for thousands of requests)
+    # the reference's dtype (`pdq.chaos.reference`): the garbled check compares each request's
+    # greedy tokens with the reference's, and a bfloat16 model's are not float32's (bfloat16, the
+    # workers' default on a CPU with AMX or AVX512_BF16, failed it for thousands of requests)
     "PDQ_DTYPE": "float32",
 }
 # Not inherited from the caller's environment: the roles run open, with only the faults the harness injects.

@@ -1,6 +1,6 @@
 """The chaos cluster's roles run the reference's dtype, whatever the caller's environment says:
 the garbled check compares each request's greedy tokens with an in-process float32 reference,
-and bfloat16 tokens (the workers' default on a CPU with AMX or AVX512_BF16) depend on the batch."""
+and bfloat16's (the workers' default on a CPU with AMX or AVX512_BF16) are not float32's."""
 
 import asyncio
 

@@ -25,6 +25,7 @@ import redis
 import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdq.chaos import reference
 from pdq.ops.child import spawn
 from pdq.ops.redis_server import RedisServer, free_port, release_port
 
@@ -36,10 +37,7 @@ ROLE_ENV = {
     # many processes on few shared cores: one torch thread each, idle threads sleep at once
     "PDQ_THREADS": "1", "PDQ_HEAP_RESERVE_MB": "0", "OMP_WAIT_POLICY": "PASSIVE",
     "PDQ_MAX_SEQ_LEN": "512", "PDQ_KV_BUDGET_TOKENS": "16384",
-    # the reference's dtype (`pdq.chaos.reference`): the garbled check compares each request's
-    # greedy tokens with the reference's, and a bfloat16 model's are not float32's (bfloat16, the
-    # workers' default on a CPU with AMX or AVX512_BF16, failed it for thousands of requests)
-    "PDQ_DTYPE": "float32",
+    "PDQ_DTYPE": reference.DTYPE,  # what the garbled check compares with
 }
 # Not inherited from the caller's environment: the roles run open, with only the faults the harness injects.
 DROPPED_ENV = ("PDQ_AUTH_FILE", "PDQ_FAULTS", "PDQ_THREADS", "PDQ_BURST_THREADS", "PDQ_YIELD_TO_PREFILL_MS",

@@ -14,6 +14,12 @@ import os
 import tempfile
 from pathlib import Path
 
+# The reference's dtype, which the cluster's roles run too (`pdq.chaos.cluster.ROLE_ENV`): the
+# garbled check compares each request's greedy tokens with the reference's, and a bfloat16 model's
+# are not float32's (bfloat16, the workers' default on a CPU with AMX or AVX512_BF16, failed it for
+# thousands of requests).
+DTYPE = "float32"
+
 
 def greedy_reference(model_dir: str, prompts: tuple[str, ...], longest: list[int]) -> list[list[int]]:
     """-> per prompt, its first longest[i] greedy tokens (the gateway's tokenization: no special tokens)."""
@@ -45,7 +51,7 @@ def _compute(model_dir: str, prompts: tuple[str, ...], longest: list[int]) -> li
               for i, (text, n) in enumerate(zip(prompts, longest)) if n > 0]
     budget = sum(len(ids) + n for _, ids, n in wanted) + 16 * len(wanted)  # every sequence at once, a block spare each
     engine = LLMEngine.from_pretrained(model_dir, kv_budget_tokens=max(4096, budget), max_seq_len=512,
-                                       dtype=torch.float32)  # the cluster's (pdq.chaos.cluster.ROLE_ENV)
+                                       dtype=getattr(torch, DTYPE))
     outs = engine.generate([ids for _, ids, _ in wanted],
                            [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, _, n in wanted])
     out: list[list[int]] = [[] for _ in prompts]
@@ -59,5 +65,5 @@ def _cache_path(model_dir: str, prompts: tuple[str, ...], longest: list[int]) ->
     from pdq.model.builtin import default_cache_dir
 
     files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(model_dir).iterdir() if p.is_file())
-    key = json.dumps([str(Path(model_dir).resolve()), files, list(prompts), longest, "float32"])
+    key = json.dumps([str(Path(model_dir).resolve()), files, list(prompts), longest, DTYPE])
     return default_cache_dir() / "chaos" / f"reference-{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"

@@ -13,6 +13,8 @@ from pdq.client import Client
 from pdq.engine import LLMEngine, SamplingParams
 from pdq.model.loader import resolve_model
 from pdq.ops.up import Cluster
+from pdq.state.registry import ROLES, live_call
+from pdq.state.store import SyncStore
 
 PROMPTS = [[5 + (7 * i + 3 * k) % 200 for k in range(12 + 9 * i)] for i in range(6)]  # 12..57 tokens
 MAX_TOKENS = 24
@@ -33,7 +35,8 @@ def test_a_bfloat16_cluster_streams_the_engines_bfloat16_greedy_tokens(colocate,
         client = Client(cluster.target)
         got = [client.generate(p, max_tokens=MAX_TOKENS, ignore_eos=True, timeout=120).token_ids for p in PROMPTS]
         r = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
-        dtypes = {key: r.hget(key, "kv_dtype") for key in r.scan_iter("pdq:worker:*") if r.type(key) == "hash"}
+        store = SyncStore(r)
+        dtypes = {w.worker_id: w.kv_dtype for ws in store.run(live_call(store, ROLES, 60)).values() for w in ws}
         r.close()
     assert len(dtypes) == 2 and set(dtypes.values()) == {"bfloat16"}, dtypes  # both roles
     assert got == reference  # (3 of these 6 prompts' greedy tokens differ in float32)

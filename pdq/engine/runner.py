@@ -302,7 +302,7 @@ class ModelRunner:
         self.warm_gemms(decode_rows, step_tokens)
 
     @torch.inference_mode()
-    def warm_gemms(self, rows: int, most: int = 0) -> None:
+    def warm_gemms(self, rows: int, most: int = 0, cpu_flags: frozenset[str] | None = None) -> None:
         """On CPU, runs each distinct projection shape of the model (q/k/v, o, gate/up, down,
         the head) once at every row count 1..`rows`, and at each larger count up to `most` that
         a GEMM runs at (`layers.gemm_rows`: in bfloat16, the multiples of BUCKET_ROWS). oneDNN
@@ -310,15 +310,25 @@ class ModelRunner:
         with AMX: 1.3-1.9 ms at 50 rows in bfloat16, 0.4 ms in float32, against 0.15 ms for the
         product itself), and keeps it in a cache after: without this, a worker's first decode
         steps at each batch size and first prompt passes pay it while users wait. A decode
-        step's rows are its sequences, so 1..max_batch_size covers every decode step."""
+        step's rows are its sequences, so 1..max_batch_size covers every decode step.
+
+        Not bfloat16 weights on a CPU without bfloat16 matrix instructions (`cpu_flags`, read
+        when None; `pdq.ops.cpu.serves_bfloat16`): there bfloat16 is emulated, a first GEMM at a
+        row count costs what every later one does (measured on an AVX2 EPYC: 209 against 206 ms
+        for rows 1..64 of a 1536x512 projection; float32 77 against 53), and the warm-up would
+        only add its full price to the start (7.3 of the built-in model's 10.6 s there)."""
         if self.device.type != "cpu" or not hasattr(self.model, "modules"):
             return
         from pdq.engine.layers import Linear, gemm_rows
+        from pdq.ops.cpu import cpu_flags as read_flags, serves_bfloat16
 
         shapes = {}
         for m in self.model.modules():
             if isinstance(m, Linear):
                 shapes.setdefault((tuple(m.weight.shape), m.bias is not None), m)
+        if any(m.weight.dtype == torch.bfloat16 for m in shapes.values()) and not serves_bfloat16(
+                read_flags() if cpu_flags is None else cpu_flags):
+            shapes = {k: m for k, m in shapes.items() if m.weight.dtype != torch.bfloat16}
         for linear in shapes.values():
             counts = set(range(1, rows + 1))
             if linear.weight.dtype == torch.bfloat16:  # larger passes: the counts they run at

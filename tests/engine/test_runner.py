@@ -192,6 +192,27 @@ def test_warm_up_runs_every_projection_shape_at_every_decode_batch_size(tiny_lla
     assert all(rows[-3:] == [1, 2, 3] for rows in seen.values())
 
 
+def test_bfloat16_projections_are_warmed_only_on_a_cpu_with_bfloat16_matrix_instructions(tiny_llama, make_runner,
+                                                                                         monkeypatch):
+    """Without AMX or AVX512_BF16 bfloat16 is emulated and a first GEMM at a row count costs no
+    more than a later one: the warm-up would only lengthen the start. With one of them, every
+    count runs, the bucketed larger counts too."""
+    from pdq.engine.layers import BUCKET_ROWS, Linear
+
+    runner = make_runner(tiny_llama.to(torch.bfloat16), slots=4, dtype=torch.bfloat16)
+    seen: list[int] = []
+    forward = Linear.forward
+    monkeypatch.setattr(Linear, "forward", lambda self, x: seen.append(x.shape[0]) or forward(self, x))
+    runner.warm_gemms(3, 2 * BUCKET_ROWS + 1, cpu_flags=frozenset({"avx2", "avx512f"}))
+    assert seen == []
+    runner.warm_gemms(3, 2 * BUCKET_ROWS + 1, cpu_flags=frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    assert set(seen) == {*range(1, BUCKET_ROWS + 1), 2 * BUCKET_ROWS, 3 * BUCKET_ROWS}  # past 64: multiples of it
+    seen.clear()
+    f32 = make_runner(tiny_llama.to(torch.float32), slots=4)
+    f32.warm_gemms(3, cpu_flags=frozenset({"avx2"}))  # float32 builds its GEMMs on any CPU
+    assert set(seen) == {1, 2, 3}
+
+
 def test_the_cpu_kernel_leaves_the_process_floating_point_mode_alone():
     """A library built with -ffast-math turns on flush-to-zero for the whole process when loaded:
     subnormal floats would then read as zero everywhere (numpy, torch, property tests)."""

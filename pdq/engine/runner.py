@@ -312,11 +312,13 @@ class ModelRunner:
         steps at each batch size and first prompt passes pay it while users wait. A decode
         step's rows are its sequences, so 1..max_batch_size covers every decode step.
 
-        Not bfloat16 weights on a CPU without bfloat16 matrix instructions (`cpu_flags`, read
-        when None; `pdq.ops.cpu.serves_bfloat16`): there bfloat16 is emulated, a first GEMM at a
-        row count costs what every later one does (measured on an AVX2 EPYC: 209 against 206 ms
-        for rows 1..64 of a 1536x512 projection; float32 77 against 53), and the warm-up would
-        only add its full price to the start (7.3 of the built-in model's 10.6 s there)."""
+        Not bfloat16 projections that torch's own GEMM runs (not prepacked for oneDNN: it needs
+        AVX-512 or AVX-NE-CONVERT) on a CPU without bfloat16 matrix instructions (`cpu_flags`,
+        read when None; `pdq.ops.cpu.serves_bfloat16`): there bfloat16 is emulated, nothing is
+        built per row count and a first GEMM costs what every later one does (measured on an
+        AVX2 EPYC: 209 against 206 ms for rows 1..64 of a 1536x512 projection; float32 77
+        against 53), so the warm-up would only add its full price to the start (7.3 of the
+        built-in model's 10.6 s there)."""
         if self.device.type != "cpu" or not hasattr(self.model, "modules"):
             return
         from pdq.engine.layers import Linear, gemm_rows
@@ -326,9 +328,10 @@ class ModelRunner:
         for m in self.model.modules():
             if isinstance(m, Linear):
                 shapes.setdefault((tuple(m.weight.shape), m.bias is not None), m)
-        if any(m.weight.dtype == torch.bfloat16 for m in shapes.values()) and not serves_bfloat16(
-                read_flags() if cpu_flags is None else cpu_flags):
-            shapes = {k: m for k, m in shapes.items() if m.weight.dtype != torch.bfloat16}
+        emulated = [k for k, m in shapes.items() if m.weight.dtype == torch.bfloat16 and m.packed is None]
+        if emulated and not serves_bfloat16(read_flags() if cpu_flags is None else cpu_flags):
+            for k in emulated:
+                del shapes[k]
         for linear in shapes.values():
             counts = set(range(1, rows + 1))
             if linear.weight.dtype == torch.bfloat16:  # larger passes: the counts they run at

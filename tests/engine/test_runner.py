@@ -192,21 +192,30 @@ def test_warm_up_runs_every_projection_shape_at_every_decode_batch_size(tiny_lla
     assert all(rows[-3:] == [1, 2, 3] for rows in seen.values())
 
 
-def test_bfloat16_projections_are_warmed_only_on_a_cpu_with_bfloat16_matrix_instructions(tiny_llama, make_runner,
-                                                                                         monkeypatch):
-    """Without AMX or AVX512_BF16 bfloat16 is emulated and a first GEMM at a row count costs no
-    more than a later one: the warm-up would only lengthen the start. With one of them, every
-    count runs, the bucketed larger counts too."""
+def test_bfloat16_projections_are_warmed_unless_torch_emulates_their_gemm(tiny_llama, make_runner, monkeypatch):
+    """On a CPU without AMX or AVX512_BF16 whose projections torch's own GEMM runs (not prepacked
+    for oneDNN: an AVX2 CPU), bfloat16 is emulated and a first GEMM at a row count costs no more
+    than a later one: the warm-up would only lengthen the start. With a bfloat16 unit, or with
+    oneDNN's prepacked GEMM (which it builds per row count), every count runs, the bucketed larger
+    counts too."""
     from pdq.engine.layers import BUCKET_ROWS, Linear
 
     runner = make_runner(tiny_llama.to(torch.bfloat16), slots=4, dtype=torch.bfloat16)
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
     seen: list[int] = []
-    forward = Linear.forward
-    monkeypatch.setattr(Linear, "forward", lambda self, x: seen.append(x.shape[0]) or forward(self, x))
-    runner.warm_gemms(3, 2 * BUCKET_ROWS + 1, cpu_flags=frozenset({"avx2", "avx512f"}))
+    monkeypatch.setattr(Linear, "forward", lambda self, x: seen.append(x.shape[0]) or x)  # no GEMM runs
+    every = {*range(1, BUCKET_ROWS + 1), 2 * BUCKET_ROWS, 3 * BUCKET_ROWS}  # past 64 rows: multiples of it
+    for m in linears:
+        m.packed = None  # torch's own GEMM, as on an AVX2 CPU
+    runner.warm_gemms(3, 2 * BUCKET_ROWS + 1, cpu_flags=frozenset({"avx2"}))
     assert seen == []
     runner.warm_gemms(3, 2 * BUCKET_ROWS + 1, cpu_flags=frozenset({"avx2", "avx512f", "avx512_bf16"}))
-    assert set(seen) == {*range(1, BUCKET_ROWS + 1), 2 * BUCKET_ROWS, 3 * BUCKET_ROWS}  # past 64: multiples of it
+    assert set(seen) == every
+    seen.clear()
+    for m in linears:
+        m.packed = object()  # prepacked for oneDNN (AVX-512 without a bfloat16 unit)
+    runner.warm_gemms(3, 2 * BUCKET_ROWS + 1, cpu_flags=frozenset({"avx2", "avx512f"}))
+    assert set(seen) == every
     seen.clear()
     f32 = make_runner(tiny_llama.to(torch.float32), slots=4)
     f32.warm_gemms(3, cpu_flags=frozenset({"avx2"}))  # float32 builds its GEMMs on any CPU

@@ -49,22 +49,39 @@ class Grammars:
         return m
 
     def mask(self, logits: torch.Tensor, matchers) -> torch.Tensor:
-        """`logits` with each constrained row's disallowed tokens at -inf (a copy if any)."""
+        """`logits` with each constrained row's disallowed tokens at -inf (a copy if any).
+
+        The matchers fill llguidance's bitmask (a bit per token, 32 to an int32) in NumPy and the
+        bits are unpacked with plain torch ops: `llguidance.torch` applies them with a function
+        under `torch.compile`, whose import and first compilation (inductor, a C++ build on CPU)
+        took seconds in each worker, in the model thread, on the first constrained request:
+        every sequence of that worker waited."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return logits
-        import llguidance.torch
+        import llguidance.numpy
 
-        out = logits.float().clone()
-        bits = llguidance.torch.allocate_token_bitmask(len(rows), self.vocab_size)
+        vocab = self.vocab_size
+        bits = llguidance.numpy.allocate_token_bitmask(len(rows), vocab)
         for j, i in enumerate(rows):
-            llguidance.torch.fill_next_token_bitmask(matchers[i], bits, j)
-        sub = out[rows][:, : self.vocab_size].contiguous()
-        llguidance.torch.apply_token_bitmask_inplace(sub, bits.to(sub.device))  # (filled on the CPU)
-        out[rows, : self.vocab_size] = sub.to(out.dtype)
-        if out.shape[1] > self.vocab_size:  # columns past the tokenizer's vocabulary: never
-            out[rows, self.vocab_size:] = float("-inf")
+            llguidance.numpy.fill_next_token_bitmask(matchers[i], bits, j)
+        allowed = unpack_bits(torch.from_numpy(bits), vocab).to(logits.device)
+        out = logits.float().clone()
+        index = torch.tensor(rows, device=logits.device)
+        sub = out.index_select(0, index)
+        sub[:, :vocab].masked_fill_(~allowed, float("-inf"))
+        sub[:, vocab:] = float("-inf")  # columns past the tokenizer's vocabulary: never
+        out.index_copy_(0, index, sub)
         return out
+
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bits(bits: torch.Tensor, n: int) -> torch.Tensor:
+    """llguidance's token bitmask (rows of int32 words, token t at bit t % 32 of word t // 32)
+    -> a bool tensor of `n` columns, True where the token is allowed."""
+    return ((bits.unsqueeze(-1) >> _SHIFTS) & 1).view(bits.shape[0], -1)[:, :n].bool()
 
 
 def advance(matcher, token: int) -> bool:

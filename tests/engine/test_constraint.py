@@ -77,3 +77,33 @@ def test_check_names_what_cannot_be_used():
     assert "Invalid type" in check('{"type": "nonsense"}')
     assert "not valid JSON" in check("{")
     assert "unclosed group" in check(regex="(")
+
+
+def test_unpack_bits_reads_token_t_at_bit_t_mod_32_of_word_t_div_32():
+    from pdq.engine.constraint import unpack_bits
+
+    words = torch.randint(-2**31, 2**31 - 1, (3, 4), dtype=torch.int64).to(torch.int32)
+    got = unpack_bits(words, 100)
+    want = torch.tensor([[(int(words[r, t // 32]) >> (t % 32)) & 1 for t in range(100)] for r in range(3)]).bool()
+    assert got.shape == (3, 100) and torch.equal(got, want)
+
+
+def test_masking_runs_no_torch_compile():
+    """llguidance.torch applies its bitmask under torch.compile (seconds of import and C++ build
+    in the model thread on a worker's first constrained request); the mask is plain torch ops."""
+    import subprocess
+    import sys
+
+    code = ("import json, sys, torch; from types import SimpleNamespace;"
+            "from pdq.engine import SamplingParams; from pdq.engine.constraint import Grammars;"
+            "from pdq.model.builtin import ensure_builtin; from pdq.model.tokenizer import load_tokenizer;"
+            "tok = load_tokenizer(ensure_builtin('tiny'));"
+            "g = Grammars(tok, SimpleNamespace(vocab_size=tok.get_vocab_size()), {1});"
+            "m = g.matcher(SamplingParams(regex='[0-9]+'));"
+            "out = g.mask(torch.zeros(2, g.vocab_size + 3), [None, m]);"
+            "ids = out[1].isfinite().nonzero().flatten().tolist();"
+            "assert ids and all(tok.decode([i]).isdigit() for i in ids) and out[0].isfinite().all(), ids;"
+            "print(sorted(k for k in sys.modules if k in ('llguidance.torch', 'torch._dynamo', 'torch._inductor')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
